@@ -1,0 +1,5 @@
+import sys
+
+from rapidlite.cli import main
+
+sys.exit(main())

@@ -1,0 +1,332 @@
+"""Command-line flags: Megatron's and Rapidformer's names, grouped, validated up front.
+
+``parse_args`` turns argv into a ``Namespace`` whose fields every other module reads
+by name. Validation runs before any model or data is touched: each contradiction is a
+``ConfigError`` with one line naming the flag and the fix. Derived values (data-parallel
+size, global batch, gradient-accumulation steps, precision) are resolved here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+
+from rapidlite.errors import ConfigError, NotImplementedYetError
+
+TASKS = ("sequence_classification", "pretraining")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``ConfigError`` (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see 'rapidlite --help')")
+
+
+def _add_task_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("task and model")
+    g.add_argument("--task", default=None, help=f"black-box task: {', '.join(TASKS)}")
+    g.add_argument("--user-script", default=None, metavar="PATH",
+                   help="run a user's Finetuner/PreTrainer script (white box)")
+    g.add_argument("--demo", action="store_true",
+                   help="run the task on an embedded offline default (tiny model and generated data)")
+    g.add_argument("--pretrained-model-name-or-path", default=None, metavar="NAME_OR_DIR",
+                   help="Hugging Face model name or local directory")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="maximum sequence length (tokens); default 128 for fine-tuning")
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--hidden-dropout", type=float, default=None,
+                   help="override the model's hidden dropout probability")
+    g.add_argument("--attention-dropout", type=float, default=None,
+                   help="override the model's attention dropout probability")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch and training")
+    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per rank per forward pass")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step over all ranks (default: micro x data-parallel size); "
+                        "gradient accumulation = global / (micro x data-parallel size)")
+    g.add_argument("--epochs", type=int, default=None, help="epochs (Finetuner); default 3")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="optimizer steps (PreTrainer); also bounds an epoch-based run")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   help=f"one of {', '.join(LR_DECAY_STYLES)}")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations to decay over (default: the run's total iterations)")
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm; 0 disables")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("precision")
+    g.add_argument("--mixed-precision", action="store_true",
+                   help="bf16 autocast where the device supports it (CPU, Ampere+), else fp16 with loss scaling")
+    g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale for fp16 (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="clean steps before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflows tolerated before the dynamic scale halves")
+
+
+def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute activations in the backward pass (activation checkpointing)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole blocks; selective: keep matmul outputs, recompute the rest")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="checkpoint only the first N transformer blocks (default: all)")
+    g.add_argument("--zero-1-memory-optimization", action="store_true",
+                   help="shard optimizer state across data-parallel ranks")
+    g.add_argument("--zero-2-memory-optimization", action="store_true",
+                   help="shard optimizer state and gradients")
+    g.add_argument("--zero-3-memory-optimization", action="store_true",
+                   help="shard optimizer state, gradients and parameters")
+    g.add_argument("--fsdp-memory-optimization", action="store_true", help="fully sharded data parallel")
+    g.add_argument("--cpu-offload", action="store_true", help="keep optimizer state in host memory")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--onnx-runtime-training", action="store_true", help="graph optimisation (ORTModule)")
+    g.add_argument("--torch-compile", action="store_true", help="compile the model with torch.compile")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="hub dataset name, local directory, or local file (one or more for pretraining)")
+    g.add_argument("--data-name", default=None, help="hub dataset configuration, e.g. mrpc")
+    g.add_argument("--data-dir", default=None, help="hub dataset data_dir")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights used to split a single data source")
+    g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
+    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
+    g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
+    g.add_argument("--label-key", default=None, help="label column of tabular data")
+
+
+def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints, logging and evaluation")
+    g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory (also metrics.jsonl)")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR/latest")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: load weights only and restart at iteration 0")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="iterations between evaluations (PreTrainer; Finetuner evaluates each epoch)")
+    g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation (PreTrainer)")
+    g.add_argument("--tensorboard-dir", default=None)
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed")
+    g.add_argument("--nproc-per-node", type=int, default=None)
+    g.add_argument("--nnodes", type=int, default=None)
+    g.add_argument("--node-rank", type=int, default=None)
+    g.add_argument("--master-addr", default=None)
+    g.add_argument("--master-port", type=int, default=None)
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+
+
+def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
+    p = _Parser(prog="rapidlite", description="Train transformer models with Megatron-style flags.",
+                allow_abbrev=False)
+    for add in (_add_task_args, _add_training_args, _add_optimizer_args, _add_precision_args,
+                _add_memory_speed_args, _add_data_args, _add_checkpoint_logging_args,
+                _add_distributed_args):
+        add(p)
+    if extra_args_provider is not None:
+        p = extra_args_provider(p) or p
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               extra_args_provider: ExtraArgsProvider | None = None,
+               require_task: bool = True) -> argparse.Namespace:
+    """Parse and validate argv; raise ``ConfigError`` (one line) on any contradiction."""
+    args = build_parser(extra_args_provider).parse_args(argv)
+    validate_args(args, require_task=require_task)
+    return args
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
+    """Check every flag and resolve derived values in place (see module docstring)."""
+    if require_task and args.task is None and args.user_script is None:
+        raise ConfigError(f"no task given: pass --task {{{','.join(TASKS)}}} or --user-script PATH")
+    if args.task is not None and args.task not in TASKS:
+        raise ConfigError(f"--task {args.task}: unknown task; choose one of {', '.join(TASKS)}")
+    if args.user_script is not None and not os.path.isfile(args.user_script):
+        raise ConfigError(f"--user-script {args.user_script}: file not found")
+
+    for name in ("micro_batch_size", "global_batch_size", "epochs", "train_iters", "num_layers",
+                 "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                 "max_position_embeddings", "log_interval", "eval_interval", "eval_iters",
+                 "save_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "loss_scale_window", "hysteresis", "recompute_num_layers", "nproc_per_node", "nnodes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    if args.num_workers < 0:
+        raise ConfigError(f"--num-workers {args.num_workers}: must be >= 0")
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
+    for name in ("min_lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be in [0, 1)")
+
+    _validate_lr(args)
+    _resolve_precision(args)
+    _resolve_recompute(args)
+    _refuse_unimplemented(args)
+    _resolve_batch(args)
+
+    if args.task == "sequence_classification" and args.user_script is None and not args.demo:
+        missing = [flag for flag, value in (("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
+                                            ("--data-path", args.data_path)) if value is None]
+        if missing:
+            raise ConfigError(f"--task sequence_classification needs {' and '.join(missing)} "
+                              "(or --demo for the embedded offline example)")
+    if args.finetune and args.load is None:
+        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.epochs is None:
+        args.epochs = 3
+    if args.lr is None:
+        args.lr = 1e-4
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def _validate_lr(args: argparse.Namespace) -> None:
+    if args.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(f"--lr-decay-style {args.lr_decay_style}: unknown; choose one of "
+                          f"{', '.join(LR_DECAY_STYLES)}")
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive: give one of them")
+    if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}: must be >= 0")
+    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction <= 1:
+        raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1]")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
+        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters}: must be a positive integer")
+
+
+def _resolve_precision(args: argparse.Namespace) -> None:
+    """Set ``args.precision`` to 'fp32', 'bf16', 'fp16' or 'auto' (mixed: the engine picks per device)."""
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive: give one of them (or --mixed-precision)")
+    if args.fp16:
+        args.precision = "fp16"
+    elif args.bf16:
+        args.precision = "bf16"
+    elif args.mixed_precision:
+        args.precision = "auto"
+    else:
+        args.precision = "fp32"
+    if args.loss_scale is not None and args.precision in ("fp32", "bf16"):
+        raise ConfigError("--loss-scale only applies to fp16: add --fp16 or drop --loss-scale")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ConfigError("--min-loss-scale is larger than --initial-loss-scale")
+
+
+def _resolve_recompute(args: argparse.Namespace) -> None:
+    if args.recompute_granularity is not None or args.recompute_num_layers is not None:
+        args.checkpoint_activations = True
+    if args.checkpoint_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "full"
+
+
+def _refuse_unimplemented(args: argparse.Namespace) -> None:
+    """Flags whose features come in later releases: refused loudly, never silently ignored."""
+    pending = [
+        ("zero_1_memory_optimization", "--zero-1-memory-optimization"),
+        ("zero_2_memory_optimization", "--zero-2-memory-optimization"),
+        ("zero_3_memory_optimization", "--zero-3-memory-optimization"),
+        ("fsdp_memory_optimization", "--fsdp-memory-optimization"),
+        ("cpu_offload", "--cpu-offload"),
+        ("onnx_runtime_training", "--onnx-runtime-training"),
+        ("torch_compile", "--torch-compile"),
+    ]
+    for attr, flag in pending:
+        if getattr(args, attr):
+            raise NotImplementedYetError(f"{flag} is not implemented yet in this version of rapidlite; "
+                                         "drop the flag to train without it")
+    for attr, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+        if getattr(args, attr) != 1:
+            raise NotImplementedYetError(f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
+                                         "yet in this version of rapidlite; use 1")
+    nproc = args.nproc_per_node or 1
+    nnodes = args.nnodes or _env_int("NNODES", 1)
+    world = _env_int("WORLD_SIZE", nproc * nnodes)
+    if world != 1:
+        raise NotImplementedYetError(f"a world of {world} processes (--nproc-per-node/--nnodes/WORLD_SIZE) "
+                                     "is not implemented yet in this version of rapidlite; run one process")
+    if args.task == "pretraining" and args.user_script is None:
+        raise NotImplementedYetError("--task pretraining is not implemented yet in this version of rapidlite; "
+                                     "use --user-script with a PreTrainer subclass")
+
+
+def _resolve_batch(args: argparse.Namespace) -> None:
+    """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
+    world = _env_int("WORLD_SIZE", 1)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    args.world_size = world
+    args.data_parallel_size = world // model_parallel
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; "
+                          f"use a multiple of {per_step}")
+    args.gradient_accumulation_steps = args.global_batch_size // per_step

@@ -1,0 +1,69 @@
+"""Samplers that shard across data-parallel ranks and resume exactly where a checkpoint left off.
+
+Both draw only from their own seeded generators, never the global RNG, so a resumed run sees
+the same data order and the same dropout masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class EpochSampler(Sampler[int]):
+    """Map-style datasets, epoch by epoch: a seeded shuffle per epoch (``seed + epoch``), this rank's
+    share of it, starting ``start`` samples into the share (to resume mid-epoch).
+
+    With ``pad=True`` (training) the permutation is padded by wrapping around so every rank gets the
+    same number of samples; with ``pad=False`` (evaluation) each sample appears exactly once overall.
+    """
+
+    def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, pad: bool = True) -> None:
+        self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
+        self.rank, self.world_size, self.pad = rank, world_size, pad
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            order = list(range(self.num_samples))
+        if self.pad and self.world_size > 1 and self.num_samples % self.world_size:
+            extra = self.world_size - self.num_samples % self.world_size
+            order += (order * (extra // max(len(order), 1) + 1))[:extra]
+        return order[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices()[self.start:])
+
+    def __len__(self) -> int:
+        return max(len(self._indices()) - self.start, 0)
+
+
+class PretrainingBatchSampler:
+    """Megatron's pretraining sampler: consecutive global batches from ``consumed_samples`` on, this
+    rank's micro-batch slice of each; wraps around the dataset (datasets are usually sized for the run)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if total_samples <= 0:
+            raise ValueError("the dataset is empty")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position = self.consumed_samples
+        step = self.micro_batch_size * self.world_size
+        while True:
+            first = position + self.rank * self.micro_batch_size
+            yield [(first + j) % self.total_samples for j in range(self.micro_batch_size)]
+            position += step

@@ -1,0 +1,182 @@
+"""``RapidliteEngine``: device, seeds, precision, and ``compose`` — every flag applied to a model.
+
+``compose`` is the one place where a model, its optimizer and its schedule get the features the flags
+ask for, in a fixed order: device placement → dropout overrides → activation checkpointing →
+autocast → optimizer (decay groups, fused kernels, loss scaling, clipping) → LR schedule. The trainer
+templates call it too, so a user-owned loop and the built-in loop train the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import random
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from rapidlite.arguments import ExtraArgsProvider, parse_args
+from rapidlite.data.loader import DeviceDataLoader, build_data_loader
+from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.global_vars import set_global_args
+from rapidlite.logging import Timers, setup_logger
+from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
+from rapidlite.parallel.recompute import apply_activation_checkpointing
+from rapidlite.precision import LossScaler, Precision, resolve_precision
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _excepthook(previous: Callable) -> Callable:
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, RapidliteError):
+            sys.stdout.flush()
+            print(f"rapidlite: error: {exc}", file=sys.stderr, flush=True)
+            os._exit(exc.exit_code)
+        previous(exc_type, exc, tb)
+    hook.rapidlite = True
+    return hook
+
+
+def _autocast_forward(forward: Callable, precision: Precision) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with precision.autocast():
+            return forward(*args, **kwargs)
+    run.rapidlite_autocast = True
+    return run
+
+
+def _set_dropout(model: torch.nn.Module, hidden: float | None, attention: float | None) -> None:
+    """``--hidden-dropout``/``--attention-dropout`` on a built model: Hugging Face configs by their
+    field names, and every ``nn.Dropout`` for hidden dropout."""
+    config = getattr(model, "config", None)
+    if hidden is not None:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = hidden
+        for key in ("hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+            if config is not None and hasattr(config, key):
+                setattr(config, key, hidden)
+    if attention is not None:
+        for key in ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop"):
+            if config is not None and hasattr(config, key):
+                setattr(config, key, attention)
+        for module in model.modules():  # HF attention modules read their rate from an attribute
+            for key in ("dropout_prob", "attention_dropout"):
+                if isinstance(getattr(module, key, None), float):
+                    setattr(module, key, attention)
+            if isinstance(getattr(module, "attn_dropout", None), torch.nn.Dropout):
+                module.attn_dropout.p = attention
+
+
+class RapidliteEngine:
+    """Parses the flags (or takes them), picks the device, seeds every RNG, and applies the flags.
+
+    ``RapidliteEngine(extra_args_provider=fn)`` lets a user script add its own flags:
+    ``fn(parser)`` adds arguments (and may return the parser).
+    """
+
+    def __init__(self, extra_args_provider: ExtraArgsProvider | None = None,
+                 args: argparse.Namespace | None = None, argv: Sequence[str] | None = None) -> None:
+        if not getattr(sys.excepthook, "rapidlite", False):
+            sys.excepthook = _excepthook(sys.excepthook)
+        if args is None:
+            args = parse_args(argv, extra_args_provider, require_task=False)
+        self.args = args
+        self.timers = Timers()
+        set_global_args(args, self.timers)
+        self.rank, self.world_size = 0, args.world_size
+        self.dp_rank, self.dp_size = 0, args.data_parallel_size
+        self.is_main_process = self.rank == 0
+        self.logger = setup_logger(self.rank)
+        self.device = pick_device()
+        self.precision = resolve_precision(args.precision, self.device)
+        set_seed(args.seed)
+        self._optimizer: RapidliteOptimizer | None = None
+
+    # ------------------------------------------------------------------ compose
+    def compose(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                lr_scheduler_fn: Any = None, train_dataloader: Any = None, eval_dataloader: Any = None, *,
+                total_iters: int | None = None, model_obj: torch.nn.Module | None = None) -> tuple:
+        """Return ``(model, optimizer, lr_scheduler)`` with every flag applied, plus the data loaders
+        (batches moved to the device) when given.
+
+        ``optimizer`` None: AdamW/SGD from the flags. ``lr_scheduler_fn``: None for Megatron's schedule
+        from the flags over ``total_iters`` (default ``--train-iters``), a factory called with the
+        optimizer (e.g. ``partial(get_linear_schedule_with_warmup, ...)``), or a built scheduler.
+        """
+        args = self.args
+        model = model if model is not None else model_obj
+        if model is None:
+            raise TypeError("compose() needs a model")
+        model.to(self.device)
+        _set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        if args.checkpoint_activations:
+            apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
+        if self.precision.dtype is not None and not getattr(model.forward, "rapidlite_autocast", False):
+            model.forward = _autocast_forward(model.forward, self.precision)
+
+        if isinstance(optimizer, RapidliteOptimizer):
+            wrapped = optimizer
+        else:
+            optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args))
+            scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
+            wrapped = RapidliteOptimizer(optimizer, clip_grad=args.clip_grad, loss_scaler=scaler)
+        self._optimizer = wrapped
+
+        if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):
+            scheduler = lr_scheduler_fn
+        else:
+            total = total_iters or args.train_iters
+            if lr_scheduler_fn is None and total is None:
+                raise ConfigError("the learning-rate schedule needs the run length: pass --train-iters")
+            scheduler = build_lr_scheduler(wrapped.optimizer, args, total, lr_scheduler_fn)
+
+        out = [model, wrapped, scheduler]
+        for loader in (train_dataloader, eval_dataloader):
+            if loader is not None:
+                out.append(loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ helpers for user loops
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the loss scaling of fp16 runs."""
+        if self._optimizer is not None:
+            self._optimizer.backward(loss)
+        else:
+            loss.backward()
+
+    def autocast(self):
+        """The precision context of this run (a no-op in fp32)."""
+        return self.precision.autocast()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` from every data-parallel rank along dim 0 (one process: itself)."""
+        return tensor
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def build_data_loader(self, dataset: Any, micro_batch_size: int | None = None, *, shuffle: bool = True,
+                          collate_fn: Callable | None = None, pad: bool | None = None) -> DeviceDataLoader:
+        return build_data_loader(dataset, micro_batch_size or self.args.micro_batch_size, self.device,
+                                 shuffle=shuffle, collate_fn=collate_fn, seed=self.args.seed, rank=self.dp_rank,
+                                 world_size=self.dp_size, num_workers=self.args.num_workers, pad=pad)
+

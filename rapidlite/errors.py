@@ -1,0 +1,29 @@
+"""Errors a user can cause.
+
+Each is one readable line that names the flag or file and the fix. The CLI (and
+the engine's exception hook for ``python my_script.py`` runs) prints that line
+and exits with code 2, without a traceback. Everything else is a bug and keeps
+its traceback.
+"""
+
+
+class RapidliteError(Exception):
+    """Base class of errors caused by the user's input (flags, files, data)."""
+
+    exit_code = 2
+
+
+class ConfigError(RapidliteError):
+    """Inconsistent or invalid flags."""
+
+
+class DataError(RapidliteError):
+    """Missing, unreadable or malformed data."""
+
+
+class CheckpointError(RapidliteError):
+    """Missing or corrupt checkpoint."""
+
+
+class NotImplementedYetError(ConfigError):
+    """A flag that is parsed but whose feature is not available in this version."""

@@ -1,0 +1,37 @@
+"""``get_args()``, ``get_logger()``, ``get_timers()`` for user scripts written in Rapidformer's style.
+
+Library code never reads these: it takes its configuration explicitly. The engine sets them when it
+is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rapidlite.logging import LOGGER_NAME, Timers
+
+_ARGS: argparse.Namespace | None = None
+_TIMERS: Timers | None = None
+
+
+def set_global_args(args: argparse.Namespace, timers: Timers) -> None:
+    global _ARGS, _TIMERS
+    _ARGS, _TIMERS = args, timers
+
+
+def get_args() -> argparse.Namespace:
+    """The parsed flags of the running engine."""
+    if _ARGS is None:
+        raise RuntimeError("get_args() called before RapidliteEngine() was created")
+    return _ARGS
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+def get_timers() -> Timers:
+    if _TIMERS is None:
+        raise RuntimeError("get_timers() called before RapidliteEngine() was created")
+    return _TIMERS

@@ -1,0 +1,133 @@
+"""Logger, timers, throughput, and the machine-readable outputs (metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LOGGER_NAME = "rapidlite"
+
+
+def setup_logger(rank: int = 0) -> logging.Logger:
+    """Rank 0 logs at INFO; other ranks only warnings, so N ranks do not print N copies."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[rapidlite] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return logger
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.elapsed_s = 0.0
+        self._start: float | None = None
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        dt = time.perf_counter() - self._start
+        self.elapsed_s += dt
+        self._start = None
+        return dt
+
+    def elapsed(self, reset: bool = True) -> float:
+        value = self.elapsed_s
+        if reset:
+            self.elapsed_s = 0.0
+        return value
+
+
+class Timers:
+    """Named wall-clock timers, Megatron style: ``timers("forward-backward").start()``."""
+
+    def __init__(self) -> None:
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str) -> Timer:
+        return self._timers.setdefault(name, Timer())
+
+    def names(self) -> list[str]:
+        return list(self._timers)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory on CUDA; peak resident set size of this process elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class MetricsWriter:
+    """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard. Rank 0 only."""
+
+    def __init__(self, save_dir: str | None, tensorboard_dir: str | None, enabled: bool = True) -> None:
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        if save_dir is not None:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(save_dir) / "metrics.jsonl", "a")
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def write(self, record: dict[str, Any], tb_prefix: str = "train") -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=float) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            step = record.get("iteration", 0)
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{tb_prefix}/{key}", value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def format_record(record: dict[str, Any]) -> str:
+    parts = []
+    for key, value in record.items():
+        if value is None:
+            continue
+        if isinstance(value, float):
+            text = f"{value:.4e}" if key in ("lr", "loss_scale") or abs(value) < 1e-3 else f"{value:.4f}"
+            if key.endswith("_per_s"):
+                text = f"{value:.1f}"
+        else:
+            text = str(value)
+        parts.append(f"{key}: {text}")
+    return " | ".join(parts)
+
+
+def progress_bar(total: int, initial: int, enabled: bool) -> Any:
+    """A tqdm bar on an interactive terminal; None otherwise (logs are the record)."""
+    if not enabled or not sys.stderr.isatty() or os.environ.get("RAPIDLITE_NO_PROGRESS"):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=False)

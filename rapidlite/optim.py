@@ -1,0 +1,220 @@
+"""Optimizers (weight-decay groups, fused kernels) and Megatron's learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rapidlite.errors import ConfigError
+from rapidlite.precision import LossScaler
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+    @classmethod
+    def from_args(cls, args: Any) -> OptimizerConfig:
+        return cls(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                   sgd_momentum=args.sgd_momentum)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings; never biases or norm weights (the tensors of rank < 2)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
+    # The fused kernels exist for CUDA and CPU float tensors; anything else (meta, mps, xla) uses foreach.
+    return all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+    fused = _fused_supported(p for g in groups for p in g["params"])
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                 fused=fused or None, foreach=None if fused else True)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum,
+                               fused=fused or None, foreach=None if fused else True)
+    raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
+
+
+class LRScheduler:
+    """Megatron's ``OptimizerParamScheduler`` over iterations.
+
+    Linear warmup from 0 to ``max_lr`` over ``warmup_steps`` (the lr at iteration 0 is the
+    warmup start), then ``decay_style`` down to ``min_lr`` at ``decay_steps``, ``min_lr`` after.
+    ``step()`` is called once per successful optimizer step; the lr it sets is used by the next.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, warmup_steps: int,
+                 decay_steps: int, decay_style: str) -> None:
+        if decay_style != "constant" and decay_steps <= warmup_steps:
+            raise ConfigError(f"learning-rate warmup ({warmup_steps} iterations) must be shorter than the decay "
+                              f"({decay_steps} iterations): lower --lr-warmup-iters/--lr-warmup-fraction or "
+                              "raise --lr-decay-iters")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = max_lr, min_lr
+        self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self, num_steps: int | None = None) -> float:
+        n = self.num_steps if num_steps is None else num_steps
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.max_lr * n / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            lr = self.max_lr * max(self.warmup_steps, 1) ** 0.5 / max(n, 1) ** 0.5
+            return max(self.min_lr, lr)
+        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            raise ConfigError(f"--lr-decay-style {self.decay_style}: unknown")
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> None:
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+                "decay_style": self.decay_style}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The flags of the resumed run win (as in Megatron with --override-opt_param-scheduler);
+        # only the position in the schedule is restored.
+        self.num_steps = int(state["num_steps"])
+        self.step(0)
+
+
+def warmup_steps_from_args(args: Any, decay_steps: int) -> int:
+    if args.lr_warmup_iters is not None:
+        return args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        return int(args.lr_warmup_fraction * decay_steps)
+    return 0
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: Any, total_iters: int,
+                       lr_scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None) -> Any:
+    """The user's scheduler factory if given (e.g. ``partial(get_linear_schedule_with_warmup, ...)``), else
+    Megatron's schedule from the flags with ``--lr-decay-iters`` defaulting to the run's length."""
+    if lr_scheduler_fn is not None:
+        return lr_scheduler_fn(optimizer)
+    decay_steps = args.lr_decay_iters or total_iters
+    return LRScheduler(optimizer, max_lr=args.lr, min_lr=args.min_lr,
+                       warmup_steps=warmup_steps_from_args(args, decay_steps), decay_steps=decay_steps,
+                       decay_style=args.lr_decay_style)
+
+
+class RapidliteOptimizer:
+    """A torch optimizer with the step the flags ask for.
+
+    ``backward(loss)`` scales the loss for fp16. ``step(grad_divisor)`` divides the accumulated
+    gradients by the loss scale and by ``grad_divisor`` (micro-batch count, or the token/item count
+    of the whole global batch), skips the update if any gradient overflowed (fp16), clips to
+    ``clip_grad`` by the global norm, and steps. Everything else is the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0,
+                 loss_scaler: LossScaler | None = None) -> None:
+        self.optimizer = optimizer
+        self.clip_grad = clip_grad
+        self.loss_scaler = loss_scaler
+        self.skipped_steps = 0
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _unscale(self, grads: list[torch.Tensor], grad_divisor: float) -> bool:
+        """Divide gradients in place; return whether any is inf/nan (checked only when loss scaling)."""
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        inv = 1.0 / (scale * grad_divisor)
+        if self.loss_scaler is None:
+            if inv != 1.0 and grads:
+                torch._foreach_mul_(grads, inv)
+            return False
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        found = []
+        for device, device_grads in by_device.items():
+            found_inf = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                device_grads, found_inf, torch.full((), inv, device=device))
+            found.append(found_inf.cpu())
+        return bool(sum(f.item() for f in found))
+
+    def step(self, grad_divisor: float = 1.0) -> bool:
+        """Returns False when the step was skipped because the gradients overflowed."""
+        grads = self._grads()
+        if self._unscale(grads, grad_divisor):
+            self.skipped_steps += 1
+            self.loss_scaler.update(found_inf=True)
+            self.last_grad_norm = None
+            return False
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.clip_grad > 0:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad, foreach=True)
+        elif grads:
+            self.last_grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        self.optimizer.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,310 @@
+"""What ``Finetuner`` and ``PreTrainer`` share: the hooks, one training step, logging, checkpoints.
+
+One optimizer step (``train_step``) runs the micro-batches of one global batch: each forward step
+returns either a mean loss (the engine averages over micro-batches) or ``(loss_sum, num_items)``
+(the engine divides the summed gradients by the items of the whole global batch, so accumulation
+over padded, variable-length micro-batches equals one big batch exactly).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rapidlite import checkpoint as ckpt
+from rapidlite.data.loader import DeviceDataLoader, batch_stats
+from rapidlite.engine import RapidliteEngine
+from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+
+
+def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
+    """A forward step's result: ``loss`` (mean) or ``(loss_sum, num_items)``; HF outputs give ``.loss``."""
+    if isinstance(output, (tuple, list)) and len(output) == 2:
+        loss, items = output
+        return loss, int(items)
+    if isinstance(output, torch.Tensor):
+        return output, None
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss, None
+    raise TypeError("run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), "
+                    f"got {type(output).__name__}")
+
+
+class CountingIterator:
+    """Wraps a data iterator handed to ``run_forward_step`` and counts the samples/tokens drawn."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+        self.samples = 0
+        self.tokens = 0
+        self.tokens_known = True
+
+    def __iter__(self) -> CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.iterator)
+        samples, tokens = batch_stats(batch)
+        self.samples += samples
+        if tokens is None:
+            self.tokens_known = False
+        else:
+            self.tokens += tokens
+        return batch
+
+    def take_counts(self) -> tuple[int, int | None]:
+        counts = (self.samples, self.tokens if self.tokens_known else None)
+        self.samples, self.tokens, self.tokens_known = 0, 0, True
+        return counts
+
+
+class BaseTrainer:
+    """The hooks a subclass implements, and the machinery both templates share."""
+
+    def __init__(self, engine: RapidliteEngine | None = None) -> None:
+        self.engine = engine if engine is not None else RapidliteEngine()
+        self.args = self.engine.args
+        self.logger = self.engine.logger
+        self.timers = self.engine.timers
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.tokenizer: Any = None  # set it to have the tokenizer exported with a Hugging Face model
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.total_iters = 0
+        self._metrics: MetricsWriter | None = None
+        self._interval = self._new_interval()
+        self._last_saved = -1
+        self._progress = None
+        self.last_evaluation: dict[str, Any] = {}
+        self._resume_rng: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
+        """Return ``(train, valid, test)`` datasets, optionally followed by a ``collate_fn``.
+        ``valid`` and ``test`` may be None."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_valid_test_datasets_provider")
+
+    def model_optimizer_lr_scheduler_provider(self) -> tuple:
+        """Return ``(model, optimizer, lr_scheduler)``; None for the optimizer or scheduler means
+        "build it from the flags". The scheduler may also be a factory called with the optimizer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement model_optimizer_lr_scheduler_provider")
+
+    def run_forward_step(self, batch_or_iterator: Any, model: torch.nn.Module) -> Any:
+        """Return a scalar loss (mean over the micro-batch) or ``(loss_sum, num_items)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run_forward_step")
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def build_data_loader(self, dataset: Any, micro_batch_size: int | None = None, *, shuffle: bool = True,
+                          collate_fn: Callable | None = None, pad: bool | None = None) -> DeviceDataLoader:
+        """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device."""
+        return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn,
+                                             pad=pad)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
+        return self.engine.gather(tensor)
+
+    # ------------------------------------------------------------------ setup
+    def setup_model(self, total_iters: int) -> None:
+        self.total_iters = total_iters
+        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
+            model, optimizer, scheduler, total_iters=total_iters)
+        if self.args.load is not None:
+            self.load_checkpoint()
+        if self.engine.is_main_process:
+            self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        a = self.args
+        self.logger.info(
+            f"model: {type(self.model).__name__}, {n_params / 1e6:.2f}M parameters | device: {self.engine.device} | "
+            f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
+            f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
+            f"{a.global_batch_size} | iterations: {total_iters}"
+            + (f" (resuming at {self.iteration})" if self.iteration else ""))
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
+        """Run the forward/backward of each micro-batch, then one optimizer step. Returns whether the
+        step was applied (False: skipped for an fp16 overflow)."""
+        model, optimizer = self.model, self.optimizer
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        losses, num_items, num_micro, mode = [], 0, 0, None
+        for forward in micro_steps:
+            loss, items = unpack_loss(forward())
+            step_mode = "mean" if items is None else "sum"
+            if mode is not None and step_mode != mode:
+                raise TypeError("run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
+                                "in another; return one kind")
+            mode = step_mode
+            optimizer.backward(loss)
+            losses.append(loss.detach().float())
+            num_items += items or 0
+            num_micro += 1
+        divisor = max(num_items, 1) if mode == "sum" else num_micro
+        applied = optimizer.step(grad_divisor=divisor)
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.iteration += 1
+        interval = self._interval
+        interval["loss"] += torch.stack(losses).sum() / divisor
+        interval["steps"] += 1
+        interval["skipped"] += 0 if applied else 1
+        return applied
+
+    # ------------------------------------------------------------------ logging
+    @staticmethod
+    def _new_interval() -> dict[str, Any]:
+        return {"loss": torch.zeros(()), "steps": 0, "skipped": 0, "samples": 0, "tokens": 0,
+                "tokens_known": True, "start": time.perf_counter()}
+
+    def count_batch(self, samples: int, tokens: int | None) -> None:
+        """Record the data a step consumed (this rank's), for throughput and ``consumed_samples``."""
+        interval = self._interval
+        interval["samples"] += samples
+        if tokens is None:
+            interval["tokens_known"] = False
+        else:
+            interval["tokens"] += tokens
+
+    def after_step(self, samples_this_step: int) -> None:
+        """Bookkeeping after each optimizer step: consumed samples, logging, evaluation, checkpoints."""
+        self.consumed_samples += samples_this_step * self.engine.dp_size
+        if self._progress is not None:
+            self._progress.update(1)
+        if self.iteration % self.args.log_interval == 0 or self.iteration == self.total_iters:
+            self.log_interval()
+        if self.args.eval_interval and self.iteration % self.args.eval_interval == 0:
+            self.evaluate("validation")
+        if self.args.save_interval and self.iteration % self.args.save_interval == 0:
+            self.save_checkpoint()
+
+    def log_interval(self) -> None:
+        interval = self._interval
+        if interval["steps"] == 0:
+            return
+        elapsed = time.perf_counter() - interval["start"]
+        dp = self.engine.dp_size
+        grad_norm = self.optimizer.last_grad_norm
+        scaler = self.optimizer.loss_scaler
+        record: dict[str, Any] = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "loss": float(interval["loss"]) / interval["steps"],
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "loss_scale": scaler.scale if scaler is not None else None,
+            "skipped_steps": self.optimizer.skipped_steps,
+            "samples_per_s": interval["samples"] * dp / elapsed,
+            "tokens_per_s": interval["tokens"] * dp / elapsed if interval["tokens_known"] else None,
+            "step_time_s": elapsed / interval["steps"],
+            "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
+        }
+        record = {k: v for k, v in record.items() if v is not None}
+        self.logger.info(format_record(record))
+        if self._metrics is not None:
+            self._metrics.write(record, "train")
+        self._interval = self._new_interval()
+
+    def log_evaluation(self, split: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        record = {"split": split, "iteration": self.iteration, **extra}
+        for key, value in metrics.items():
+            record[key] = float(value) if isinstance(value, torch.Tensor) else value
+        self.logger.info(f"evaluation ({split}) | " + format_record(
+            {k: v for k, v in record.items() if k != "split"}))
+        if self._metrics is not None:
+            self._metrics.write(record, split)
+        if split == "validation":
+            self.last_evaluation = record
+        return record
+
+    def evaluate(self, split: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+
+    def save_checkpoint(self) -> None:
+        if self.args.save is None or self._last_saved == self.iteration:
+            return
+        state: dict[str, Any] = {"trainer": self.trainer_state(), "rng": ckpt.rng_state()}
+        if not self.args.no_save_optim:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["skipped_steps"] = self.optimizer.skipped_steps
+            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+                state["lr_scheduler"] = self.lr_scheduler.state_dict()
+            if self.optimizer.loss_scaler is not None:
+                state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
+        if self.engine.is_main_process:
+            path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, state)
+            self.logger.info(f"saved checkpoint {path}")
+        self._last_saved = self.iteration
+
+    def load_checkpoint(self) -> None:
+        args = self.args
+        iteration, state = ckpt.load_checkpoint(args.load, self.model, weights_only=args.finetune)
+        if args.finetune:
+            self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
+            return
+        trainer = state["trainer"]
+        self.iteration = int(trainer["iteration"])
+        self.consumed_samples = int(trainer["consumed_samples"])
+        self._last_saved = self.iteration
+        if not args.no_load_optim and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.skipped_steps = int(state.get("skipped_steps", 0))
+            if "lr_scheduler" in state and self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            if "loss_scaler" in state and self.optimizer.loss_scaler is not None:
+                self.optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+        elif self.lr_scheduler is not None and hasattr(self.lr_scheduler, "num_steps"):
+            self.lr_scheduler.num_steps = self.iteration  # keep the schedule where the run was
+            self.lr_scheduler.step(0)
+        if not args.no_load_rng:
+            self._resume_rng = state["rng"]
+        self.logger.info(f"resumed from {args.load} at iteration {self.iteration}")
+
+    def finish(self) -> None:
+        """Final checkpoint, Hugging Face export, close outputs."""
+        if self._progress is not None:
+            self._progress.close()
+        if self.args.save is not None:
+            self.save_checkpoint()
+            if self.engine.is_main_process:
+                out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
+                if out is not None:
+                    self.logger.info(f"exported Hugging Face model to {out}")
+        if self._metrics is not None:
+            self._metrics.close()
+
+    def begin_training(self) -> None:
+        """Called once everything is built, right before the first step."""
+        if self._resume_rng is not None:
+            # Restored last, so nothing built after loading (data iterators, workers) shifts the RNG streams.
+            ckpt.set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        self._progress = progress_bar(self.total_iters, self.iteration, self.engine.is_main_process)
+
+
+def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
+    """``(train, valid, test[, collate_fn])`` from a datasets provider, with a clear error otherwise."""
+    if not isinstance(provided, (tuple, list)) or len(provided) not in (3, 4):
+        raise TypeError("train_valid_test_datasets_provider must return (train, valid, test) or "
+                        "(train, valid, test, collate_fn)")
+    train, valid, test = provided[:3]
+    return train, valid, test, provided[3] if len(provided) == 4 else None
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))

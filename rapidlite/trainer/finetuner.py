@@ -1,0 +1,103 @@
+"""``Finetuner``: epoch-based training over map-style datasets, evaluated after each epoch."""
+
+from __future__ import annotations
+
+import functools
+import math
+from itertools import islice
+from typing import Any
+
+import torch
+
+from rapidlite.data.loader import batch_stats
+from rapidlite.errors import DataError
+from rapidlite.trainer.base import BaseTrainer, split_datasets, unpack_loss
+
+
+class Finetuner(BaseTrainer):
+    """Subclass and implement:
+
+    - ``train_valid_test_datasets_provider()`` → ``(train, valid, test[, collate_fn])`` map-style datasets;
+    - ``model_optimizer_lr_scheduler_provider()`` → ``(model, optimizer or None, scheduler or None)``;
+    - ``run_forward_step(batch, model)`` → loss, or ``(loss_sum, num_items)``;
+    - ``run_compute_metrics(model, eval_dataloader)`` → dict of metrics; ``model`` is a one-element list
+      (``model[0]``), as in Rapidformer. The default returns the mean loss of ``run_forward_step``.
+
+    Then call ``train()``. Iterations per epoch = ceil(micro-batches per epoch / accumulation steps);
+    ``--train-iters`` bounds the run if it comes first.
+    """
+
+    train_dataloader = None
+    valid_dataloader = None
+    test_dataloader = None
+    steps_per_epoch = 1
+
+    def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
+        total = torch.zeros((), dtype=torch.float64)
+        count = torch.zeros((), dtype=torch.float64)
+        for batch in eval_dataloader:
+            loss, items = unpack_loss(self.run_forward_step(batch, model[0]))
+            weight = items if items is not None else batch_stats(batch)[0]
+            # A mean loss is weighted by its samples; a sum already is.
+            total += loss.detach().double().cpu() * (1 if items is not None else weight)
+            count += weight
+        total = self.engine.all_reduce_sum(total)
+        count = self.engine.all_reduce_sum(count)
+        return {"loss": float(total / count.clamp(min=1))}
+
+    def evaluate(self, split: str = "validation") -> dict[str, Any]:
+        loader = self.valid_dataloader if split == "validation" else self.test_dataloader
+        if loader is None:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            metrics = self.run_compute_metrics([self.model], loader)
+        self.model.train(was_training)
+        epoch = self.iteration / max(self.steps_per_epoch, 1)
+        return self.log_evaluation(split, metrics or {}, epoch=round(epoch, 4))
+
+    def _forward_batch(self, batch: Any) -> Any:
+        self.count_batch(*batch_stats(batch))
+        return self.run_forward_step(batch, self.model)
+
+    def train(self) -> dict[str, Any]:
+        """Run the fine-tuning; returns the last validation metrics."""
+        args = self.args
+        train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
+        if train_ds is None or len(train_ds) == 0:
+            raise DataError("the training dataset is empty")
+        self.train_dataloader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn)
+        if valid_ds is not None and len(valid_ds) > 0:
+            self.valid_dataloader = self.build_data_loader(valid_ds, shuffle=False, collate_fn=collate_fn)
+        if test_ds is not None and len(test_ds) > 0:
+            self.test_dataloader = self.build_data_loader(test_ds, shuffle=False, collate_fn=collate_fn)
+
+        accumulation = args.gradient_accumulation_steps
+        micro_per_epoch = len(self.train_dataloader)
+        self.steps_per_epoch = math.ceil(micro_per_epoch / accumulation)
+        total = args.epochs * self.steps_per_epoch
+        if args.train_iters is not None:
+            total = min(total, args.train_iters)
+        self.setup_model(total)
+
+        self.begin_training()
+        start_epoch, start_step = divmod(self.iteration, self.steps_per_epoch)
+        for epoch in range(start_epoch, args.epochs):
+            if self.iteration >= total:
+                break
+            skip = start_step * accumulation if epoch == start_epoch else 0
+            self.train_dataloader.set_epoch(epoch, start_batch=skip)
+            batches = iter(self.train_dataloader)
+            while self.iteration < total:
+                micro = list(islice(batches, accumulation))
+                if not micro:
+                    break
+                self.train_step(functools.partial(self._forward_batch, b) for b in micro)
+                self.after_step(sum(batch_stats(b)[0] for b in micro))
+            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= total:
+                self.evaluate("validation")
+        if self.test_dataloader is not None:
+            self.evaluate("test")
+        self.finish()
+        return self.last_evaluation

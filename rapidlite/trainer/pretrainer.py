@@ -1,0 +1,96 @@
+"""``PreTrainer``: iteration-based training; the forward step pulls its micro-batch from a data iterator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rapidlite.data.loader import DeviceDataLoader
+from rapidlite.data.samplers import PretrainingBatchSampler
+from rapidlite.errors import ConfigError, DataError
+from rapidlite.trainer.base import BaseTrainer, CountingIterator, perplexity, split_datasets, unpack_loss
+
+
+class PreTrainer(BaseTrainer):
+    """Subclass and implement:
+
+    - ``train_valid_test_datasets_provider(train_val_test_num_samples)`` → ``(train, valid, test[, collate_fn])``;
+      the argument gives how many samples each split will be asked for (Megatron's sizes:
+      ``train_iters × global``, ``(train_iters // eval_interval + 1) × eval_iters × global``,
+      ``eval_iters × global``);
+    - ``model_optimizer_lr_scheduler_provider()`` → ``(model, optimizer or None, scheduler or None)``;
+    - ``run_forward_step(data_iterator, model)`` → loss or ``(loss_sum, num_items)``; call
+      ``next(data_iterator)`` for the micro-batch (already on the device).
+
+    Then call ``train()``: ``--train-iters`` steps, evaluation every ``--eval-interval`` for
+    ``--eval-iters`` global batches (loss and perplexity), checkpoints every ``--save-interval``.
+    """
+
+    def _loader(self, dataset: Any, collate_fn: Any, consumed_samples: int) -> CountingIterator:
+        sampler = PretrainingBatchSampler(len(dataset), consumed_samples, self.args.micro_batch_size,
+                                          rank=self.engine.dp_rank, world_size=self.engine.dp_size)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
+                                             num_workers=self.args.num_workers,
+                                             pin_memory=self.engine.device.type == "cuda",
+                                             generator=torch.Generator().manual_seed(self.args.seed))
+        return CountingIterator(iter(DeviceDataLoader(loader, self.engine.device)))
+
+    def evaluate(self, split: str = "validation") -> dict[str, Any]:
+        iterator = self.valid_data_iterator if split == "validation" else self.test_data_iterator
+        if iterator is None:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for _ in range(self.args.eval_iters * self.args.gradient_accumulation_steps):
+                loss, items = unpack_loss(self.run_forward_step(iterator, self.model))
+                total += loss.detach().double().cpu()  # a mean counts once, a sum counts its items
+                count += items if items is not None else 1
+        iterator.take_counts()
+        self.model.train(was_training)
+        total, count = self.engine.all_reduce_sum(total), self.engine.all_reduce_sum(count)
+        loss = float(total / count.clamp(min=1))
+        return self.log_evaluation(split, {"loss": loss, "ppl": perplexity(loss)})
+
+    def train(self) -> dict[str, Any]:
+        """Run the pretraining; returns the last validation metrics."""
+        args = self.args
+        if args.train_iters is None:
+            raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
+        eval_interval = args.eval_interval or args.train_iters
+        global_batch = args.global_batch_size
+        num_samples = [args.train_iters * global_batch,
+                       (args.train_iters // eval_interval + 1) * args.eval_iters * global_batch,
+                       args.eval_iters * global_batch]
+        train_ds, valid_ds, test_ds, collate_fn = split_datasets(
+            self.train_valid_test_datasets_provider(num_samples))
+        if train_ds is None or len(train_ds) == 0:
+            raise DataError("the training dataset is empty")
+        self.setup_model(args.train_iters)
+
+        self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
+        # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
+        # the uninterrupted run would be.
+        valid_consumed = (self.iteration // eval_interval) * args.eval_iters * global_batch \
+            if args.eval_interval else 0
+        self.valid_data_iterator = self._loader(valid_ds, collate_fn, valid_consumed) \
+            if valid_ds is not None and len(valid_ds) > 0 else None
+        self.test_data_iterator = self._loader(test_ds, collate_fn, 0) \
+            if test_ds is not None and len(test_ds) > 0 else None
+
+        self.begin_training()
+        iterator = self.train_data_iterator
+        while self.iteration < args.train_iters:
+            self.train_step(lambda: self.run_forward_step(iterator, self.model)
+                            for _ in range(args.gradient_accumulation_steps))
+            samples, tokens = iterator.take_counts()
+            self.count_batch(samples, tokens)
+            self.after_step(samples)
+        if not args.eval_interval or self.iteration % args.eval_interval:
+            self.evaluate("validation")
+        if self.test_data_iterator is not None:
+            self.evaluate("test")
+        self.finish()
+        return self.last_evaluation

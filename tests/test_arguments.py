@@ -1,0 +1,108 @@
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, run_cli
+from rapidlite.arguments import build_parser, parse_args
+from rapidlite.cli import main
+from rapidlite.errors import ConfigError
+
+# Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
+FLAGS = """
+--adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --checkpoint-activations --clip-grad
+--cpu-offload --data-dir --data-impl --data-name --data-path --demo --distributed-backend --epochs --eval-interval
+--eval-iters --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size --help
+--hidden-dropout --hidden-size --hysteresis --initial-loss-scale --label-key --load --log-interval --loss-scale
+--loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction --lr-warmup-iters --master-addr
+--master-port --max-position-embeddings --micro-batch-size --min-loss-scale --min-lr --mixed-precision --nnodes
+--no-load-optim --no-load-rng --no-save-optim --node-rank --nproc-per-node --num-attention-heads --num-layers
+--num-workers --onnx-runtime-training --optimizer --pipeline-model-parallel-size --pretrained-model-name-or-path
+--recompute-granularity --recompute-num-layers --save --save-interval --seed --seq-length --sgd-momentum --split
+--task --tensor-model-parallel-size --tensorboard-dir --text-keys --torch-compile --train-iters --user-script
+--weight-decay --zero-1-memory-optimization --zero-2-memory-optimization --zero-3-memory-optimization
+""".split()
+
+
+def test_flag_set_is_frozen():
+    parser = build_parser()
+    flags = sorted(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
+    assert flags == sorted(FLAGS)
+
+
+def test_batch_arithmetic():
+    args = parse_args(["--task", "sequence_classification", "--demo", "--micro-batch-size", "4",
+                       "--global-batch-size", "32"])
+    assert args.gradient_accumulation_steps == 8
+    args = parse_args(["--task", "sequence_classification", "--demo", "--micro-batch-size", "4"])
+    assert args.global_batch_size == 4 and args.gradient_accumulation_steps == 1
+
+
+def test_precision_resolution():
+    base = ["--task", "sequence_classification", "--demo"]
+    assert parse_args(base).precision == "fp32"
+    assert parse_args(base + ["--mixed-precision"]).precision == "auto"
+    assert parse_args(base + ["--fp16"]).precision == "fp16"
+    assert parse_args(base + ["--bf16"]).precision == "bf16"
+
+
+def test_extra_args_provider():
+    def extra(parser):
+        parser.add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    args = parse_args(["--my-flag", "5"], extra_args_provider=extra, require_task=False)
+    assert args.my_flag == 5
+
+
+BAD_INPUTS = [
+    (["--task", "sequence_classification", "--demo", "--micro-batch-size", "3", "--global-batch-size", "10"],
+     "--global-batch-size 10 is not divisible"),
+    (["--task", "sequence_classification", "--demo", "--fp16", "--bf16"], "--fp16 and --bf16 are exclusive"),
+    (["--task", "sequence_classification", "--demo", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"],
+     "exclusive"),
+    (["--task", "sequence_classification", "--demo", "--micro-batch-size", "0"], "--micro-batch-size 0"),
+    (["--task", "sequence_classification", "--demo", "--lr", "-1"], "--lr -1.0: must be positive"),
+    (["--task", "translation"], "--task translation: unknown task"),
+    (["--user-script", "/nonexistent/train.py"], "--user-script /nonexistent/train.py: file not found"),
+    (["--task", "sequence_classification", "--demo", "--lr-decay-style", "exponential"],
+     "--lr-decay-style exponential: unknown"),
+    (["--task", "sequence_classification", "--demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--task", "sequence_classification"], "needs --pretrained-model-name-or-path and --data-path"),
+    (["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
+    ([], "no task given"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("rapidlite: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_input_in_a_real_process(tmp_path):
+    proc = run_cli("--task", "sequence_classification", "--demo", "--fp16", "--bf16", cwd=str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "exclusive" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_flag_in_user_script_run_directly(tmp_path):
+    """``python my_script.py <bad flags>``: the engine's hook prints one line and exits 2."""
+    script = tmp_path / "s.py"
+    script.write_text("from rapidlite import RapidliteEngine\nRapidliteEngine()\n")
+    proc = subprocess.run([sys.executable, str(script), "--global-batch-size", "3", "--micro-batch-size", "2"],
+                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "not divisible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_error_type():
+    with pytest.raises(ConfigError):
+        parse_args(["--task", "sequence_classification", "--demo", "--min-lr", "1", "--lr", "0.1"])
