@@ -10,5 +10,17 @@ __version__ = "0.1.0"
 # Rapidformer spells it Pretrainer in places.
 Pretrainer = PreTrainer
 
-__all__ = ["RapidliteEngine", "Finetuner", "PreTrainer", "Pretrainer", "get_args", "get_logger", "get_timers",
-           "RapidliteError", "ConfigError", "DataError", "CheckpointError", "__version__"]
+__all__ = [
+    "RapidliteEngine",
+    "Finetuner",
+    "PreTrainer",
+    "Pretrainer",
+    "get_args",
+    "get_logger",
+    "get_timers",
+    "RapidliteError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "__version__",
+]

@@ -30,34 +30,62 @@ class _Parser(argparse.ArgumentParser):
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("task and model")
     g.add_argument("--task", default=None, help=f"black-box task: {', '.join(TASKS)}")
-    g.add_argument("--user-script", default=None, metavar="PATH",
-                   help="run a user's Finetuner/PreTrainer script (white box)")
-    g.add_argument("--demo", action="store_true",
-                   help="run the task on an embedded offline default (tiny model and generated data)")
-    g.add_argument("--pretrained-model-name-or-path", default=None, metavar="NAME_OR_DIR",
-                   help="Hugging Face model name or local directory")
+    g.add_argument(
+        "--user-script",
+        default=None,
+        metavar="PATH",
+        help="run a user's Finetuner/PreTrainer script (white box)",
+    )
+    g.add_argument(
+        "--demo",
+        action="store_true",
+        help="run the task on an embedded offline default (tiny model and generated data)",
+    )
+    g.add_argument(
+        "--pretrained-model-name-or-path",
+        default=None,
+        metavar="NAME_OR_DIR",
+        help="Hugging Face model name or local directory",
+    )
     g.add_argument("--num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None,
-                   help="maximum sequence length (tokens); default 128 for fine-tuning")
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="maximum sequence length (tokens); default 128 for fine-tuning",
+    )
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--hidden-dropout", type=float, default=None,
-                   help="override the model's hidden dropout probability")
-    g.add_argument("--attention-dropout", type=float, default=None,
-                   help="override the model's attention dropout probability")
+    g.add_argument(
+        "--hidden-dropout", type=float, default=None, help="override the model's hidden dropout probability"
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        help="override the model's attention dropout probability",
+    )
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch and training")
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per rank per forward pass")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per optimizer step over all ranks (default: micro x data-parallel size); "
-                        "gradient accumulation = global / (micro x data-parallel size)")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks (default: micro x data-parallel size); "
+        "gradient accumulation = global / (micro x data-parallel size)",
+    )
     g.add_argument("--epochs", type=int, default=None, help="epochs (Finetuner); default 3")
-    g.add_argument("--train-iters", type=int, default=None,
-                   help="optimizer steps (PreTrainer); also bounds an epoch-based run")
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="optimizer steps (PreTrainer); also bounds an epoch-based run",
+    )
     g.add_argument("--seed", type=int, default=1234)
 
 
@@ -66,13 +94,20 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
-                   help=f"one of {', '.join(LR_DECAY_STYLES)}")
-    g.add_argument("--lr-decay-iters", type=int, default=None,
-                   help="iterations to decay over (default: the run's total iterations)")
+    g.add_argument("--lr-decay-style", default="linear", help=f"one of {', '.join(LR_DECAY_STYLES)}")
+    g.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="iterations to decay over (default: the run's total iterations)",
+    )
     g.add_argument("--lr-warmup-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters)")
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters)",
+    )
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm; 0 disables")
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -83,34 +118,58 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
 
 def _add_precision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("precision")
-    g.add_argument("--mixed-precision", action="store_true",
-                   help="bf16 autocast where the device supports it (CPU, Ampere+), else fp16 with loss scaling")
+    g.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 autocast where the device supports it (CPU, Ampere+), else fp16 with loss scaling",
+    )
     g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="static loss scale for fp16 (default: dynamic)")
+    g.add_argument(
+        "--loss-scale", type=float, default=None, help="static loss scale for fp16 (default: dynamic)"
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="clean steps before the dynamic scale doubles")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="overflows tolerated before the dynamic scale halves")
+    g.add_argument(
+        "--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles"
+    )
+    g.add_argument(
+        "--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves"
+    )
 
 
 def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("memory and speed")
-    g.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute activations in the backward pass (activation checkpointing)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="full: recompute whole blocks; selective: keep matmul outputs, recompute the rest")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="checkpoint only the first N transformer blocks (default: all)")
-    g.add_argument("--zero-1-memory-optimization", action="store_true",
-                   help="shard optimizer state across data-parallel ranks")
-    g.add_argument("--zero-2-memory-optimization", action="store_true",
-                   help="shard optimizer state and gradients")
-    g.add_argument("--zero-3-memory-optimization", action="store_true",
-                   help="shard optimizer state, gradients and parameters")
+    g.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="recompute activations in the backward pass (activation checkpointing)",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="full: recompute whole blocks; selective: keep matmul outputs, recompute the rest",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="checkpoint only the first N transformer blocks (default: all)",
+    )
+    g.add_argument(
+        "--zero-1-memory-optimization",
+        action="store_true",
+        help="shard optimizer state across data-parallel ranks",
+    )
+    g.add_argument(
+        "--zero-2-memory-optimization", action="store_true", help="shard optimizer state and gradients"
+    )
+    g.add_argument(
+        "--zero-3-memory-optimization",
+        action="store_true",
+        help="shard optimizer state, gradients and parameters",
+    )
     g.add_argument("--fsdp-memory-optimization", action="store_true", help="fully sharded data parallel")
     g.add_argument("--cpu-offload", action="store_true", help="keep optimizer state in host memory")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -121,12 +180,17 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="hub dataset name, local directory, or local file (one or more for pretraining)")
+    g.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="hub dataset name, local directory, or local file (one or more for pretraining)",
+    )
     g.add_argument("--data-name", default=None, help="hub dataset configuration, e.g. mrpc")
     g.add_argument("--data-dir", default=None, help="hub dataset data_dir")
-    g.add_argument("--split", default="969,30,1",
-                   help="train,valid,test weights used to split a single data source")
+    g.add_argument(
+        "--split", default="969,30,1", help="train,valid,test weights used to split a single data source"
+    )
     g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
     g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
@@ -138,14 +202,19 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory (also metrics.jsonl)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR/latest")
-    g.add_argument("--finetune", action="store_true",
-                   help="with --load: load weights only and restart at iteration 0")
+    g.add_argument(
+        "--finetune", action="store_true", help="with --load: load weights only and restart at iteration 0"
+    )
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="iterations between evaluations (PreTrainer; Finetuner evaluates each epoch)")
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="iterations between evaluations (PreTrainer; Finetuner evaluates each epoch)",
+    )
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation (PreTrainer)")
     g.add_argument("--tensorboard-dir", default=None)
 
@@ -161,20 +230,32 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
-    p = _Parser(prog="rapidlite", description="Train transformer models with Megatron-style flags.",
-                allow_abbrev=False)
-    for add in (_add_task_args, _add_training_args, _add_optimizer_args, _add_precision_args,
-                _add_memory_speed_args, _add_data_args, _add_checkpoint_logging_args,
-                _add_distributed_args):
+    p = _Parser(
+        prog="rapidlite",
+        description="Train transformer models with Megatron-style flags.",
+        allow_abbrev=False,
+    )
+    for add in (
+        _add_task_args,
+        _add_training_args,
+        _add_optimizer_args,
+        _add_precision_args,
+        _add_memory_speed_args,
+        _add_data_args,
+        _add_checkpoint_logging_args,
+        _add_distributed_args,
+    ):
         add(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p) or p
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None,
-               extra_args_provider: ExtraArgsProvider | None = None,
-               require_task: bool = True) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None,
+    extra_args_provider: ExtraArgsProvider | None = None,
+    require_task: bool = True,
+) -> argparse.Namespace:
     """Parse and validate argv; raise ``ConfigError`` (one line) on any contradiction."""
     args = build_parser(extra_args_provider).parse_args(argv)
     validate_args(args, require_task=require_task)
@@ -200,11 +281,29 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     if args.user_script is not None and not os.path.isfile(args.user_script):
         raise ConfigError(f"--user-script {args.user_script}: file not found")
 
-    for name in ("micro_batch_size", "global_batch_size", "epochs", "train_iters", "num_layers",
-                 "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                 "max_position_embeddings", "log_interval", "eval_interval", "eval_iters",
-                 "save_interval", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "loss_scale_window", "hysteresis", "recompute_num_layers", "nproc_per_node", "nnodes"):
+    for name in (
+        "micro_batch_size",
+        "global_batch_size",
+        "epochs",
+        "train_iters",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "seq_length",
+        "max_position_embeddings",
+        "log_interval",
+        "eval_interval",
+        "eval_iters",
+        "save_interval",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "loss_scale_window",
+        "hysteresis",
+        "recompute_num_layers",
+        "nproc_per_node",
+        "nnodes",
+    ):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
@@ -229,11 +328,19 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _resolve_batch(args)
 
     if args.task == "sequence_classification" and args.user_script is None and not args.demo:
-        missing = [flag for flag, value in (("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
-                                            ("--data-path", args.data_path)) if value is None]
+        missing = [
+            flag
+            for flag, value in (
+                ("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
+                ("--data-path", args.data_path),
+            )
+            if value is None
+        ]
         if missing:
-            raise ConfigError(f"--task sequence_classification needs {' and '.join(missing)} "
-                              "(or --demo for the embedded offline example)")
+            raise ConfigError(
+                f"--task sequence_classification needs {' and '.join(missing)} "
+                "(or --demo for the embedded offline example)"
+            )
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.save_interval is not None and args.save is None:
@@ -248,8 +355,9 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
 
 def _validate_lr(args: argparse.Namespace) -> None:
     if args.lr_decay_style not in LR_DECAY_STYLES:
-        raise ConfigError(f"--lr-decay-style {args.lr_decay_style}: unknown; choose one of "
-                          f"{', '.join(LR_DECAY_STYLES)}")
+        raise ConfigError(
+            f"--lr-decay-style {args.lr_decay_style}: unknown; choose one of {', '.join(LR_DECAY_STYLES)}"
+        )
     if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
         raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive: give one of them")
     if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
@@ -298,22 +406,32 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
     ]
     for attr, flag in pending:
         if getattr(args, attr):
-            raise NotImplementedYetError(f"{flag} is not implemented yet in this version of rapidlite; "
-                                         "drop the flag to train without it")
-    for attr, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+            raise NotImplementedYetError(
+                f"{flag} is not implemented yet in this version of rapidlite; "
+                "drop the flag to train without it"
+            )
+    for attr, flag in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ):
         if getattr(args, attr) != 1:
-            raise NotImplementedYetError(f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
-                                         "yet in this version of rapidlite; use 1")
+            raise NotImplementedYetError(
+                f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
+                "yet in this version of rapidlite; use 1"
+            )
     nproc = args.nproc_per_node or 1
     nnodes = args.nnodes or _env_int("NNODES", 1)
     world = _env_int("WORLD_SIZE", nproc * nnodes)
     if world != 1:
-        raise NotImplementedYetError(f"a world of {world} processes (--nproc-per-node/--nnodes/WORLD_SIZE) "
-                                     "is not implemented yet in this version of rapidlite; run one process")
+        raise NotImplementedYetError(
+            f"a world of {world} processes (--nproc-per-node/--nnodes/WORLD_SIZE) "
+            "is not implemented yet in this version of rapidlite; run one process"
+        )
     if args.task == "pretraining" and args.user_script is None:
-        raise NotImplementedYetError("--task pretraining is not implemented yet in this version of rapidlite; "
-                                     "use --user-script with a PreTrainer subclass")
+        raise NotImplementedYetError(
+            "--task pretraining is not implemented yet in this version of rapidlite; "
+            "use --user-script with a PreTrainer subclass"
+        )
 
 
 def _resolve_batch(args: argparse.Namespace) -> None:
@@ -326,7 +444,9 @@ def _resolve_batch(args: argparse.Namespace) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step != 0:
-        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; "
-                          f"use a multiple of {per_step}")
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; "
+            f"use a multiple of {per_step}"
+        )
     args.gradient_accumulation_steps = args.global_batch_size // per_step

@@ -82,8 +82,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module,
-                    state: dict[str, Any]) -> Path:
+def save_checkpoint(
+    save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module, state: dict[str, Any]
+) -> Path:
     """Write ``DIR/iter_N`` atomically and point ``DIR/latest`` at it. ``state`` holds everything but the
     weights (optimizer, scheduler, scaler, RNG, data position), as tensors and plain containers."""
     save_dir = Path(save_dir)
@@ -118,17 +119,22 @@ def latest_iteration(load_dir: str | os.PathLike) -> int:
         raise CheckpointError(f"--load {load_dir}: directory not found")
     latest = load_dir / LATEST_FILE
     if not latest.is_file():
-        raise CheckpointError(f"--load {load_dir}: no '{LATEST_FILE}' file, so no complete checkpoint to resume "
-                              "(point --load at a --save directory of an earlier run)")
+        raise CheckpointError(
+            f"--load {load_dir}: no '{LATEST_FILE}' file, so no complete checkpoint to resume "
+            "(point --load at a --save directory of an earlier run)"
+        )
     text = latest.read_text().strip()
     if not text.isdigit():
-        raise CheckpointError(f"--load {load_dir}: '{LATEST_FILE}' is corrupt (holds {text[:40]!r}, expected an "
-                              "iteration number)")
+        raise CheckpointError(
+            f"--load {load_dir}: '{LATEST_FILE}' is corrupt (holds {text[:40]!r}, expected an "
+            "iteration number)"
+        )
     return int(text)
 
 
-def load_checkpoint(load_dir: str | os.PathLike, model: torch.nn.Module,
-                    weights_only: bool = False) -> tuple[int, dict[str, Any] | None]:
+def load_checkpoint(
+    load_dir: str | os.PathLike, model: torch.nn.Module, weights_only: bool = False
+) -> tuple[int, dict[str, Any] | None]:
     """Load the weights of ``latest`` into ``model``; return (iteration, state) — state None if weights_only."""
     iteration = latest_iteration(load_dir)
     path = Path(load_dir) / checkpoint_name(iteration)
@@ -141,9 +147,11 @@ def load_checkpoint(load_dir: str | os.PathLike, model: torch.nn.Module,
     except Exception as e:  # safetensors raises plain errors for truncated or mismatched files
         raise CheckpointError(f"--load {load_dir}: cannot read {model_file} ({_first_line(e)})") from None
     if missing or unexpected:
-        raise CheckpointError(f"--load {load_dir}: {model_file} does not match the model (missing "
-                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); is it the same "
-                              "architecture?")
+        raise CheckpointError(
+            f"--load {load_dir}: {model_file} does not match the model (missing "
+            f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); is it the same "
+            "architecture?"
+        )
     if weights_only:
         return iteration, None
     try:

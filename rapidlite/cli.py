@@ -37,7 +37,11 @@ def run_user_script(script: str, argv: list[str]) -> int:
 def run_task(argv: list[str]) -> int:
     from rapidlite.arguments import parse_args
     from rapidlite.engine import RapidliteEngine
-    from rapidlite.tasks.sequence_classification import DEMO_ARGS, SequenceClassificationFinetuner, prepare_demo
+    from rapidlite.tasks.sequence_classification import (
+        DEMO_ARGS,
+        SequenceClassificationFinetuner,
+        prepare_demo,
+    )
 
     if "--demo" in argv:
         argv = DEMO_ARGS + argv
@@ -49,8 +53,10 @@ def run_task(argv: list[str]) -> int:
     metrics = trainer.train()
     if metrics:
         shown = {k: v for k, v in metrics.items() if k != "split"}
-        trainer.logger.info("final validation: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                                              for k, v in shown.items()))
+        trainer.logger.info(
+            "final validation: "
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
+        )
     return 0
 
 

@@ -50,6 +50,7 @@ def _excepthook(previous: Callable) -> Callable:
             print(f"rapidlite: error: {exc}", file=sys.stderr, flush=True)
             os._exit(exc.exit_code)
         previous(exc_type, exc, tb)
+
     hook.rapidlite = True
     return hook
 
@@ -59,6 +60,7 @@ def _autocast_forward(forward: Callable, precision: Precision) -> Callable:
     def run(*args, **kwargs):
         with precision.autocast():
             return forward(*args, **kwargs)
+
     run.rapidlite_autocast = True
     return run
 
@@ -93,8 +95,12 @@ class RapidliteEngine:
     ``fn(parser)`` adds arguments (and may return the parser).
     """
 
-    def __init__(self, extra_args_provider: ExtraArgsProvider | None = None,
-                 args: argparse.Namespace | None = None, argv: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        extra_args_provider: ExtraArgsProvider | None = None,
+        args: argparse.Namespace | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> None:
         if not getattr(sys.excepthook, "rapidlite", False):
             sys.excepthook = _excepthook(sys.excepthook)
         if args is None:
@@ -112,9 +118,17 @@ class RapidliteEngine:
         self._optimizer: RapidliteOptimizer | None = None
 
     # ------------------------------------------------------------------ compose
-    def compose(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                lr_scheduler_fn: Any = None, train_dataloader: Any = None, eval_dataloader: Any = None, *,
-                total_iters: int | None = None, model_obj: torch.nn.Module | None = None) -> tuple:
+    def compose(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler_fn: Any = None,
+        train_dataloader: Any = None,
+        eval_dataloader: Any = None,
+        *,
+        total_iters: int | None = None,
+        model_obj: torch.nn.Module | None = None,
+    ) -> tuple:
         """Return ``(model, optimizer, lr_scheduler)`` with every flag applied, plus the data loaders
         (batches moved to the device) when given.
 
@@ -152,7 +166,9 @@ class RapidliteEngine:
         out = [model, wrapped, scheduler]
         for loader in (train_dataloader, eval_dataloader):
             if loader is not None:
-                out.append(loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device))
+                out.append(
+                    loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device)
+                )
         return tuple(out)
 
     # ------------------------------------------------------------------ helpers for user loops
@@ -174,9 +190,24 @@ class RapidliteEngine:
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
-    def build_data_loader(self, dataset: Any, micro_batch_size: int | None = None, *, shuffle: bool = True,
-                          collate_fn: Callable | None = None, pad: bool | None = None) -> DeviceDataLoader:
-        return build_data_loader(dataset, micro_batch_size or self.args.micro_batch_size, self.device,
-                                 shuffle=shuffle, collate_fn=collate_fn, seed=self.args.seed, rank=self.dp_rank,
-                                 world_size=self.dp_size, num_workers=self.args.num_workers, pad=pad)
-
+    def build_data_loader(
+        self,
+        dataset: Any,
+        micro_batch_size: int | None = None,
+        *,
+        shuffle: bool = True,
+        collate_fn: Callable | None = None,
+        pad: bool | None = None,
+    ) -> DeviceDataLoader:
+        return build_data_loader(
+            dataset,
+            micro_batch_size or self.args.micro_batch_size,
+            self.device,
+            shuffle=shuffle,
+            collate_fn=collate_fn,
+            seed=self.args.seed,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
+            num_workers=self.args.num_workers,
+            pad=pad,
+        )

@@ -25,9 +25,15 @@ class OptimizerConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> OptimizerConfig:
-        return cls(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                   sgd_momentum=args.sgd_momentum)
+        return cls(
+            name=args.optimizer,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            sgd_momentum=args.sgd_momentum,
+        )
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -36,8 +42,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -52,11 +57,18 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     fused = _fused_supported(p for g in groups for p in g["params"])
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                 fused=fused or None, foreach=None if fused else True)
+        return torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum,
-                               fused=fused or None, foreach=None if fused else True)
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.sgd_momentum, fused=fused or None, foreach=None if fused else True
+        )
     raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
 
 
@@ -68,12 +80,21 @@ class LRScheduler:
     ``step()`` is called once per successful optimizer step; the lr it sets is used by the next.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, warmup_steps: int,
-                 decay_steps: int, decay_style: str) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+    ) -> None:
         if decay_style != "constant" and decay_steps <= warmup_steps:
-            raise ConfigError(f"learning-rate warmup ({warmup_steps} iterations) must be shorter than the decay "
-                              f"({decay_steps} iterations): lower --lr-warmup-iters/--lr-warmup-fraction or "
-                              "raise --lr-decay-iters")
+            raise ConfigError(
+                f"learning-rate warmup ({warmup_steps} iterations) must be shorter than the decay "
+                f"({decay_steps} iterations): lower --lr-warmup-iters/--lr-warmup-fraction or "
+                "raise --lr-decay-iters"
+            )
         self.optimizer = optimizer
         self.max_lr, self.min_lr = max_lr, min_lr
         self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
@@ -110,9 +131,14 @@ class LRScheduler:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
-                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
-                "decay_style": self.decay_style}
+        return {
+            "num_steps": self.num_steps,
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "warmup_steps": self.warmup_steps,
+            "decay_steps": self.decay_steps,
+            "decay_style": self.decay_style,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The flags of the resumed run win (as in Megatron with --override-opt_param-scheduler);
@@ -129,16 +155,25 @@ def warmup_steps_from_args(args: Any, decay_steps: int) -> int:
     return 0
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: Any, total_iters: int,
-                       lr_scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None) -> Any:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    args: Any,
+    total_iters: int,
+    lr_scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> Any:
     """The user's scheduler factory if given (e.g. ``partial(get_linear_schedule_with_warmup, ...)``), else
     Megatron's schedule from the flags with ``--lr-decay-iters`` defaulting to the run's length."""
     if lr_scheduler_fn is not None:
         return lr_scheduler_fn(optimizer)
     decay_steps = args.lr_decay_iters or total_iters
-    return LRScheduler(optimizer, max_lr=args.lr, min_lr=args.min_lr,
-                       warmup_steps=warmup_steps_from_args(args, decay_steps), decay_steps=decay_steps,
-                       decay_style=args.lr_decay_style)
+    return LRScheduler(
+        optimizer,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        warmup_steps=warmup_steps_from_args(args, decay_steps),
+        decay_steps=decay_steps,
+        decay_style=args.lr_decay_style,
+    )
 
 
 class RapidliteOptimizer:
@@ -150,8 +185,9 @@ class RapidliteOptimizer:
     ``clip_grad`` by the global norm, and steps. Everything else is the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0,
-                 loss_scaler: LossScaler | None = None) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0, loss_scaler: LossScaler | None = None
+    ) -> None:
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
@@ -191,7 +227,8 @@ class RapidliteOptimizer:
         for device, device_grads in by_device.items():
             found_inf = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                device_grads, found_inf, torch.full((), inv, device=device))
+                device_grads, found_inf, torch.full((), inv, device=device)
+            )
             found.append(found_inf.cpu())
         return bool(sum(f.item() for f in found))
 

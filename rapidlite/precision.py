@@ -55,9 +55,16 @@ class LossScaler:
     scale never changes. Either way a step whose gradients overflow is skipped.
     """
 
-    def __init__(self, initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_interval: int = 1000,
-                 hysteresis: int = 2, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 dynamic: bool = True) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        dynamic: bool = True,
+    ) -> None:
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_interval = growth_interval
@@ -71,8 +78,12 @@ class LossScaler:
     def from_args(cls, args: Any) -> LossScaler:
         if args.loss_scale is not None:
             return cls(initial_scale=args.loss_scale, dynamic=False)
-        return cls(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
-                   growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
+        return cls(
+            initial_scale=args.initial_loss_scale,
+            min_scale=args.min_loss_scale,
+            growth_interval=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+        )
 
     def update(self, found_inf: bool) -> None:
         if not self.dynamic:
@@ -90,8 +101,11 @@ class LossScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])

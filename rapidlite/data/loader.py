@@ -69,21 +69,46 @@ class DeviceDataLoader:
         return len(self.loader)
 
 
-def build_data_loader(dataset: Dataset, micro_batch_size: int, device: torch.device, *, shuffle: bool = True,
-                      collate_fn: Callable | None = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      num_workers: int = 0, drop_last: bool = False, pad: bool | None = None) -> DeviceDataLoader:
+def build_data_loader(
+    dataset: Dataset,
+    micro_batch_size: int,
+    device: torch.device,
+    *,
+    shuffle: bool = True,
+    collate_fn: Callable | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    drop_last: bool = False,
+    pad: bool | None = None,
+) -> DeviceDataLoader:
     """Shard ``dataset`` over data-parallel ranks (a seeded shuffle per epoch) and batch it.
 
     Training loaders pad the last shard so ranks stay in step (``pad`` defaults to ``shuffle``);
     evaluation loaders do not, so every sample is counted exactly once.
     """
-    sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                           pad=shuffle if pad is None else pad)
+    sampler = EpochSampler(
+        len(dataset),
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        pad=shuffle if pad is None else pad,
+    )
     # A private generator: creating an iterator must not draw from the global RNG (dropout), or a resumed
     # run would diverge from an uninterrupted one.
     generator = torch.Generator()
     generator.manual_seed(seed)
-    loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                        num_workers=num_workers, pin_memory=device.type == "cuda", drop_last=drop_last,
-                        generator=generator, persistent_workers=False)
+    loader = DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        drop_last=drop_last,
+        generator=generator,
+        persistent_workers=False,
+    )
     return DeviceDataLoader(loader, device)

@@ -20,8 +20,15 @@ class EpochSampler(Sampler[int]):
     same number of samples; with ``pad=False`` (evaluation) each sample appears exactly once overall.
     """
 
-    def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, pad: bool = True) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        pad: bool = True,
+    ) -> None:
         self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
         self.rank, self.world_size, self.pad = rank, world_size, pad
         self.epoch = 0
@@ -40,10 +47,10 @@ class EpochSampler(Sampler[int]):
         if self.pad and self.world_size > 1 and self.num_samples % self.world_size:
             extra = self.world_size - self.num_samples % self.world_size
             order += (order * (extra // max(len(order), 1) + 1))[:extra]
-        return order[self.rank::self.world_size]
+        return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.start:])
+        return iter(self._indices()[self.start :])
 
     def __len__(self) -> int:
         return max(len(self._indices()) - self.start, 0)
@@ -53,8 +60,14 @@ class PretrainingBatchSampler:
     """Megatron's pretraining sampler: consecutive global batches from ``consumed_samples`` on, this
     rank's micro-batch slice of each; wraps around the dataset (datasets are usually sized for the run)."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1) -> None:
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if total_samples <= 0:
             raise ValueError("the dataset is empty")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples

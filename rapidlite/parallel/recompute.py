@@ -21,7 +21,10 @@ from rapidlite.errors import ConfigError
 _aten = torch.ops.aten
 # Outputs worth keeping: the expensive ops. Everything else is recomputed in the backward pass.
 _SAVE_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -57,11 +60,13 @@ def _checkpointed_forward(forward, kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **fkwargs)
         return checkpoint(forward, *args, **kwargs, **fkwargs)
+
     return run
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, granularity: str = "full",
-                                   num_layers: int | None = None) -> int:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, granularity: str = "full", num_layers: int | None = None
+) -> int:
     """Checkpoint the first ``num_layers`` blocks (all by default); returns how many were checkpointed."""
     kwargs = _checkpoint_kwargs(granularity)
     if getattr(model, "supports_gradient_checkpointing", False):
@@ -75,8 +80,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, granularity: str = "f
         return len(layers) if num_layers is None else min(num_layers, len(layers))
     blocks = find_blocks(model)
     if blocks is None:
-        raise ConfigError("--checkpoint-activations: the model has no stack of blocks (torch.nn.ModuleList) to "
-                          "checkpoint; call torch.utils.checkpoint in your model instead")
+        raise ConfigError(
+            "--checkpoint-activations: the model has no stack of blocks (torch.nn.ModuleList) to "
+            "checkpoint; call torch.utils.checkpoint in your model instead"
+        )
     chosen = list(blocks)[:num_layers] if num_layers is not None else list(blocks)
     for block in chosen:
         block.forward = _checkpointed_forward(block.forward, kwargs)

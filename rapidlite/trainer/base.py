@@ -33,8 +33,10 @@ def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss, None
-    raise TypeError("run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), "
-                    f"got {type(output).__name__}")
+    raise TypeError(
+        "run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), "
+        f"got {type(output).__name__}"
+    )
 
 
 class CountingIterator:
@@ -96,18 +98,28 @@ class BaseTrainer:
     def model_optimizer_lr_scheduler_provider(self) -> tuple:
         """Return ``(model, optimizer, lr_scheduler)``; None for the optimizer or scheduler means
         "build it from the flags". The scheduler may also be a factory called with the optimizer."""
-        raise NotImplementedError(f"{type(self).__name__} must implement model_optimizer_lr_scheduler_provider")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement model_optimizer_lr_scheduler_provider"
+        )
 
     def run_forward_step(self, batch_or_iterator: Any, model: torch.nn.Module) -> Any:
         """Return a scalar loss (mean over the micro-batch) or ``(loss_sum, num_items)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement run_forward_step")
 
     # ------------------------------------------------------------------ helpers for subclasses
-    def build_data_loader(self, dataset: Any, micro_batch_size: int | None = None, *, shuffle: bool = True,
-                          collate_fn: Callable | None = None, pad: bool | None = None) -> DeviceDataLoader:
+    def build_data_loader(
+        self,
+        dataset: Any,
+        micro_batch_size: int | None = None,
+        *,
+        shuffle: bool = True,
+        collate_fn: Callable | None = None,
+        pad: bool | None = None,
+    ) -> DeviceDataLoader:
         """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device."""
-        return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn,
-                                             pad=pad)
+        return self.engine.build_data_loader(
+            dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad
+        )
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
@@ -118,7 +130,8 @@ class BaseTrainer:
         self.total_iters = total_iters
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
-            model, optimizer, scheduler, total_iters=total_iters)
+            model, optimizer, scheduler, total_iters=total_iters
+        )
         if self.args.load is not None:
             self.load_checkpoint()
         if self.engine.is_main_process:
@@ -130,7 +143,8 @@ class BaseTrainer:
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
             f"{a.global_batch_size} | iterations: {total_iters}"
-            + (f" (resuming at {self.iteration})" if self.iteration else ""))
+            + (f" (resuming at {self.iteration})" if self.iteration else "")
+        )
 
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
@@ -144,8 +158,10 @@ class BaseTrainer:
             loss, items = unpack_loss(forward())
             step_mode = "mean" if items is None else "sum"
             if mode is not None and step_mode != mode:
-                raise TypeError("run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
-                                "in another; return one kind")
+                raise TypeError(
+                    "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
+                    "in another; return one kind"
+                )
             mode = step_mode
             optimizer.backward(loss)
             losses.append(loss.detach().float())
@@ -165,8 +181,15 @@ class BaseTrainer:
     # ------------------------------------------------------------------ logging
     @staticmethod
     def _new_interval() -> dict[str, Any]:
-        return {"loss": torch.zeros(()), "steps": 0, "skipped": 0, "samples": 0, "tokens": 0,
-                "tokens_known": True, "start": time.perf_counter()}
+        return {
+            "loss": torch.zeros(()),
+            "steps": 0,
+            "skipped": 0,
+            "samples": 0,
+            "tokens": 0,
+            "tokens_known": True,
+            "start": time.perf_counter(),
+        }
 
     def count_batch(self, samples: int, tokens: int | None) -> None:
         """Record the data a step consumed (this rank's), for throughput and ``consumed_samples``."""
@@ -220,8 +243,9 @@ class BaseTrainer:
         record = {"split": split, "iteration": self.iteration, **extra}
         for key, value in metrics.items():
             record[key] = float(value) if isinstance(value, torch.Tensor) else value
-        self.logger.info(f"evaluation ({split}) | " + format_record(
-            {k: v for k, v in record.items() if k != "split"}))
+        self.logger.info(
+            f"evaluation ({split}) | " + format_record({k: v for k, v in record.items() if k != "split"})
+        )
         if self._metrics is not None:
             self._metrics.write(record, split)
         if split == "validation":
@@ -255,7 +279,9 @@ class BaseTrainer:
         args = self.args
         iteration, state = ckpt.load_checkpoint(args.load, self.model, weights_only=args.finetune)
         if args.finetune:
-            self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
+            self.logger.info(
+                f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0"
+            )
             return
         trainer = state["trainer"]
         self.iteration = int(trainer["iteration"])
@@ -300,8 +326,10 @@ class BaseTrainer:
 def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
     """``(train, valid, test[, collate_fn])`` from a datasets provider, with a clear error otherwise."""
     if not isinstance(provided, (tuple, list)) or len(provided) not in (3, 4):
-        raise TypeError("train_valid_test_datasets_provider must return (train, valid, test) or "
-                        "(train, valid, test, collate_fn)")
+        raise TypeError(
+            "train_valid_test_datasets_provider must return (train, valid, test) or "
+            "(train, valid, test, collate_fn)"
+        )
     train, valid, test = provided[:3]
     return train, valid, test, provided[3] if len(provided) == 4 else None
 

@@ -28,12 +28,21 @@ class PreTrainer(BaseTrainer):
     """
 
     def _loader(self, dataset: Any, collate_fn: Any, consumed_samples: int) -> CountingIterator:
-        sampler = PretrainingBatchSampler(len(dataset), consumed_samples, self.args.micro_batch_size,
-                                          rank=self.engine.dp_rank, world_size=self.engine.dp_size)
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn,
-                                             num_workers=self.args.num_workers,
-                                             pin_memory=self.engine.device.type == "cuda",
-                                             generator=torch.Generator().manual_seed(self.args.seed))
+        sampler = PretrainingBatchSampler(
+            len(dataset),
+            consumed_samples,
+            self.args.micro_batch_size,
+            rank=self.engine.dp_rank,
+            world_size=self.engine.dp_size,
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=self.args.num_workers,
+            pin_memory=self.engine.device.type == "cuda",
+            generator=torch.Generator().manual_seed(self.args.seed),
+        )
         return CountingIterator(iter(DeviceDataLoader(loader, self.engine.device)))
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
@@ -61,11 +70,14 @@ class PreTrainer(BaseTrainer):
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
         eval_interval = args.eval_interval or args.train_iters
         global_batch = args.global_batch_size
-        num_samples = [args.train_iters * global_batch,
-                       (args.train_iters // eval_interval + 1) * args.eval_iters * global_batch,
-                       args.eval_iters * global_batch]
+        num_samples = [
+            args.train_iters * global_batch,
+            (args.train_iters // eval_interval + 1) * args.eval_iters * global_batch,
+            args.eval_iters * global_batch,
+        ]
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(
-            self.train_valid_test_datasets_provider(num_samples))
+            self.train_valid_test_datasets_provider(num_samples)
+        )
         if train_ds is None or len(train_ds) == 0:
             raise DataError("the training dataset is empty")
         self.setup_model(args.train_iters)
@@ -73,18 +85,25 @@ class PreTrainer(BaseTrainer):
         self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
         # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
         # the uninterrupted run would be.
-        valid_consumed = (self.iteration // eval_interval) * args.eval_iters * global_batch \
-            if args.eval_interval else 0
-        self.valid_data_iterator = self._loader(valid_ds, collate_fn, valid_consumed) \
-            if valid_ds is not None and len(valid_ds) > 0 else None
-        self.test_data_iterator = self._loader(test_ds, collate_fn, 0) \
-            if test_ds is not None and len(test_ds) > 0 else None
+        valid_consumed = (
+            (self.iteration // eval_interval) * args.eval_iters * global_batch if args.eval_interval else 0
+        )
+        self.valid_data_iterator = (
+            self._loader(valid_ds, collate_fn, valid_consumed)
+            if valid_ds is not None and len(valid_ds) > 0
+            else None
+        )
+        self.test_data_iterator = (
+            self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
+        )
 
         self.begin_training()
         iterator = self.train_data_iterator
         while self.iteration < args.train_iters:
-            self.train_step(lambda: self.run_forward_step(iterator, self.model)
-                            for _ in range(args.gradient_accumulation_steps))
+            self.train_step(
+                lambda: self.run_forward_step(iterator, self.model)
+                for _ in range(args.gradient_accumulation_steps)
+            )
             samples, tokens = iterator.take_counts()
             self.count_batch(samples, tokens)
             self.after_step(samples)

@@ -1,0 +1,582 @@
+"""Data loading for ``--task sequence_classification``.
+
+Three steps, each usable on its own:
+
+* :func:`load_raw_datasets` turns ``--data-path`` (a local directory, a local file or a dataset hub
+  name) into a ``datasets.DatasetDict`` with splits among ``train``, ``validation`` and ``test``;
+* :func:`detect_columns` finds the text column(s) and the label column;
+* :func:`build_text_classification_data` maps labels to ids, tokenizes and returns a
+  :class:`TextClassificationData` with a padding ``collate_fn``.
+
+Every problem the user can fix is raised as :class:`rapidlite.errors.DataError` with one line naming
+the flag or file.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rapidlite.errors import DataError
+
+if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be fast)
+    import datasets
+    import torch
+
+EXTENSIONS: tuple[str, ...] = ("csv", "tsv", "json", "jsonl", "parquet")
+SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
+    "train": ("train",),
+    "validation": ("validation", "dev", "valid"),
+    "test": ("test",),
+}
+# Hub datasets name their splits less uniformly than local files (e.g. MNLI's "validation_matched").
+_HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
+    "train": ("train",),
+    "validation": ("validation", "dev", "valid", "validation_matched"),
+    "test": ("test", "test_matched"),
+}
+TEXT_LAYOUTS: tuple[tuple[str, ...], ...] = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("question", "sentence"),
+    ("question", "passage"),
+    ("premise", "hypothesis"),
+    ("sentence",),
+    ("text",),
+    ("review",),
+    ("content",),
+    ("document",),
+)
+LABEL_NAMES: tuple[str, ...] = ("label", "labels", "class", "target", "category", "sentiment")
+_STRING_DTYPES = ("string", "large_string")
+_SPLIT_ORDER = ("train", "validation", "test")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Parse a Megatron-style ``--split`` ("969,30,1", "98,2", "0.9,0.1") into 3 normalized weights."""
+    parts = [p.strip() for p in str(split).split(",")]
+    fix = 'use 1 to 3 comma-separated non-negative numbers, e.g. "969,30,1" or "0.9,0.1"'
+    if not 1 <= len(parts) <= 3 or any(not p for p in parts):
+        raise DataError(f"--split {split!r}: malformed; {fix}")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise DataError(f"--split {split!r}: not a number; {fix}") from None
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--split {split!r}: weights must be non-negative and not all zero; {fix}")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
+def _split_sizes(num_rows: int, weights: Sequence[float]) -> list[int]:
+    """Row counts per weight, from rounded cumulative boundaries (as Megatron does)."""
+    bounds = [0]
+    cumulative = 0.0
+    for w in weights:
+        cumulative += w
+        bounds.append(round(cumulative * num_rows))
+    bounds[-1] = num_rows
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    # A split the user asked for must not silently vanish through rounding on small data.
+    for i, w in enumerate(weights):
+        if w > 0 and sizes[i] == 0:
+            donor = max(range(len(sizes)), key=lambda j: sizes[j])
+            if sizes[donor] > 1:
+                sizes[donor] -= 1
+                sizes[i] = 1
+    return sizes
+
+
+def _split_dataset(
+    ds: datasets.Dataset, weights: Sequence[float], names: Sequence[str], seed: int, what: str
+) -> dict[str, datasets.Dataset]:
+    """Seeded shuffle of ``ds``, then cut into ``names`` by ``weights``; zero-weight names are omitted."""
+    import numpy as np
+
+    sizes = _split_sizes(len(ds), weights)
+    order = np.random.default_rng(seed).permutation(len(ds))
+    out: dict[str, datasets.Dataset] = {}
+    start = 0
+    for name, weight, size in zip(names, weights, sizes, strict=True):
+        if weight > 0:
+            if size == 0:
+                raise DataError(f"{what}: only {len(ds)} rows, too few to carve out a {name} split; add rows")
+            out[name] = ds.select(order[start : start + size], keep_in_memory=True)
+        start += size
+    return out
+
+
+def _builder_for(path: str) -> tuple[str, dict[str, Any]]:
+    ext = path.rsplit(".", 1)[-1].lower()
+    if ext == "tsv":
+        # TSV files (GLUE and friends) do not quote fields; a stray '"' must not swallow the next lines.
+        return "csv", {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
+    if ext in ("json", "jsonl"):
+        return "json", {}
+    return ext, {}
+
+
+def _load_file(path: str) -> datasets.Dataset:
+    """Load one local data file as a single ``Dataset``; any failure is a DataError naming the file."""
+    import datasets
+
+    builder, kwargs = _builder_for(path)
+    try:
+        ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
+    except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
+        raise DataError(
+            f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})"
+        ) from e
+    return ds
+
+
+def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str:
+    """``Type: message`` of ``e`` on one line; ``root`` follows the chain to the innermost exception."""
+    # datasets wraps parser errors in a generic DatasetGenerationError; the root cause says what is wrong.
+    seen = {id(e)}
+    while root and (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    text = " ".join(str(e).split()) or type(e).__name__
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+def _find_split_file(directory: str, split: str) -> str | None:
+    found = [
+        os.path.join(directory, f"{stem}.{ext}")
+        for stem in SPLIT_FILE_STEMS[split]
+        for ext in EXTENSIONS
+        if os.path.isfile(os.path.join(directory, f"{stem}.{ext}"))
+    ]
+    if len(found) > 1:
+        names = ", ".join(os.path.basename(f) for f in found)
+        raise DataError(f"--data-path {directory}: several {split} files ({names}); keep only one")
+    return found[0] if found else None
+
+
+def _looks_like_path(name: str) -> bool:
+    # A hub name is "name" or "owner/name"; anything else cannot be on the hub, so skip the hub lookup.
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or name.rsplit(".", 1)[-1].lower() in EXTENSIONS
+    )
+
+
+def load_raw_datasets(
+    data_path: str,
+    data_name: str | None = None,
+    data_dir: str | None = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+) -> datasets.DatasetDict:
+    """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
+
+    * Local directory: ``train.*``, ``validation.*`` (or ``dev.*``/``valid.*``) and optional ``test.*``
+      with extension csv, tsv, json, jsonl or parquet. ``data_name`` and ``data_dir``, if given, are
+      sub-directories to descend into (``--data-path glue --data-name sst2``). Without a validation
+      file, validation is carved out of train (seeded shuffle) with the fraction
+      ``w_validation / (w_train + w_validation)`` of the ``--split`` weights; the test weight is not
+      used because test comes only from a ``test.*`` file.
+    * Local file: shuffled with ``seed`` and cut into train/validation/test by ``--split``; splits with
+      zero weight are left out.
+    * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
+      data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
+    """
+    import datasets
+
+    if not data_path:
+        raise DataError("--data-path: empty; pass a local directory, a data file or a dataset hub name")
+    weights = parse_split(split)  # validate early, even if a validation file makes it unused
+    path = os.path.expanduser(data_path)
+
+    if os.path.isdir(path):
+        for flag, sub in (("--data-name", data_name), ("--data-dir", data_dir)):
+            if sub:
+                path = os.path.join(path, sub)
+                if not os.path.isdir(path):
+                    raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
+        return _load_local_dir(path, weights, seed)
+
+    if os.path.isfile(path):
+        if data_name or data_dir:
+            flag = "--data-name" if data_name else "--data-dir"
+            raise DataError(
+                f"{flag}: only applies to a directory or hub dataset, but --data-path {data_path} "
+                "is a file; drop the flag"
+            )
+        ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+        if ext not in EXTENSIONS:
+            raise DataError(
+                f"--data-path {data_path}: unsupported file type; use one of "
+                f"{', '.join('.' + e for e in EXTENSIONS)}"
+            )
+        ds = _load_file(path)
+        if len(ds) == 0:
+            raise DataError(f"--data-path {data_path}: the file has no rows")
+        parts = _split_dataset(ds, weights, _SPLIT_ORDER, seed, f"--data-path {data_path}")
+        return datasets.DatasetDict(parts)
+
+    if _looks_like_path(data_path):
+        raise DataError(f"--data-path {data_path}: no such file or directory")
+    return _load_hub(data_path, data_name, data_dir, weights, seed)
+
+
+def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> datasets.DatasetDict:
+    import datasets
+
+    files = {name: _find_split_file(directory, name) for name in _SPLIT_ORDER}
+    if files["train"] is None:
+        expected = ", ".join(f"train.{e}" for e in EXTENSIONS[:-1]) + f" or train.{EXTENSIONS[-1]}"
+        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
+    parts = {name: _load_file(f) for name, f in files.items() if f is not None}
+    if len(parts["train"]) == 0:
+        raise DataError(f"{files['train']}: the train file has no rows")
+    if "validation" not in parts:
+        parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {directory}"))
+    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts})
+
+
+def _carve_validation(
+    train: datasets.Dataset, weights: Sequence[float], seed: int, what: str
+) -> dict[str, datasets.Dataset]:
+    w_train, w_valid = weights[0], weights[1]
+    if w_valid == 0:
+        return {"train": train}
+    if w_train == 0:
+        raise DataError(
+            f"--split: gives train no weight, but validation must be carved out of {what}'s "
+            "train split; give train a positive weight"
+        )
+    return _split_dataset(train, (w_train, w_valid), ("train", "validation"), seed, what)
+
+
+def _load_hub(
+    name: str, data_name: str | None, data_dir: str | None, weights: Sequence[float], seed: int
+) -> datasets.DatasetDict:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(name, data_name, data_dir=data_dir)
+    except Exception as e:  # offline, unknown name, bad config: all mean "the hub could not provide it"
+        raise DataError(
+            f"--data-path {name}: not a local file or directory, and the dataset hub could not provide it "
+            f"({_short_reason(e)}); pass a local directory with train/validation files"
+        ) from e
+    if not isinstance(loaded, datasets.DatasetDict):  # defensive: load_dataset without split= is a dict
+        loaded = datasets.DatasetDict({"train": loaded})
+    parts: dict[str, datasets.Dataset] = {}
+    for target, aliases in _HUB_SPLIT_ALIASES.items():
+        hit = next((a for a in aliases if a in loaded), None)
+        if hit is not None:
+            parts[target] = loaded[hit]
+    if "train" not in parts:
+        raise DataError(
+            f"--data-path {name}: the hub dataset has no train split (it has: "
+            f"{', '.join(loaded.keys())}); pass a local directory with train/validation files"
+        )
+    if "validation" not in parts:
+        parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {name}"))
+    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts})
+
+
+# --------------------------------------------------------------------------------------------------
+# Column detection
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_string_feature(feature: Any) -> bool:
+    # datasets 5 infers CSV/JSON text as "large_string", not "string".
+    return getattr(feature, "dtype", None) in _STRING_DTYPES and type(feature).__name__ == "Value"
+
+
+def detect_columns(
+    dataset: datasets.Dataset, text_keys: list[str] | None = None, label_key: str | None = None
+) -> tuple[tuple[str, ...], str]:
+    """Return ``(text_columns, label_column)`` of ``dataset``, honouring ``--text-keys``/``--label-key``."""
+    columns = list(dataset.column_names)
+    available = ", ".join(columns)
+
+    if label_key is not None:
+        if label_key not in columns:
+            raise DataError(f"--label-key {label_key}: no such column (available: {available})")
+        label = label_key
+    else:
+        found = next((c for c in LABEL_NAMES if c in columns), None)
+        if found is None:
+            raise DataError(
+                f"--label-key: no label column found (tried {', '.join(LABEL_NAMES)}; "
+                f"available: {available}); name the label column with --label-key"
+            )
+        label = found
+
+    if text_keys:
+        keys = tuple(text_keys)
+        missing = [k for k in keys if k not in columns]
+        if missing:
+            raise DataError(
+                f"--text-keys {','.join(keys)}: no such column {', '.join(missing)} (available: {available})"
+            )
+        if len(keys) > 2:
+            raise DataError(
+                f"--text-keys {','.join(keys)}: at most two text columns (a sentence pair) are supported"
+            )
+        if label in keys:
+            raise DataError(
+                f"--text-keys {','.join(keys)}: includes the label column {label}; "
+                "pick other text columns or another --label-key"
+            )
+        return keys, label
+
+    for layout in TEXT_LAYOUTS:
+        if all(c in columns for c in layout) and label not in layout:
+            return layout, label
+    strings = tuple(c for c in columns if c != label and _is_string_feature(dataset.features[c]))
+    if not strings:
+        raise DataError(
+            f"--text-keys: no text column found (available: {available}); "
+            "name one or two text columns with --text-keys"
+        )
+    return strings[:2], label
+
+
+# --------------------------------------------------------------------------------------------------
+# Labels, tokenization, batching
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TextClassificationData:
+    """Tokenized splits plus what the model and metrics need to know about the labels."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset | None
+    test: datasets.Dataset | None
+    num_labels: int
+    id2label: dict[int, str]
+    text_keys: tuple[str, ...]
+    label_key: str
+    collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]]
+
+
+class PadCollator:
+    """Pads a list of tokenized rows to the longest one; a class (not a closure) so workers can pickle it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        import torch
+
+        # Labels are not a tokenizer input; padding them is not the tokenizer's business.
+        labels = [f["labels"] for f in features] if features and "labels" in features[0] else None
+        inputs = [{k: v for k, v in f.items() if k != "labels"} for f in features]
+        padded = self.tokenizer.pad(inputs, padding="longest", return_tensors="pt")
+        batch = {k: torch.as_tensor(v).to(torch.int64) for k, v in padded.items()}
+        if labels is not None:
+            batch["labels"] = torch.as_tensor(labels, dtype=torch.int64)
+        return batch
+
+
+def _column_values(ds: datasets.Dataset, column: str) -> list[Any]:
+    # Not ds.data: after select() that is still the whole underlying table, in its original order.
+    return list(ds.with_format(None)[column])
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+@dataclass
+class _LabelPlan:
+    """How raw label values become ids; plain data so ``datasets.map`` workers can pickle it."""
+
+    to_id: dict[Any, int] | None  # None: labels are already integer ids
+    num_labels: int
+    id2label: dict[int, str]
+
+    def convert(self, value: Any) -> int:
+        if _is_missing(value):
+            return -1
+        if self.to_id is None:
+            return int(value)
+        return self.to_id[str(value)]
+
+
+def _class_id(value: Any, split: str, label: str) -> int | None:
+    """``value`` as an integer class id (None if missing); the train dtype decided labels are ids."""
+    if _is_missing(value):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not number.is_integer():
+        raise DataError(
+            f"--label-key {label}: {split} label {value!r} is not an integer class id like the train "
+            "labels (regression is not supported); make the labels of all splits consistent"
+        )
+    return int(number)
+
+
+def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
+    """Decide the label mapping from the train (and validation) values and check every split against it."""
+    from datasets import ClassLabel
+
+    feature = splits["train"].features[label]
+    values = {name: _column_values(ds, label) for name, ds in splits.items() if label in ds.column_names}
+    train_values = [v for v in values["train"] if not _is_missing(v)]
+    dtype = getattr(feature, "dtype", None)
+
+    if isinstance(feature, ClassLabel) or (isinstance(dtype, str) and dtype.startswith(("int", "uint"))):
+        mode = "int"
+    elif isinstance(dtype, str) and dtype.startswith("float"):
+        bad = next((v for v in train_values if not float(v).is_integer()), None)
+        if bad is not None:
+            raise DataError(
+                f"--label-key {label}: train label {bad!r} is not a class id; regression is not "
+                "supported, labels must be integers or strings"
+            )
+        mode = "int"
+    else:  # strings, bools and anything else: classes are the sorted distinct train values
+        mode = "str"
+
+    if mode == "str":
+        classes = sorted({str(v) for v in train_values})
+        if not classes:
+            raise DataError(f"--label-key {label}: the train split has no labels")
+        to_id = {c: i for i, c in enumerate(classes)}
+        for name in ("validation", "test"):
+            for v in values.get(name, []):
+                if not _is_missing(v) and str(v) not in to_id:
+                    raise DataError(
+                        f"--label-key {label}: {name} label {v!r} does not occur in train "
+                        f"(train labels: {', '.join(classes[:20])}); fix the {name} file"
+                    )
+        return _LabelPlan(to_id, len(classes), dict(enumerate(classes)))
+
+    # Integer ids: negatives (GLUE test sets use -1) mean "unlabelled" and are dropped from train/validation.
+    ids = {name: [_class_id(v, name, label) for v in vals] for name, vals in values.items()}
+    labelled = [v for name in ("train", "validation") for v in ids.get(name, []) if v is not None]
+    num_labels = max((v for v in labelled if v >= 0), default=-1) + 1
+    names = list(feature.names) if isinstance(feature, ClassLabel) else []
+    num_labels = max(num_labels, len(names))
+    if num_labels == 0:
+        raise DataError(f"--label-key {label}: the train split has no non-negative labels")
+    for v in ids.get("test", []):
+        if v is not None and v >= num_labels:
+            raise DataError(
+                f"--label-key {label}: test label {v} does not occur in train/validation "
+                f"(ids 0..{num_labels - 1}); fix the test file"
+            )
+    id2label = {i: names[i] if i < len(names) else str(i) for i in range(num_labels)}
+    return _LabelPlan(None, num_labels, id2label)
+
+
+def _tokenize_batch(
+    batch: dict[str, list],
+    tokenizer: Any,
+    text_keys: tuple[str, ...],
+    label_key: str | None,
+    plan: _LabelPlan,
+    seq_length: int,
+) -> dict[str, list]:
+    # Empty cells arrive as None and numbers-as-text as ints; the tokenizer wants strings.
+    texts = [["" if v is None else str(v) for v in batch[k]] for k in text_keys]
+    encoded = tokenizer(
+        texts[0], texts[1] if len(texts) > 1 else None, truncation=True, max_length=seq_length
+    )
+    out = dict(encoded)
+    n = len(texts[0])
+    out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [-1] * n
+    return out
+
+
+def build_text_classification_data(
+    raw: datasets.DatasetDict,
+    tokenizer: Any,
+    seq_length: int,
+    text_keys: list[str] | None = None,
+    label_key: str | None = None,
+    num_proc: int | None = None,
+) -> TextClassificationData:
+    """Detect columns, map labels to ids and tokenize every split of ``raw`` (nothing is cached on disk).
+
+    Rows with a negative or missing label are dropped from train/validation; test rows are kept with
+    label -1 (also when the test split has no label column at all).
+    """
+    if "train" not in raw:
+        raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
+    if seq_length < 2:
+        raise DataError(f"--seq-length {seq_length}: too short; use at least 2 (room for [CLS] and [SEP])")
+    splits = {name: raw[name] for name in _SPLIT_ORDER if name in raw}
+    keys, label = detect_columns(splits["train"], text_keys, label_key)
+    for name, ds in splits.items():
+        missing = [k for k in keys if k not in ds.column_names]
+        if name != "test" and label not in ds.column_names:
+            missing.append(label)
+        if missing:
+            raise DataError(
+                f"--data-path: the {name} split lacks column {', '.join(missing)} that train has "
+                f"(it has: {', '.join(ds.column_names)}); make the files' columns consistent"
+            )
+    if len(splits["train"]) == 0:
+        raise DataError("--data-path: the train split is empty; add training rows")
+
+    plan = _plan_labels(splits, label)
+    out: dict[str, datasets.Dataset | None] = {"train": None, "validation": None, "test": None}
+    for name, ds in splits.items():
+        has_label = label in ds.column_names
+        if name != "test":
+            labels = [plan.convert(v) for v in _column_values(ds, label)]
+            keep = [i for i, y in enumerate(labels) if y >= 0]
+            if not keep:
+                raise DataError(
+                    f"--data-path: the {name} split has no labelled rows (labels missing or "
+                    "negative); add labels or use another file"
+                )
+            if len(keep) < len(ds):
+                ds = ds.select(keep, keep_in_memory=True)
+        out[name] = ds.map(
+            _tokenize_batch,
+            batched=True,
+            remove_columns=ds.column_names,
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "text_keys": keys,
+                "label_key": label if has_label else None,
+                "plan": plan,
+                "seq_length": seq_length,
+            },
+            num_proc=num_proc,
+            # Nothing may be written next to the user's data or into the cache of a previous tokenizer.
+            keep_in_memory=True,
+            load_from_cache_file=False,
+            desc=f"Tokenizing {name}",
+        )
+
+    assert out["train"] is not None
+    return TextClassificationData(
+        train=out["train"],
+        validation=out["validation"],
+        test=out["test"],
+        num_labels=plan.num_labels,
+        id2label=plan.id2label,
+        text_keys=keys,
+        label_key=label,
+        collate_fn=PadCollator(tokenizer),
+    )

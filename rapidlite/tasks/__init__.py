@@ -1,0 +1,1 @@
+"""Black-box tasks: ordinary trainer subclasses, chosen by ``--task``."""

@@ -1,0 +1,142 @@
+"""``--task sequence_classification``: fine-tune ``AutoModelForSequenceClassification`` on tabular text.
+
+The black box is an ordinary ``Finetuner`` subclass: everything here is reachable from a user script.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torchmetrics.functional.classification import binary_f1_score, multiclass_accuracy, multiclass_f1_score
+
+from rapidlite.data.text_classification import build_text_classification_data, load_raw_datasets
+from rapidlite.errors import ConfigError
+from rapidlite.trainer import Finetuner
+
+DEFAULT_SEQ_LENGTH = 128
+
+
+def _load_error(what: str, name: str, error: Exception) -> ConfigError:
+    reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"--pretrained-model-name-or-path {name}: cannot load the {what} ({reason}); pass a local "
+        "model directory or a hub name reachable from this machine"
+    )
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise _load_error("tokenizer", name, e) from None
+
+
+def classification_metrics(
+    logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int
+) -> dict[str, float]:
+    """Accuracy and F1 (positive class for two labels, macro average for more), from torchmetrics."""
+    preds, target = logits_argmax.cpu(), labels.cpu()
+    if num_labels == 2:
+        f1 = binary_f1_score(preds, target)
+    else:
+        f1 = multiclass_f1_score(preds, target, num_classes=num_labels, average="macro")
+    accuracy = multiclass_accuracy(preds, target, num_classes=max(num_labels, 2), average="micro")
+    return {"accuracy": float(accuracy), "f1": float(f1)}
+
+
+class SequenceClassificationFinetuner(Finetuner):
+    """Text (or text pair) classification; labels may be ints or strings (mapped and saved in the config)."""
+
+    def train_valid_test_datasets_provider(self):
+        args = self.args
+        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
+        raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+        self.data = build_text_classification_data(
+            raw,
+            self.tokenizer,
+            seq_length=args.seq_length or DEFAULT_SEQ_LENGTH,
+            text_keys=args.text_keys,
+            label_key=args.label_key,
+        )
+        self.logger.info(
+            f"data: {len(self.data.train)} train / "
+            f"{len(self.data.validation) if self.data.validation is not None else 0} validation "
+            f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels"
+        )
+        test = self.data.test
+        if test is not None and not any(label >= 0 for label in test["labels"]):
+            test = None  # unlabelled test split (GLUE style): nothing to score
+        return self.data.train, self.data.validation, test, self.data.collate_fn
+
+    def model_optimizer_lr_scheduler_provider(self):
+        from transformers import AutoModelForSequenceClassification
+
+        name = self.args.pretrained_model_name_or_path
+        id2label = {int(k): str(v) for k, v in self.data.id2label.items()}
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                name,
+                num_labels=self.data.num_labels,
+                id2label=id2label,
+                label2id={v: k for k, v in id2label.items()},
+                ignore_mismatched_sizes=True,
+            )
+        except Exception as e:
+            raise _load_error("model", name, e) from None
+        if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id  # GPT-style models need it to pool
+        return model, None, None
+
+    def run_forward_step(self, batch, model):
+        return model(**batch).loss
+
+    def run_compute_metrics(self, model, eval_dataloader) -> dict[str, float]:
+        model = model[0]
+        preds, labels = [], []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for batch in eval_dataloader:
+            outputs = model(**batch)
+            keep = batch["labels"] >= 0
+            preds.append(self.gather(outputs.logits.argmax(dim=-1)[keep]))
+            labels.append(self.gather(batch["labels"][keep]))
+            loss_sum += outputs.loss.double().cpu() * int(keep.sum())
+        preds_t, labels_t = torch.cat(preds), torch.cat(labels)
+        metrics = classification_metrics(preds_t, labels_t, self.data.num_labels)
+        count = self.engine.all_reduce_sum(torch.tensor(float(len(labels_t)), dtype=torch.float64))
+        metrics["loss"] = float(self.engine.all_reduce_sum(loss_sum) / count.clamp(min=1))
+        return metrics
+
+
+def prepare_demo(args) -> None:
+    """Point the run at the embedded offline demo: a tiny BERT and generated data in the cache."""
+    from rapidlite.tasks.demo import write_demo_assets
+
+    cache = os.environ.get("RAPIDLITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rapidlite"
+    )
+    model_dir, data_dir = write_demo_assets(os.path.join(cache, "demo-sequence-classification"), seed=1234)
+    args.pretrained_model_name_or_path = str(model_dir)
+    args.data_path = [str(data_dir)]
+
+
+# Flags the demo starts from; any flag given on the command line wins (it comes later in argv).
+DEMO_ARGS = [
+    "--micro-batch-size",
+    "32",
+    "--lr",
+    "1e-3",
+    "--epochs",
+    "3",
+    "--seq-length",
+    "64",
+    "--log-interval",
+    "20",
+    "--weight-decay",
+    "0.01",
+    "--clip-grad",
+    "1.0",
+]
