@@ -48,16 +48,20 @@ def collate_fn(examples):
 train_dataloader = finetuner.build_data_loader(tokenized["train"], collate_fn=collate_fn)
 eval_dataloader = finetuner.build_data_loader(tokenized["validation"], shuffle=False, collate_fn=collate_fn)
 
-model = AutoModelForSequenceClassification.from_pretrained(args.pretrained_model_name_or_path,
-                                                           num_labels=len(label2id), ignore_mismatched_sizes=True)
-lr_scheduler = partial(get_linear_schedule_with_warmup, num_warmup_steps=args.lr_warmup_iters or 0,
-                       num_training_steps=args.epochs * len(train_dataloader))
+model = AutoModelForSequenceClassification.from_pretrained(
+    args.pretrained_model_name_or_path, num_labels=len(label2id), ignore_mismatched_sizes=True
+)
+lr_scheduler = partial(
+    get_linear_schedule_with_warmup,
+    num_warmup_steps=args.lr_warmup_iters or 0,
+    num_training_steps=args.epochs * len(train_dataloader),
+)
 model, optimizer, lr_scheduler = engine.compose(model_obj=model, lr_scheduler_fn=lr_scheduler)
 
 for epoch in range(args.epochs):
     model.train()
     train_dataloader.set_epoch(epoch)
-    for step, batch in enumerate(train_dataloader):
+    for batch in train_dataloader:
         loss = model(**batch).loss
         engine.backward(loss)
         optimizer.step()

@@ -48,7 +48,8 @@ class MyFinetuner(Finetuner):
     def model_optimizer_lr_scheduler_provider(self):
         args = get_args()
         model = AutoModelForSequenceClassification.from_pretrained(
-            args.pretrained_model_name_or_path, num_labels=len(self.label2id), ignore_mismatched_sizes=True)
+            args.pretrained_model_name_or_path, num_labels=len(self.label2id), ignore_mismatched_sizes=True
+        )
         return model, None, None  # None: optimizer and schedule from the flags
 
     def run_forward_step(self, batch, model):
@@ -62,8 +63,12 @@ class MyFinetuner(Finetuner):
                 logits = model(**batch).logits
             predictions.append(self.gather(logits.argmax(dim=-1)))
             references.append(self.gather(batch["labels"]))
-        accuracy = multiclass_accuracy(torch.cat(predictions).cpu(), torch.cat(references).cpu(),
-                                       num_classes=max(len(self.label2id), 2), average="micro")
+        accuracy = multiclass_accuracy(
+            torch.cat(predictions).cpu(),
+            torch.cat(references).cpu(),
+            num_classes=max(len(self.label2id), 2),
+            average="micro",
+        )
         return {"accuracy": float(accuracy)}
 
 

@@ -65,14 +65,21 @@ class MyPreTrainer(PreTrainer):
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         args = get_args()
         seq = args.seq_length or 32
-        train, valid, test = (CountingDataset(max(n, 1), seq, self.vocab_size, seed=args.seed + i)
-                              for i, n in enumerate(train_val_test_num_samples))
+        train, valid, test = (
+            CountingDataset(max(n, 1), seq, self.vocab_size, seed=args.seed + i)
+            for i, n in enumerate(train_val_test_num_samples)
+        )
         return train, valid, test
 
     def model_optimizer_lr_scheduler_provider(self):
         args = get_args()
-        model = TinyCausalLM(self.vocab_size, args.hidden_size or 64, args.num_layers or 2,
-                             args.num_attention_heads or 4, args.seq_length or 32)
+        model = TinyCausalLM(
+            self.vocab_size,
+            args.hidden_size or 64,
+            args.num_layers or 2,
+            args.num_attention_heads or 4,
+            args.seq_length or 32,
+        )
         return model, None, None
 
     def run_forward_step(self, data_iterator, model):

@@ -58,9 +58,7 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         help="maximum sequence length (tokens); default 128 for fine-tuning",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument(
-        "--hidden-dropout", type=float, default=None, help="override the model's hidden dropout probability"
-    )
+    g.add_argument("--hidden-dropout", type=float, default=None, help="override the model's hidden dropout probability")
     g.add_argument(
         "--attention-dropout",
         type=float,
@@ -125,17 +123,11 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    g.add_argument(
-        "--loss-scale", type=float, default=None, help="static loss scale for fp16 (default: dynamic)"
-    )
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument(
-        "--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles"
-    )
-    g.add_argument(
-        "--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves"
-    )
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves")
 
 
 def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
@@ -162,9 +154,7 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shard optimizer state across data-parallel ranks",
     )
-    g.add_argument(
-        "--zero-2-memory-optimization", action="store_true", help="shard optimizer state and gradients"
-    )
+    g.add_argument("--zero-2-memory-optimization", action="store_true", help="shard optimizer state and gradients")
     g.add_argument(
         "--zero-3-memory-optimization",
         action="store_true",
@@ -188,9 +178,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-name", default=None, help="hub dataset configuration, e.g. mrpc")
     g.add_argument("--data-dir", default=None, help="hub dataset data_dir")
-    g.add_argument(
-        "--split", default="969,30,1", help="train,valid,test weights used to split a single data source"
-    )
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights used to split a single data source")
     g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
     g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
@@ -202,9 +190,7 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory (also metrics.jsonl)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR/latest")
-    g.add_argument(
-        "--finetune", action="store_true", help="with --load: load weights only and restart at iteration 0"
-    )
+    g.add_argument("--finetune", action="store_true", help="with --load: load weights only and restart at iteration 0")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -407,8 +393,7 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
     for attr, flag in pending:
         if getattr(args, attr):
             raise NotImplementedYetError(
-                f"{flag} is not implemented yet in this version of rapidlite; "
-                "drop the flag to train without it"
+                f"{flag} is not implemented yet in this version of rapidlite; drop the flag to train without it"
             )
     for attr, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),

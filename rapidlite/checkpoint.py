@@ -82,9 +82,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module, state: dict[str, Any]
-) -> Path:
+def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
     """Write ``DIR/iter_N`` atomically and point ``DIR/latest`` at it. ``state`` holds everything but the
     weights (optimizer, scheduler, scaler, RNG, data position), as tensors and plain containers."""
     save_dir = Path(save_dir)
@@ -126,8 +124,7 @@ def latest_iteration(load_dir: str | os.PathLike) -> int:
     text = latest.read_text().strip()
     if not text.isdigit():
         raise CheckpointError(
-            f"--load {load_dir}: '{LATEST_FILE}' is corrupt (holds {text[:40]!r}, expected an "
-            "iteration number)"
+            f"--load {load_dir}: '{LATEST_FILE}' is corrupt (holds {text[:40]!r}, expected an iteration number)"
         )
     return int(text)
 

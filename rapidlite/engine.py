@@ -166,9 +166,7 @@ class RapidliteEngine:
         out = [model, wrapped, scheduler]
         for loader in (train_dataloader, eval_dataloader):
             if loader is not None:
-                out.append(
-                    loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device)
-                )
+                out.append(loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device))
         return tuple(out)
 
     # ------------------------------------------------------------------ helpers for user loops

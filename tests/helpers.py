@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidlite import Finetuner, PreTrainer, RapidliteEngine
+from rapidlite import Finetuner, RapidliteEngine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,9 @@ class VariableLengthData(torch.utils.data.Dataset):
 
     def __init__(self, n: int = 32, vocab: int = 20, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.items = [torch.randint(1, vocab, (int(torch.randint(3, 17, (1,), generator=g)),), generator=g)
-                      for _ in range(n)]
+        self.items = [
+            torch.randint(1, vocab, (int(torch.randint(3, 17, (1,), generator=g)),), generator=g) for _ in range(n)
+        ]
 
     def __len__(self):
         return len(self.items)
@@ -128,7 +129,6 @@ def read_metrics(save_dir: str | os.PathLike) -> list[dict]:
 def run_cli(*argv: str, cwd: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``rapidlite ARGV`` in a fresh process, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "rapidlite", *argv], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
-
-
+    return subprocess.run(
+        [sys.executable, "-m", "rapidlite", *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )

@@ -31,8 +31,9 @@ def test_flag_set_is_frozen():
 
 
 def test_batch_arithmetic():
-    args = parse_args(["--task", "sequence_classification", "--demo", "--micro-batch-size", "4",
-                       "--global-batch-size", "32"])
+    args = parse_args(
+        ["--task", "sequence_classification", "--demo", "--micro-batch-size", "4", "--global-batch-size", "32"]
+    )
     assert args.gradient_accumulation_steps == 8
     args = parse_args(["--task", "sequence_classification", "--demo", "--micro-batch-size", "4"])
     assert args.global_batch_size == 4 and args.gradient_accumulation_steps == 1
@@ -56,17 +57,23 @@ def test_extra_args_provider():
 
 
 BAD_INPUTS = [
-    (["--task", "sequence_classification", "--demo", "--micro-batch-size", "3", "--global-batch-size", "10"],
-     "--global-batch-size 10 is not divisible"),
+    (
+        ["--task", "sequence_classification", "--demo", "--micro-batch-size", "3", "--global-batch-size", "10"],
+        "--global-batch-size 10 is not divisible",
+    ),
     (["--task", "sequence_classification", "--demo", "--fp16", "--bf16"], "--fp16 and --bf16 are exclusive"),
-    (["--task", "sequence_classification", "--demo", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"],
-     "exclusive"),
+    (
+        ["--task", "sequence_classification", "--demo", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"],
+        "exclusive",
+    ),
     (["--task", "sequence_classification", "--demo", "--micro-batch-size", "0"], "--micro-batch-size 0"),
     (["--task", "sequence_classification", "--demo", "--lr", "-1"], "--lr -1.0: must be positive"),
     (["--task", "translation"], "--task translation: unknown task"),
     (["--user-script", "/nonexistent/train.py"], "--user-script /nonexistent/train.py: file not found"),
-    (["--task", "sequence_classification", "--demo", "--lr-decay-style", "exponential"],
-     "--lr-decay-style exponential: unknown"),
+    (
+        ["--task", "sequence_classification", "--demo", "--lr-decay-style", "exponential"],
+        "--lr-decay-style exponential: unknown",
+    ),
     (["--task", "sequence_classification", "--demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--task", "sequence_classification"], "needs --pretrained-model-name-or-path and --data-path"),
     (["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization"], "not implemented yet"),
@@ -96,8 +103,12 @@ def test_bad_flag_in_user_script_run_directly(tmp_path):
     """``python my_script.py <bad flags>``: the engine's hook prints one line and exits 2."""
     script = tmp_path / "s.py"
     script.write_text("from rapidlite import RapidliteEngine\nRapidliteEngine()\n")
-    proc = subprocess.run([sys.executable, str(script), "--global-batch-size", "3", "--micro-batch-size", "2"],
-                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": ""})
+    proc = subprocess.run(
+        [sys.executable, str(script), "--global-batch-size", "3", "--micro-batch-size", "2"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "not divisible" in proc.stderr
     assert "Traceback" not in proc.stderr

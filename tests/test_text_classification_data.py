@@ -45,9 +45,7 @@ def write_jsonl(path, rows):
 
 
 def sentiment_rows(n, offset=0):
-    return [
-        (f"the movie was {'good' if i % 2 else 'bad'} {'very ' * (i % 3)}.", i % 2) for i in range(offset, n)
-    ]
+    return [(f"the movie was {'good' if i % 2 else 'bad'} {'very ' * (i % 3)}.", i % 2) for i in range(offset, n)]
 
 
 def ds(columns):
@@ -166,9 +164,7 @@ def test_unknown_hub_name_fails_fast_offline(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.monotonic()
-    with pytest.raises(
-        DataError, match=r"--data-path no_such_dataset_rapidlite: not a local file or directory"
-    ):
+    with pytest.raises(DataError, match=r"--data-path no_such_dataset_rapidlite: not a local file or directory"):
         load_raw_datasets("no_such_dataset_rapidlite", "cfg")
     assert time.monotonic() - start < 10
 
@@ -249,9 +245,7 @@ def test_negative_labels_dropped_from_train_kept_in_test(tokenizer):
 def test_labels_stay_aligned_with_text_after_a_seeded_split(tmp_path, tokenizer):
     word = {1: "good", 0: "bad", -1: "awful"}
     write_csv(tmp_path / "all.csv", ["text", "label"], [(word[i % 3 - 1], i % 3 - 1) for i in range(60)])
-    data = build_text_classification_data(
-        load_raw_datasets(str(tmp_path / "all.csv"), split="70,30"), tokenizer, 8
-    )
+    data = build_text_classification_data(load_raw_datasets(str(tmp_path / "all.csv"), split="70,30"), tokenizer, 8)
     ids = {tokenizer.convert_tokens_to_ids(w): y for y, w in word.items()}
     for split in (data.train, data.validation):
         assert len(split) > 0

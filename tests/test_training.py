@@ -8,11 +8,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, MLP, ToyFinetuner, TokenSumFinetuner, engine, params, read_metrics
+from helpers import MLP, REPO, TokenSumFinetuner, ToyFinetuner, engine, params, read_metrics
 from rapidlite.errors import CheckpointError
 
-SGD = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "0.05", "--lr-decay-style", "constant",
-       "--clip-grad", "0", "--weight-decay", "0"]
+SGD = [
+    "--optimizer",
+    "sgd",
+    "--sgd-momentum",
+    "0",
+    "--lr",
+    "0.05",
+    "--lr-decay-style",
+    "constant",
+    "--clip-grad",
+    "0",
+    "--weight-decay",
+    "0",
+]
 
 
 def train(trainer_cls, *argv, **kwargs):
@@ -47,16 +59,15 @@ def test_accumulation_equals_one_big_batch():
 def test_loss_sum_num_items_normalises_over_the_global_batch():
     """Padded variable-length micro-batches: (loss_sum, num_tokens) makes 2 x 4 equal 8 x 1 exactly,
     where averaging per-micro-batch means does not."""
-    small = train(TokenSumFinetuner, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
-                  *SGD)
-    big = train(TokenSumFinetuner, "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "3",
-                *SGD)
+    small = train(TokenSumFinetuner, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", *SGD)
+    big = train(TokenSumFinetuner, "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "3", *SGD)
     assert_params_close(params(small.model), params(big.model), rtol=1e-6)
 
     TokenSumFinetuner.mean_mode = True
     try:
-        small_mean = train(TokenSumFinetuner, "--micro-batch-size", "2", "--global-batch-size", "8",
-                           "--train-iters", "3", *SGD)
+        small_mean = train(
+            TokenSumFinetuner, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", *SGD
+        )
     finally:
         TokenSumFinetuner.mean_mode = False
     # The per-micro-batch mean is a different (wrong) weighting.
@@ -82,9 +93,24 @@ class OverflowFinetuner(ToyFinetuner):
 
 
 def test_fp16_overflow_step_is_skipped(tmp_path):
-    t = train(OverflowFinetuner, "--fp16", "--hysteresis", "1", "--initial-loss-scale", "1024",
-              "--micro-batch-size", "8", "--train-iters", "5", "--log-interval", "1", "--lr", "0.01",
-              "--save", str(tmp_path))
+    t = train(
+        OverflowFinetuner,
+        "--fp16",
+        "--hysteresis",
+        "1",
+        "--initial-loss-scale",
+        "1024",
+        "--micro-batch-size",
+        "8",
+        "--train-iters",
+        "5",
+        "--log-interval",
+        "1",
+        "--lr",
+        "0.01",
+        "--save",
+        str(tmp_path),
+    )
     assert t.engine.precision.dtype == torch.float16
     assert t.optimizer.skipped_steps == 1
     before, skipped, after = t.snapshots[1], t.snapshots[2], t.snapshots[3]
@@ -131,8 +157,24 @@ def _resume_runs(tmp_path, trainer_cls, common):
 
 def test_resume_is_bit_exact_mid_epoch_with_dropout(tmp_path):
     # 64 samples, global 8: 8 iterations per epoch; the interruption at 12 is mid-epoch.
-    common = ["--micro-batch-size", "4", "--global-batch-size", "8", "--epochs", "3", "--lr", "0.01",
-              "--lr-decay-iters", "24", "--lr-warmup-iters", "3", "--log-interval", "1", "--seed", "7"]
+    common = [
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--epochs",
+        "3",
+        "--lr",
+        "0.01",
+        "--lr-decay-iters",
+        "24",
+        "--lr-warmup-iters",
+        "3",
+        "--log-interval",
+        "1",
+        "--seed",
+        "7",
+    ]
     a, b, full, part = _resume_runs(tmp_path, lambda e: ToyFinetuner(e, dropout=0.3), common)
     losses_full = {r["iteration"]: r["loss"] for r in read_metrics(full) if "loss" in r and "split" not in r}
     losses_part = {r["iteration"]: r["loss"] for r in read_metrics(part) if "loss" in r and "split" not in r}
@@ -140,17 +182,40 @@ def test_resume_is_bit_exact_mid_epoch_with_dropout(tmp_path):
     assert losses_part == losses_full  # bit for bit, including data order and dropout masks
     for k, v in params(a.model).items():
         assert torch.equal(v, params(b.model)[k]), k
-    assert torch.equal(load_file(full / "iter_0000024" / "model.safetensors")["net.0.weight"],
-                       load_file(part / "iter_0000024" / "model.safetensors")["net.0.weight"])
+    assert torch.equal(
+        load_file(full / "iter_0000024" / "model.safetensors")["net.0.weight"],
+        load_file(part / "iter_0000024" / "model.safetensors")["net.0.weight"],
+    )
 
 
 def test_pretrainer_resume_is_bit_exact(tmp_path):
     sys.path.insert(0, str(REPO / "examples"))
     from pretrain_custom_model import MyPreTrainer
 
-    common = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "24", "--lr", "3e-3",
-              "--lr-warmup-iters", "4", "--lr-decay-style", "cosine", "--log-interval", "1", "--eval-interval", "8",
-              "--eval-iters", "2", "--seq-length", "16", "--hidden-size", "32"]
+    common = [
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "24",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "4",
+        "--lr-decay-style",
+        "cosine",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "8",
+        "--eval-iters",
+        "2",
+        "--seq-length",
+        "16",
+        "--hidden-size",
+        "32",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     a = train(MyPreTrainer, *common, "--save", str(full))
     part_args = [x if x != "24" else "12" for x in common]
@@ -211,8 +276,9 @@ def test_load_errors_are_one_line(tmp_path):
 
 def test_finetune_loads_weights_only(tmp_path):
     first = train(ToyFinetuner, "--micro-batch-size", "8", "--train-iters", "4", "--save", str(tmp_path / "a"))
-    second = ToyFinetuner(engine("--micro-batch-size", "8", "--train-iters", "4", "--load", str(tmp_path / "a"),
-                                 "--finetune"))
+    second = ToyFinetuner(
+        engine("--micro-batch-size", "8", "--train-iters", "4", "--load", str(tmp_path / "a"), "--finetune")
+    )
     second.setup_model(4)
     assert second.iteration == 0
     for k, v in params(first.model).items():
@@ -224,13 +290,24 @@ def test_activation_checkpointing_gives_same_numbers():
     sys.path.insert(0, str(REPO / "examples"))
     from pretrain_custom_model import MyPreTrainer
 
-    argv = ["--micro-batch-size", "4", "--train-iters", "3", "--seq-length", "16", "--hidden-size", "32",
-            "--lr", "1e-3", "--num-layers", "3"]
+    argv = [
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "3",
+        "--seq-length",
+        "16",
+        "--hidden-size",
+        "32",
+        "--lr",
+        "1e-3",
+        "--num-layers",
+        "3",
+    ]
     plain = train(MyPreTrainer, *argv)
     for granularity, layers in (("full", None), ("selective", None), ("full", "2")):
         extra = ["--recompute-num-layers", layers] if layers else []
-        ckpt = train(MyPreTrainer, *argv, "--checkpoint-activations", "--recompute-granularity", granularity,
-                     *extra)
+        ckpt = train(MyPreTrainer, *argv, "--checkpoint-activations", "--recompute-granularity", granularity, *extra)
         blocks = ckpt.model.blocks
         wrapped = [hasattr(b.forward, "__wrapped__") for b in blocks]
         assert wrapped == ([True, True, False] if layers else [True] * 3)

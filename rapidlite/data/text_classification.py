@@ -135,9 +135,7 @@ def _load_file(path: str) -> datasets.Dataset:
     try:
         ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
     except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
-        raise DataError(
-            f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})"
-        ) from e
+        raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
     return ds
 
 
@@ -222,8 +220,7 @@ def load_raw_datasets(
         ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
         if ext not in EXTENSIONS:
             raise DataError(
-                f"--data-path {data_path}: unsupported file type; use one of "
-                f"{', '.join('.' + e for e in EXTENSIONS)}"
+                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in EXTENSIONS)}"
             )
         ds = _load_file(path)
         if len(ds) == 0:
@@ -332,9 +329,7 @@ def detect_columns(
                 f"--text-keys {','.join(keys)}: no such column {', '.join(missing)} (available: {available})"
             )
         if len(keys) > 2:
-            raise DataError(
-                f"--text-keys {','.join(keys)}: at most two text columns (a sentence pair) are supported"
-            )
+            raise DataError(f"--text-keys {','.join(keys)}: at most two text columns (a sentence pair) are supported")
         if label in keys:
             raise DataError(
                 f"--text-keys {','.join(keys)}: includes the label column {label}; "
@@ -348,8 +343,7 @@ def detect_columns(
     strings = tuple(c for c in columns if c != label and _is_string_feature(dataset.features[c]))
     if not strings:
         raise DataError(
-            f"--text-keys: no text column found (available: {available}); "
-            "name one or two text columns with --text-keys"
+            f"--text-keys: no text column found (available: {available}); name one or two text columns with --text-keys"
         )
     return strings[:2], label
 
@@ -497,9 +491,7 @@ def _tokenize_batch(
 ) -> dict[str, list]:
     # Empty cells arrive as None and numbers-as-text as ints; the tokenizer wants strings.
     texts = [["" if v is None else str(v) for v in batch[k]] for k in text_keys]
-    encoded = tokenizer(
-        texts[0], texts[1] if len(texts) > 1 else None, truncation=True, max_length=seq_length
-    )
+    encoded = tokenizer(texts[0], texts[1] if len(texts) > 1 else None, truncation=True, max_length=seq_length)
     out = dict(encoded)
     n = len(texts[0])
     out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [-1] * n

@@ -285,9 +285,7 @@ def write_demo_assets(
         existing = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         existing = None
-    complete = all((data_dir / f).is_file() for f in data_files) and all(
-        (model_dir / f).is_file() for f in model_files
-    )
+    complete = all((data_dir / f).is_file() for f in data_files) and all((model_dir / f).is_file() for f in model_files)
     if existing == manifest and complete:
         return model_dir, data_dir
 

@@ -35,9 +35,7 @@ def load_tokenizer(name: str) -> Any:
         raise _load_error("tokenizer", name, e) from None
 
 
-def classification_metrics(
-    logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int
-) -> dict[str, float]:
+def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict[str, float]:
     """Accuracy and F1 (positive class for two labels, macro average for more), from torchmetrics."""
     preds, target = logits_argmax.cpu(), labels.cpu()
     if num_labels == 2:

@@ -98,9 +98,7 @@ class BaseTrainer:
     def model_optimizer_lr_scheduler_provider(self) -> tuple:
         """Return ``(model, optimizer, lr_scheduler)``; None for the optimizer or scheduler means
         "build it from the flags". The scheduler may also be a factory called with the optimizer."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement model_optimizer_lr_scheduler_provider"
-        )
+        raise NotImplementedError(f"{type(self).__name__} must implement model_optimizer_lr_scheduler_provider")
 
     def run_forward_step(self, batch_or_iterator: Any, model: torch.nn.Module) -> Any:
         """Return a scalar loss (mean over the micro-batch) or ``(loss_sum, num_items)``."""
@@ -117,9 +115,7 @@ class BaseTrainer:
         pad: bool | None = None,
     ) -> DeviceDataLoader:
         """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device."""
-        return self.engine.build_data_loader(
-            dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad
-        )
+        return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
@@ -243,9 +239,7 @@ class BaseTrainer:
         record = {"split": split, "iteration": self.iteration, **extra}
         for key, value in metrics.items():
             record[key] = float(value) if isinstance(value, torch.Tensor) else value
-        self.logger.info(
-            f"evaluation ({split}) | " + format_record({k: v for k, v in record.items() if k != "split"})
-        )
+        self.logger.info(f"evaluation ({split}) | " + format_record({k: v for k, v in record.items() if k != "split"}))
         if self._metrics is not None:
             self._metrics.write(record, split)
         if split == "validation":
@@ -279,9 +273,7 @@ class BaseTrainer:
         args = self.args
         iteration, state = ckpt.load_checkpoint(args.load, self.model, weights_only=args.finetune)
         if args.finetune:
-            self.logger.info(
-                f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0"
-            )
+            self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
             return
         trainer = state["trainer"]
         self.iteration = int(trainer["iteration"])
@@ -327,8 +319,7 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
     """``(train, valid, test[, collate_fn])`` from a datasets provider, with a clear error otherwise."""
     if not isinstance(provided, (tuple, list)) or len(provided) not in (3, 4):
         raise TypeError(
-            "train_valid_test_datasets_provider must return (train, valid, test) or "
-            "(train, valid, test, collate_fn)"
+            "train_valid_test_datasets_provider must return (train, valid, test) or (train, valid, test, collate_fn)"
         )
     train, valid, test = provided[:3]
     return train, valid, test, provided[3] if len(provided) == 4 else None

@@ -75,9 +75,7 @@ class PreTrainer(BaseTrainer):
             (args.train_iters // eval_interval + 1) * args.eval_iters * global_batch,
             args.eval_iters * global_batch,
         ]
-        train_ds, valid_ds, test_ds, collate_fn = split_datasets(
-            self.train_valid_test_datasets_provider(num_samples)
-        )
+        train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider(num_samples))
         if train_ds is None or len(train_ds) == 0:
             raise DataError("the training dataset is empty")
         self.setup_model(args.train_iters)
@@ -85,13 +83,9 @@ class PreTrainer(BaseTrainer):
         self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
         # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
         # the uninterrupted run would be.
-        valid_consumed = (
-            (self.iteration // eval_interval) * args.eval_iters * global_batch if args.eval_interval else 0
-        )
+        valid_consumed = (self.iteration // eval_interval) * args.eval_iters * global_batch if args.eval_interval else 0
         self.valid_data_iterator = (
-            self._loader(valid_ds, collate_fn, valid_consumed)
-            if valid_ds is not None and len(valid_ds) > 0
-            else None
+            self._loader(valid_ds, collate_fn, valid_consumed) if valid_ds is not None and len(valid_ds) > 0 else None
         )
         self.test_data_iterator = (
             self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
@@ -101,8 +95,7 @@ class PreTrainer(BaseTrainer):
         iterator = self.train_data_iterator
         while self.iteration < args.train_iters:
             self.train_step(
-                lambda: self.run_forward_step(iterator, self.model)
-                for _ in range(args.gradient_accumulation_steps)
+                lambda: self.run_forward_step(iterator, self.model) for _ in range(args.gradient_accumulation_steps)
             )
             samples, tokens = iterator.take_counts()
             self.count_batch(samples, tokens)
