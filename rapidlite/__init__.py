@@ -1,14 +1,39 @@
 """rapidlite: Megatron-style speed and memory switches for training transformer models."""
 
-from rapidlite.engine import RapidliteEngine
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from rapidlite.errors import CheckpointError, ConfigError, DataError, RapidliteError
-from rapidlite.global_vars import get_args, get_logger, get_timers
-from rapidlite.trainer import Finetuner, PreTrainer
 
 __version__ = "0.1.0"
 
-# Rapidformer spells it Pretrainer in places.
-Pretrainer = PreTrainer
+# The engine and templates import torch; they load on first use so that ``rapidlite --help`` and flag
+# errors answer at once.
+_LAZY = {
+    "RapidliteEngine": "rapidlite.engine",
+    "Finetuner": "rapidlite.trainer",
+    "PreTrainer": "rapidlite.trainer",
+    "Pretrainer": "rapidlite.trainer",  # Rapidformer spells it so in places
+    "get_args": "rapidlite.global_vars",
+    "get_logger": "rapidlite.global_vars",
+    "get_timers": "rapidlite.global_vars",
+}
+
+if TYPE_CHECKING:
+    from rapidlite.engine import RapidliteEngine
+    from rapidlite.global_vars import get_args, get_logger, get_timers
+    from rapidlite.trainer import Finetuner, PreTrainer, Pretrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rapidlite' has no attribute {name!r}")
+
 
 __all__ = [
     "RapidliteEngine",

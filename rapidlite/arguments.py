@@ -329,6 +329,10 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
             )
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    if args.load is not None:
+        from rapidlite.checkpoint import latest_iteration  # a missing checkpoint fails before any loading
+
+        latest_iteration(args.load)
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.epochs is None:

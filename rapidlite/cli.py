@@ -35,19 +35,19 @@ def run_user_script(script: str, argv: list[str]) -> int:
 
 
 def run_task(argv: list[str]) -> int:
+    # Flags are parsed (and --help answered) before the heavy task modules are imported.
     from rapidlite.arguments import parse_args
-    from rapidlite.engine import RapidliteEngine
-    from rapidlite.tasks.sequence_classification import (
-        DEMO_ARGS,
-        SequenceClassificationFinetuner,
-        prepare_demo,
-    )
+    from rapidlite.tasks import demo
 
     if "--demo" in argv:
-        argv = DEMO_ARGS + argv
+        argv = [*demo.DEMO_ARGS, *argv]
     args = parse_args(argv)
     if args.demo:
-        prepare_demo(args)
+        demo.prepare_demo(args)
+
+    from rapidlite.engine import RapidliteEngine
+    from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
+
     tasks = {"sequence_classification": SequenceClassificationFinetuner}
     trainer = tasks[args.task](engine=RapidliteEngine(args=args))
     metrics = trainer.train()

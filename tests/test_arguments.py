@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -79,6 +80,7 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization"], "not implemented yet"),
     (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "not implemented yet"),
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
+    (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),
     ([], "no task given"),
 ]
 
@@ -117,3 +119,18 @@ def test_bad_flag_in_user_script_run_directly(tmp_path):
 def test_config_error_type():
     with pytest.raises(ConfigError):
         parse_args(["--task", "sequence_classification", "--demo", "--min-lr", "1", "--lr", "0.1"])
+
+
+def test_help_and_flag_errors_do_not_import_torch():
+    """``--help`` and flag mistakes answer before torch, transformers and the task modules are imported."""
+    code = (
+        "import sys\n"
+        "from rapidlite.cli import main\n"
+        "assert main(['--task', 'sequence_classification', '--demo', '--fp16', '--bf16']) == 2\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

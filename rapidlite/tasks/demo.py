@@ -314,3 +314,23 @@ def write_demo_assets(
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, manifest_path)
     return model_dir, data_dir
+
+
+def cache_dir() -> str:
+    """Where embedded demo assets are written once: ``$RAPIDLITE_CACHE``, else ``~/.cache/rapidlite``."""
+    return os.environ.get("RAPIDLITE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rapidlite"
+    )
+
+
+def prepare_demo(args) -> None:
+    """Point the run at the embedded offline demo: a tiny BERT and generated data in the cache."""
+    model_dir, data_dir = write_demo_assets(os.path.join(cache_dir(), "demo-sequence-classification"), seed=1234)
+    args.pretrained_model_name_or_path = str(model_dir)
+    args.data_path = [str(data_dir)]
+
+
+# Flags the demo starts from; any flag given on the command line wins (it comes later in argv).
+DEMO_ARGS = (
+    "--micro-batch-size 32 --lr 1e-3 --epochs 3 --seq-length 64 --log-interval 20 --weight-decay 0.01 --clip-grad 1.0"
+).split()

@@ -5,7 +5,6 @@ The black box is an ordinary ``Finetuner`` subclass: everything here is reachabl
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -107,34 +106,3 @@ class SequenceClassificationFinetuner(Finetuner):
         count = self.engine.all_reduce_sum(torch.tensor(float(len(labels_t)), dtype=torch.float64))
         metrics["loss"] = float(self.engine.all_reduce_sum(loss_sum) / count.clamp(min=1))
         return metrics
-
-
-def prepare_demo(args) -> None:
-    """Point the run at the embedded offline demo: a tiny BERT and generated data in the cache."""
-    from rapidlite.tasks.demo import write_demo_assets
-
-    cache = os.environ.get("RAPIDLITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rapidlite"
-    )
-    model_dir, data_dir = write_demo_assets(os.path.join(cache, "demo-sequence-classification"), seed=1234)
-    args.pretrained_model_name_or_path = str(model_dir)
-    args.data_path = [str(data_dir)]
-
-
-# Flags the demo starts from; any flag given on the command line wins (it comes later in argv).
-DEMO_ARGS = [
-    "--micro-batch-size",
-    "32",
-    "--lr",
-    "1e-3",
-    "--epochs",
-    "3",
-    "--seq-length",
-    "64",
-    "--log-interval",
-    "20",
-    "--weight-decay",
-    "0.01",
-    "--clip-grad",
-    "1.0",
-]
