@@ -325,3 +325,48 @@ def test_metrics_jsonl_records(tmp_path):
     assert steps[-1]["consumed_samples"] == 128
     assert [r["iteration"] for r in evals] == [8, 16] and all("loss" in r for r in evals)
     assert Path(tmp_path, "latest").read_text().strip() == "16"
+
+
+def test_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    train(ToyFinetuner, "--micro-batch-size", "8", "--epochs", "1", "--log-interval", "2", "--tensorboard-dir", str(tb))
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "validation/loss"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+
+
+def saved_activation_bytes(model, tokens):
+    """Bytes autograd keeps for the backward pass of one forward (checkpointed regions keep only inputs)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).float().sum().backward()
+    return total
+
+
+def test_activation_checkpointing_cuts_saved_activations():
+    sys.path.insert(0, str(REPO / "examples"))
+    from pretrain_custom_model import TinyCausalLM
+
+    from rapidlite.parallel.recompute import apply_activation_checkpointing
+
+    tokens = torch.randint(0, 64, (8, 128))
+    sizes = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = TinyCausalLM(64, hidden=64, layers=4, heads=4, seq=128, dropout=0.0)
+        if checkpointed:
+            apply_activation_checkpointing(model, "full")
+        sizes[checkpointed] = saved_activation_bytes(model, tokens)
+    # Measured: 19.3 MB without, 1.6 MB with (the blocks keep only their inputs). Selective recompute keeps
+    # its matmul outputs inside the checkpoint's own cache, out of this hook's sight, so it is not compared.
+    assert sizes[True] < 0.25 * sizes[False], sizes
