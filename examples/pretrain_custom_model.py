@@ -33,7 +33,9 @@ class Block(nn.Module):
     def __init__(self, hidden: int, heads: int, dropout: float):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        # No q/k/v bias: a key bias shifts all scores of a query equally, so softmax makes its gradient zero
+        # and the optimizer would only amplify rounding noise.
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
         self.heads, self.dropout = heads, nn.Dropout(dropout)
 

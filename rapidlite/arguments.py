@@ -207,12 +207,21 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distributed")
-    g.add_argument("--nproc-per-node", type=int, default=None)
-    g.add_argument("--nnodes", type=int, default=None)
-    g.add_argument("--node-rank", type=int, default=None)
-    g.add_argument("--master-addr", default=None)
-    g.add_argument("--master-port", type=int, default=None)
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    g.add_argument(
+        "--nproc-per-node", type=int, default=None, help="processes per node (default: visible GPUs, else 1)"
+    )
+    g.add_argument("--nnodes", type=int, default=None, help="nodes (default: $NNODES or 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: $NODE_RANK or 0)")
+    g.add_argument("--master-addr", default=None, help="rendezvous host (default: $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: $MASTER_PORT)")
+    g.add_argument(
+        "--distributed-backend", choices=("nccl", "gloo"), default=None, help="default: nccl on GPUs, else gloo"
+    )
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="collective timeout")
+    g.add_argument(
+        "--max-restarts", type=int, default=0, help="restarts of the whole worker group after a failure (torchrun)"
+    )
+    g.add_argument("--per-rank-logs", action="store_true", help="every rank also logs to --save DIR/logs/rank<R>.log")
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
@@ -289,12 +298,15 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         "recompute_num_layers",
         "nproc_per_node",
         "nnodes",
+        "distributed_timeout_minutes",
     ):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    if args.num_workers < 0:
-        raise ConfigError(f"--num-workers {args.num_workers}: must be >= 0")
+    for name in ("num_workers", "max_restarts", "node_rank"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
     for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -311,6 +323,7 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _resolve_precision(args)
     _resolve_recompute(args)
     _refuse_unimplemented(args)
+    _validate_data_parallel(args)
     _resolve_batch(args)
 
     if args.task == "sequence_classification" and args.user_script is None and not args.demo:
@@ -386,11 +399,6 @@ def _resolve_recompute(args: argparse.Namespace) -> None:
 def _refuse_unimplemented(args: argparse.Namespace) -> None:
     """Flags whose features come in later releases: refused loudly, never silently ignored."""
     pending = [
-        ("zero_1_memory_optimization", "--zero-1-memory-optimization"),
-        ("zero_2_memory_optimization", "--zero-2-memory-optimization"),
-        ("zero_3_memory_optimization", "--zero-3-memory-optimization"),
-        ("fsdp_memory_optimization", "--fsdp-memory-optimization"),
-        ("cpu_offload", "--cpu-offload"),
         ("onnx_runtime_training", "--onnx-runtime-training"),
         ("torch_compile", "--torch-compile"),
     ]
@@ -408,14 +416,6 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
                 f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
                 "yet in this version of rapidlite; use 1"
             )
-    nproc = args.nproc_per_node or 1
-    nnodes = args.nnodes or _env_int("NNODES", 1)
-    world = _env_int("WORLD_SIZE", nproc * nnodes)
-    if world != 1:
-        raise NotImplementedYetError(
-            f"a world of {world} processes (--nproc-per-node/--nnodes/WORLD_SIZE) "
-            "is not implemented yet in this version of rapidlite; run one process"
-        )
     if args.task == "pretraining" and args.user_script is None:
         raise NotImplementedYetError(
             "--task pretraining is not implemented yet in this version of rapidlite; "
@@ -423,9 +423,49 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
         )
 
 
+def _default_nproc_per_node() -> int:
+    import torch  # only when the flag is not given: --help and flag errors stay fast
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def target_world_size(args: argparse.Namespace) -> int:
+    """Processes of the whole job: the launcher's WORLD_SIZE inside a worker, else nodes x processes."""
+    launched = _env_int("WORLD_SIZE", 0)
+    if launched:
+        return launched
+    nnodes = args.nnodes or _env_int("NNODES", 1)
+    return nnodes * (args.nproc_per_node or _default_nproc_per_node())
+
+
+def _validate_data_parallel(args: argparse.Namespace) -> None:
+    stages = [
+        flag
+        for flag, on in (
+            ("--zero-1-memory-optimization", args.zero_1_memory_optimization),
+            ("--zero-2-memory-optimization", args.zero_2_memory_optimization),
+            ("--zero-3-memory-optimization", args.zero_3_memory_optimization),
+        )
+        if on
+    ]
+    if len(stages) > 1:
+        raise ConfigError(f"{' and '.join(stages)} are exclusive: give one ZeRO stage")
+    if args.fsdp_memory_optimization and (args.zero_1_memory_optimization or args.zero_2_memory_optimization):
+        raise ConfigError(f"--fsdp-memory-optimization is ZeRO-3 already: drop {stages[0]}")
+    if args.cpu_offload and not (
+        args.zero_2_memory_optimization or args.zero_3_memory_optimization or args.fsdp_memory_optimization
+    ):
+        raise ConfigError(
+            "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
+            "--zero-3-memory-optimization or --fsdp-memory-optimization"
+        )
+    if args.per_rank_logs and args.save is None:
+        raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
+
+
 def _resolve_batch(args: argparse.Namespace) -> None:
     """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
-    world = _env_int("WORLD_SIZE", 1)
+    world = target_world_size(args)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     args.world_size = world
     args.data_parallel_size = world // model_parallel

@@ -1,43 +1,79 @@
-"""Checkpoints: atomic save, resume from ``latest``, Hugging Face export.
+"""Checkpoints: sharded save with ``torch.distributed.checkpoint`` (DCP), atomic, resumable under any layout.
 
 Layout of ``--save DIR``::
 
     DIR/latest                 the iteration of the newest complete checkpoint, e.g. "200"
     DIR/iter_0000200/
-        model.safetensors      weights (shared/tied tensors stored once)
-        state.pt               optimizer, scheduler, loss scaler, RNG states, data position
-    DIR/hf/                    final model (+ tokenizer) in Hugging Face format
+        .metadata, __*_*.distcp   DCP: every rank writes its shards of ``model.<name>`` and
+                                  ``optim.<name>.<state>`` tensors; the metadata goes last
+        state.pt               trainer position, LR schedule, loss scaler, skipped steps (rank 0)
+        rng_rank<R>.pt         each rank's RNG states
+    DIR/hf/                    final model (+ tokenizer) in Hugging Face format, gathered on rank 0
     DIR/metrics.jsonl          one JSON object per logged iteration and per evaluation
 
-A checkpoint is written under a hidden temporary name and renamed when complete; only then is
-``latest`` replaced (itself through a temporary file and ``os.replace``). A crash mid-save leaves
-``latest`` pointing at the previous good checkpoint. Loading uses safetensors and
-``torch.load(weights_only=True)``: nothing is unpickled beyond tensors and plain containers.
+Tensors are keyed by parameter name, not by rank, so a checkpoint saved by 2 ranks under ZeRO-3 loads on 1
+rank without ZeRO and the reverse: DCP reads each rank's slice of every tensor from whichever files hold
+it. Only tensors go through DCP; optimizer hyperparameters come from the resumed run's flags.
+
+A checkpoint is written under ``.tmp_iter_N`` and renamed when every rank has finished; only then is
+``latest`` replaced (through a temporary file and ``os.replace``). A crash mid-save leaves ``latest`` at
+the previous good checkpoint. Loading unpickles nothing but tensors and plain containers:
+``torch.load(weights_only=True)`` for the side files and a restricted unpickler for DCP's metadata.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from rapidlite.errors import CheckpointError
 
-MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
+METADATA_FILE = ".metadata"
+MODEL, OPTIM = "model.", "optim."
 
 
 def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _one_process_is_fine():
+    # DCP warns on every call without a process group, which is how one process runs here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
+
+
+# ------------------------------------------------------------------------------------------ RNG
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
@@ -60,6 +96,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ------------------------------------------------------------------------------ tensor state dicts
+def _zero1_local(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer over this rank's share of the parameters, for ZeRO-1's sharded optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (zeros, step 1) with a step at lr 0, so loading has shapes to fill."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not params or all(p in optimizer.state for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _optimizer_tensors(model: torch.nn.Module, optimizer: Any, materialize: bool) -> dict[str, Any]:
+    """``{name: {state_key: tensor}}`` for the parameters whose state lives on this rank."""
+    local = _zero1_local(optimizer)
+    if local is None:
+        return get_optimizer_state_dict(model, optimizer)["state"]
+    if materialize:
+        _materialize_state(local)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: dict(s) for p, s in local.state.items()}
+
+
+def _flatten(model_sd: dict[str, Any], optim_state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    flat = {MODEL + k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    for name, state in (optim_state or {}).items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"{OPTIM}{name}.{key}"] = value
+    return flat
+
+
+# ---------------------------------------------------------------------------------------- saving
 def _write_latest(save_dir: Path, iteration: int) -> None:
     tmp = save_dir / f".{LATEST_FILE}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -82,33 +164,87 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
-    """Write ``DIR/iter_N`` atomically and point ``DIR/latest`` at it. ``state`` holds everything but the
-    weights (optimizer, scheduler, scaler, RNG, data position), as tensors and plain containers."""
+def save_checkpoint(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    model: torch.nn.Module,
+    optimizer: Any | None,
+    state: dict[str, Any],
+) -> Path:
+    """Write ``DIR/iter_N`` atomically from every rank and point ``DIR/latest`` at it (a collective).
+
+    ``state`` holds what is not a tensor of the model or optimizer (trainer position, scheduler, scaler):
+    rank 0 writes it. ``optimizer`` None saves the weights only."""
     save_dir = Path(save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    for stale in save_dir.glob(".tmp_iter_*"):  # left by an earlier crash mid-save
-        shutil.rmtree(stale, ignore_errors=True)
     final = save_dir / checkpoint_name(iteration)
-    tmp = save_dir / f".tmp_{final.name}_{os.getpid()}"
-    tmp.mkdir()
-    try:
-        save_model(model, str(tmp / MODEL_FILE))
+    tmp = save_dir / f".tmp_{final.name}"
+    rank = _rank()
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in save_dir.glob(".tmp_*"):  # left by an earlier crash mid-save
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        tmp.mkdir()
+    _barrier()
+    tensors = _flatten(get_model_state_dict(model), _optimizer_tensors(model, optimizer, False) if optimizer else None)
+    with _one_process_is_fine():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
         torch.save(state, tmp / STATE_FILE)
+    _barrier()  # every rank's files are complete
+    if rank == 0:
         _fsync_dir(tmp)
-        if final.exists():  # saving the same iteration again (e.g. final save after an interval save)
-            old = save_dir / f".tmp_old_{final.name}_{os.getpid()}"
+        if final.exists():  # saving the same iteration again (e.g. a final save after an interval save)
+            old = save_dir / f".tmp_old_{final.name}"
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
         _fsync_dir(save_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_latest(save_dir, iteration)
+        _write_latest(save_dir, iteration)
+    _barrier()
     return final
+
+
+# --------------------------------------------------------------------------------------- loading
+# What DCP's metadata pickle may name: its own dataclasses and the torch types they hold.
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader with its metadata read through an unpickler that only builds DCP's own metadata types."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / METADATA_FILE
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def latest_iteration(load_dir: str | os.PathLike) -> int:
@@ -129,44 +265,98 @@ def latest_iteration(load_dir: str | os.PathLike) -> int:
     return int(text)
 
 
+def _dcp_load(target: dict[str, torch.Tensor], path: Path, load_dir: Any) -> None:
+    try:
+        with _one_process_is_fine():
+            dcp.load(target, storage_reader=SafeFileSystemReader(path), no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP wraps each rank's error; the first line names the problem
+        raise CheckpointError(f"--load {load_dir}: cannot read the checkpoint in {path} ({_first_line(e)})") from None
+
+
+def _checkpoint_keys(path: Path) -> list[str]:
+    return list(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def load_checkpoint(
-    load_dir: str | os.PathLike, model: torch.nn.Module, weights_only: bool = False
+    load_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any | None = None, weights_only: bool = False
 ) -> tuple[int, dict[str, Any] | None]:
-    """Load the weights of ``latest`` into ``model``; return (iteration, state) — state None if weights_only."""
+    """Load ``latest`` into ``model`` (and ``optimizer`` unless None), whatever the layout that saved it.
+
+    Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this rank's ``rng``;
+    None with ``weights_only``. A collective: every rank calls it."""
     iteration = latest_iteration(load_dir)
     path = Path(load_dir) / checkpoint_name(iteration)
-    model_file, state_file = path / MODEL_FILE, path / STATE_FILE
-    for f in (model_file,) if weights_only else (model_file, state_file):
+    state_file = path / STATE_FILE
+    needed = [path / METADATA_FILE] + ([] if weights_only else [state_file])
+    for f in needed:
         if not f.is_file():
             raise CheckpointError(f"--load {load_dir}: checkpoint file {f} is missing")
     try:
-        missing, unexpected = load_model(model, str(model_file), strict=False)
-    except Exception as e:  # safetensors raises plain errors for truncated or mismatched files
-        raise CheckpointError(f"--load {load_dir}: cannot read {model_file} ({_first_line(e)})") from None
+        saved = set(_checkpoint_keys(path))
+    except Exception as e:
+        raise CheckpointError(f"--load {load_dir}: cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
+
+    model_sd = get_model_state_dict(model)
+    missing = sorted(k for k in model_sd if MODEL + k not in saved)
+    unexpected = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL) and k[len(MODEL) :] not in model_sd)
     if missing or unexpected:
         raise CheckpointError(
-            f"--load {load_dir}: {model_file} does not match the model (missing "
-            f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); is it the same "
-            "architecture?"
+            f"--load {load_dir}: the checkpoint does not match the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); is it the same architecture?"
         )
+    optim_state = None
+    if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
+        optim_state = _optimizer_tensors(model, optimizer, materialize=True)
+    target = _flatten(model_sd, optim_state)
+    _dcp_load(target, path, load_dir)
+
+    set_model_state_dict(model, {k[len(MODEL) :]: v for k, v in target.items() if k.startswith(MODEL)})
+    if optim_state is not None:
+        local = _zero1_local(optimizer)
+        if local is None:
+            template = get_optimizer_state_dict(model, optimizer)
+            set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": template["param_groups"]})
+        # ZeRO-1: optim_state holds this rank's live state tensors, which DCP filled in place.
     if weights_only:
         return iteration, None
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
+        rng_file = path / f"rng_rank{_rank()}.pt"
+        state["rng"] = torch.load(rng_file if rng_file.is_file() else path / "rng_rank0.pt", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"--load {load_dir}: cannot read {state_file} ({_first_line(e)})") from None
+    state["optimizer_loaded"] = optim_state is not None
     return iteration, state
 
 
+def read_model_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights of one checkpoint directory, in this process, whoever saved them."""
+    path = Path(checkpoint_dir)
+    metadata = SafeFileSystemReader(path).read_metadata()
+    target = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL) and hasattr(meta, "size")
+    }
+    with _one_process_is_fine():
+        dcp.load(target, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return {k[len(MODEL) :]: v for k, v in target.items()}
+
+
+# ---------------------------------------------------------------------------------------- export
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path | None:
-    """Save a Hugging Face model (and tokenizer) with ``save_pretrained`` in safetensors, atomically.
-    Returns None for models that are not Hugging Face models."""
+    """Save a Hugging Face model (and tokenizer) with ``save_pretrained`` in safetensors, atomically, from
+    the full weights gathered on rank 0 (a collective). Returns None for models that are not Hugging Face
+    models, and on ranks other than 0."""
     if not hasattr(model, "save_pretrained"):
+        return None
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
         return None
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     old = out_dir.with_name(f".tmp_old_{out_dir.name}_{os.getpid()}")

@@ -1,4 +1,9 @@
-"""Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``)."""
+"""Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``).
+
+The same command runs one process or N: when more ranks are asked for than this process is, it re-runs
+itself under torchrun (``rapidlite.launcher``). In a worker, failures are recorded for the launcher and
+the process ends through ``distributed.shutdown``.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from rapidlite.errors import RapidliteError
-
-
-def _fail(error: RapidliteError) -> int:
-    sys.stdout.flush()
-    print(f"rapidlite: error: {error}", file=sys.stderr, flush=True)
-    return error.exit_code
+from rapidlite.errors import ConfigError, RapidliteError
 
 
 def _user_script(argv: list[str]) -> str | None:
@@ -26,12 +25,22 @@ def _user_script(argv: list[str]) -> str | None:
 
 def run_user_script(script: str, argv: list[str]) -> int:
     """Run the script as ``__main__`` with the flags in ``sys.argv``; its engine parses them (and its own)."""
-    if not os.path.isfile(script):
-        raise RapidliteError(f"--user-script {script}: file not found")
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # a script ending with sys.exit(...)
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     return 0
+
+
+def _launch_if_needed(args: argparse.Namespace, argv: list[str]) -> int | None:
+    from rapidlite.launcher import launch, needs_launch
+
+    return launch(args, "rapidlite", argv, module=True) if needs_launch(args) else None
 
 
 def run_task(argv: list[str]) -> int:
@@ -43,7 +52,10 @@ def run_task(argv: list[str]) -> int:
         argv = [*demo.DEMO_ARGS, *argv]
     args = parse_args(argv)
     if args.demo:
-        demo.prepare_demo(args)
+        demo.prepare_demo(args)  # once, before any workers start
+    code = _launch_if_needed(args, argv)
+    if code is not None:
+        return code
 
     from rapidlite.engine import RapidliteEngine
     from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
@@ -60,18 +72,49 @@ def run_task(argv: list[str]) -> int:
     return 0
 
 
+def _run(argv: list[str]) -> int:
+    script = _user_script(argv)
+    if script is None:
+        return run_task(argv)
+    if not os.path.isfile(script):
+        raise ConfigError(f"--user-script {script}: file not found")
+    from rapidlite.arguments import build_parser, validate_args
+
+    # The script may add flags of its own (extra_args_provider): its engine checks those in each worker.
+    args, _ = build_parser().parse_known_args(argv)
+    validate_args(args, require_task=False)
+    code = _launch_if_needed(args, argv)
+    return code if code is not None else run_user_script(script, argv)
+
+
+def _worker_failure(e: BaseException) -> int:
+    from rapidlite.distributed import report_worker_error
+
+    return report_worker_error(e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    worker = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # started by torchrun
     try:
-        script = _user_script(argv)
-        if script is not None:
-            return run_user_script(script, argv)
-        return run_task(argv)
+        code = _run(argv)
     except RapidliteError as e:
-        return _fail(e)
+        code = _worker_failure(e) if worker else e.exit_code
+        if not worker:
+            sys.stdout.flush()
+            print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("rapidlite: interrupted", file=sys.stderr, flush=True)
-        return 130
+        code = 130
+    except Exception as e:
+        if not worker:
+            raise
+        code = _worker_failure(e)
+    if "torch" in sys.modules:  # --help and flag errors never loaded it
+        from rapidlite.distributed import shutdown
+
+        shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
+    return code
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ templates call it too, so a user-owned loop and the built-in loop train the same
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import os
 import random
@@ -19,12 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from rapidlite import distributed
 from rapidlite.arguments import ExtraArgsProvider, parse_args
-from rapidlite.data.loader import DeviceDataLoader, build_data_loader
+from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.global_vars import set_global_args
 from rapidlite.logging import Timers, setup_logger
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
+from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel
 from rapidlite.parallel.recompute import apply_activation_checkpointing
 from rapidlite.precision import LossScaler, Precision, resolve_precision
 
@@ -35,16 +38,13 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)  # seeds every CUDA device too
 
 
-def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def _excepthook(previous: Callable) -> Callable:
+    """``python my_script.py`` runs: a user error is one line and exit code 2; in a torchrun worker every
+    failure is recorded for the launcher instead of printed, and the worker ends cleanly."""
+
     def hook(exc_type, exc, tb):
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            distributed.shutdown(distributed.report_worker_error(exc))
         if isinstance(exc, RapidliteError):
             sys.stdout.flush()
             print(f"rapidlite: error: {exc}", file=sys.stderr, flush=True)
@@ -105,17 +105,38 @@ class RapidliteEngine:
             sys.excepthook = _excepthook(sys.excepthook)
         if args is None:
             args = parse_args(argv, extra_args_provider, require_task=False)
+            if argv is None:  # ``python my_trainer.py --nproc-per-node N``: become the launcher
+                from rapidlite.launcher import launch, needs_launch
+
+                if needs_launch(args):
+                    sys.exit(launch(args, sys.argv[0], sys.argv[1:], module=False))
         self.args = args
         self.timers = Timers()
         set_global_args(args, self.timers)
-        self.rank, self.world_size = 0, args.world_size
-        self.dp_rank, self.dp_size = 0, args.data_parallel_size
-        self.is_main_process = self.rank == 0
-        self.logger = setup_logger(self.rank)
-        self.device = pick_device()
+        self.data_parallel = DataParallelConfig.from_args(args)
+        owned = not distributed.dist.is_initialized()
+        self.dist = distributed.init_distributed(args, need_process_group=self.data_parallel.zero_stage > 0)
+        if owned and self.dist.initialized:
+            # A script's worker ends through the clean teardown (see distributed.shutdown); a private
+            # one-process group is destroyed before the interpreter finalises.
+            atexit.register(
+                distributed.shutdown if distributed.launched_world_size() else distributed.dist.destroy_process_group
+            )
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        self.dp_rank, self.dp_size = self.dist.dp_rank, self.dist.dp_size
+        self.is_main_process = self.dist.is_main_process
+        self.device = self.dist.device
+        log_file = os.path.join(args.save, "logs", f"rank{self.rank}.log") if args.per_rank_logs else None
+        self.logger = setup_logger(self.rank, log_file)
         self.precision = resolve_precision(args.precision, self.device)
         set_seed(args.seed)
         self._optimizer: RapidliteOptimizer | None = None
+        self._gather_trim = GatherTrim()
+
+    @property
+    def strategy(self) -> str:
+        """What trains the model: "single process", "DDP", "ZeRO-1", "ZeRO-3 (FSDP2) + CPU offload", ..."""
+        return self.data_parallel.name if self.dist.initialized else "single process"
 
     # ------------------------------------------------------------------ compose
     def compose(
@@ -140,19 +161,40 @@ class RapidliteEngine:
         model = model if model is not None else model_obj
         if model is None:
             raise TypeError("compose() needs a model")
-        model.to(self.device)
+        dp = self.data_parallel
+        sharded = self.dist.initialized
+        if sharded and dp.zero_stage > 0 and optimizer is not None and not isinstance(optimizer, RapidliteOptimizer):
+            raise ConfigError(
+                f"{dp.name} shards the optimizer, so it must build it: return None for the optimizer from "
+                "model_optimizer_lr_scheduler_provider (or pass none to compose) and set it with the flags"
+            )
+        if not dp.cpu_offload:
+            model.to(self.device)
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
-        if self.precision.dtype is not None and not getattr(model.forward, "rapidlite_autocast", False):
+        fully_sharded = sharded and dp.fully_sharded
+        # Under FSDP the compute dtype is FSDP's mixed-precision policy (as in torchtitan); else autocast.
+        if (
+            self.precision.dtype is not None
+            and not fully_sharded
+            and not getattr(model.forward, "rapidlite_autocast", False)
+        ):
             model.forward = _autocast_forward(model.forward, self.precision)
+        if sharded and not getattr(model, "_rapidlite_parallel", False):
+            apply_data_parallel(model, self.dist.mesh, dp, self.precision.dtype)
+            model._rapidlite_parallel = True
 
         if isinstance(optimizer, RapidliteOptimizer):
             wrapped = optimizer
         else:
-            optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args))
+            zero1_group = self.dist.dp_group if sharded and dp.zero_stage == 1 else None
+            optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), zero1_group)
             scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
-            wrapped = RapidliteOptimizer(optimizer, clip_grad=args.clip_grad, loss_scaler=scaler)
+            reduce_max = functools.partial(self.dist.all_reduce, op="max") if fully_sharded else None
+            wrapped = RapidliteOptimizer(
+                optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, all_reduce_max=reduce_max
+            )
         self._optimizer = wrapped
 
         if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):
@@ -182,11 +224,21 @@ class RapidliteEngine:
         return self.precision.autocast()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every data-parallel rank along dim 0 (one process: itself)."""
-        return tensor
+        """Concatenate ``tensor`` from every data-parallel rank along dim 0 (one process: itself).
+
+        During evaluation over a loader from ``build_data_loader(..., shuffle=False)``, ranks run the same
+        number of batches, the last ones padded with repeats; a tensor with one row per sample of the
+        current batch (predictions, labels, per-sample losses) loses those padding rows here, so metrics
+        over the gathered tensors equal the single-process ones. Gather whole-batch tensors, then filter."""
+        tensor = self._gather_trim(tensor)
+        return self.dist.all_gather(tensor)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        return value
+        """Sum over data-parallel ranks (one process: itself)."""
+        return self.dist.all_reduce(value, "sum")
+
+    def barrier(self) -> None:
+        self.dist.barrier()
 
     def build_data_loader(
         self,
@@ -197,6 +249,8 @@ class RapidliteEngine:
         collate_fn: Callable | None = None,
         pad: bool | None = None,
     ) -> DeviceDataLoader:
+        """Training loaders (``shuffle``) give each rank its share of a seeded shuffle per epoch, padded so
+        ranks stay in step; evaluation loaders keep the order and pad only the last batches (see gather)."""
         return build_data_loader(
             dataset,
             micro_batch_size or self.args.micro_batch_size,
@@ -208,4 +262,5 @@ class RapidliteEngine:
             world_size=self.dp_size,
             num_workers=self.args.num_workers,
             pad=pad,
+            gather_trim=self._gather_trim,
         )

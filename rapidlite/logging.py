@@ -17,15 +17,31 @@ import torch
 LOGGER_NAME = "rapidlite"
 
 
-def setup_logger(rank: int = 0) -> logging.Logger:
-    """Rank 0 logs at INFO; other ranks only warnings, so N ranks do not print N copies."""
+def setup_logger(rank: int = 0, log_file: str | None = None) -> logging.Logger:
+    """Rank 0 logs to the console at INFO, other ranks only warnings, so N ranks do not print N copies.
+    ``log_file``: this rank also writes its INFO log there (``--per-rank-logs``)."""
     logger = logging.getLogger(LOGGER_NAME)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[rapidlite] %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    console = next((h for h in logger.handlers if getattr(h, "rapidlite", "") == "console"), None)
+    if console is None:
+        console = logging.StreamHandler(sys.stdout)
+        console.rapidlite = "console"
+        logger.addHandler(console)
+    console.setFormatter(
+        logging.Formatter("[rapidlite] %(message)s" if rank == 0 else f"[rapidlite rank {rank}] %(message)s")
+    )
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for handler in [h for h in logger.handlers if getattr(h, "rapidlite", "") == "file"]:
+        logger.removeHandler(handler)
+        handler.close()
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.rapidlite = "file"
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        file_handler.setLevel(logging.INFO)
+        logger.addHandler(file_handler)
+    logger.setLevel(logging.INFO)
     return logger
 
 

@@ -51,25 +51,25 @@ def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
     return all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None) -> torch.optim.Optimizer:
+    """AdamW or SGD over decay groups, fused where the device has the kernels. With ``zero1_group`` the
+    optimizer state is sharded over that process group (ZeRO-1)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     fused = _fused_supported(p for g in groups for p in g["params"])
+    kernels = {"fused": fused or None, "foreach": None if fused else True}
     if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            groups,
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            fused=fused or None,
-            foreach=None if fused else True,
-        )
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.sgd_momentum, fused=fused or None, foreach=None if fused else True
-        )
-    raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
+        cls, defaults = torch.optim.AdamW, {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+    elif cfg.name == "sgd":
+        cls, defaults = torch.optim.SGD, {"momentum": cfg.sgd_momentum}
+    else:
+        raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
+    if zero1_group is not None:
+        from rapidlite.parallel.data_parallel import build_zero1_optimizer
+
+        return build_zero1_optimizer(groups, cls, zero1_group, lr=cfg.lr, **defaults, **kernels)
+    return cls(groups, lr=cfg.lr, **defaults, **kernels)
 
 
 class LRScheduler:
@@ -186,11 +186,17 @@ class RapidliteOptimizer:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0, loss_scaler: LossScaler | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float = 0.0,
+        loss_scaler: LossScaler | None = None,
+        all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
+        # Sharded gradients overflow on some ranks only: every rank must agree to skip the step.
+        self.all_reduce_max = all_reduce_max
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
 
@@ -209,8 +215,13 @@ class RapidliteOptimizer:
             loss = loss * self.loss_scaler.scale
         loss.backward()
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    @staticmethod
+    def _local_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        # Sharded (DTensor) gradients are scaled shard by shard.
+        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
 
     def _unscale(self, grads: list[torch.Tensor], grad_divisor: float) -> bool:
         """Divide gradients in place; return whether any is inf/nan (checked only when loss scaling)."""
@@ -223,28 +234,38 @@ class RapidliteOptimizer:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
-        found = []
+        found = torch.zeros(1)
         for device, device_grads in by_device.items():
             found_inf = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 device_grads, found_inf, torch.full((), inv, device=device)
             )
-            found.append(found_inf.cpu())
-        return bool(sum(f.item() for f in found))
+            found += found_inf.cpu()
+        if self.all_reduce_max is not None:
+            found = self.all_reduce_max(found)
+        return bool(found.item())
+
+    def _clip(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The global gradient norm (over every shard of every rank), clipping to ``clip_grad`` if set."""
+        grads = [p.grad for p in params]
+        if not grads:
+            return None
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds a partial sum of squares
+            norm = norm.full_tensor()
+        if self.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm, foreach=True)
+        return norm
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """Returns False when the step was skipped because the gradients overflowed."""
-        grads = self._grads()
-        if self._unscale(grads, grad_divisor):
+        params = self._params()
+        if self._unscale(self._local_grads(params), grad_divisor):
             self.skipped_steps += 1
             self.loss_scaler.update(found_inf=True)
             self.last_grad_norm = None
             return False
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.clip_grad > 0:
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad, foreach=True)
-        elif grads:
-            self.last_grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        self.last_grad_norm = self._clip(params)
         self.optimizer.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)

@@ -11,17 +11,18 @@ from rapidlite.errors import ConfigError
 
 # Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
 FLAGS = """
---adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --checkpoint-activations --clip-grad
---cpu-offload --data-dir --data-impl --data-name --data-path --demo --distributed-backend --epochs --eval-interval
---eval-iters --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size --help
---hidden-dropout --hidden-size --hysteresis --initial-loss-scale --label-key --load --log-interval --loss-scale
---loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction --lr-warmup-iters --master-addr
---master-port --max-position-embeddings --micro-batch-size --min-loss-scale --min-lr --mixed-precision --nnodes
---no-load-optim --no-load-rng --no-save-optim --node-rank --nproc-per-node --num-attention-heads --num-layers
---num-workers --onnx-runtime-training --optimizer --pipeline-model-parallel-size --pretrained-model-name-or-path
---recompute-granularity --recompute-num-layers --save --save-interval --seed --seq-length --sgd-momentum --split
---task --tensor-model-parallel-size --tensorboard-dir --text-keys --torch-compile --train-iters --user-script
---weight-decay --zero-1-memory-optimization --zero-2-memory-optimization --zero-3-memory-optimization
+--adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --checkpoint-activations --clip-grad --cpu-offload
+--data-dir --data-impl --data-name --data-path --demo --distributed-backend --distributed-timeout-minutes --epochs
+--eval-interval --eval-iters --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size
+--help --hidden-dropout --hidden-size --hysteresis --initial-loss-scale --label-key --load --log-interval --loss-
+scale --loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction --lr-warmup-iters --master-
+addr --master-port --max-position-embeddings --max-restarts --micro-batch-size --min-loss-scale --min-lr --mixed-
+precision --nnodes --no-load-optim --no-load-rng --no-save-optim --node-rank --nproc-per-node --num-attention-heads
+--num-layers --num-workers --onnx-runtime-training --optimizer --per-rank-logs --pipeline-model-parallel-size
+--pretrained-model-name-or-path --recompute-granularity --recompute-num-layers --save --save-interval --seed --seq-
+length --sgd-momentum --split --task --tensor-model-parallel-size --tensorboard-dir --text-keys --torch-compile
+--train-iters --user-script --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
+--zero-3-memory-optimization
 """.split()
 
 
@@ -77,7 +78,18 @@ BAD_INPUTS = [
     ),
     (["--task", "sequence_classification", "--demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--task", "sequence_classification"], "needs --pretrained-model-name-or-path and --data-path"),
-    (["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--torch-compile"], "not implemented yet"),
+    (
+        ["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization", "--zero-3-memory-optimization"],
+        "are exclusive: give one ZeRO stage",
+    ),
+    (["--task", "sequence_classification", "--demo", "--cpu-offload"], "--cpu-offload keeps sharded state"),
+    (["--task", "sequence_classification", "--demo", "--nproc-per-node", "0"], "--nproc-per-node 0: must be"),
+    (
+        ["--task", "sequence_classification", "--demo", "--nproc-per-node", "3", "--global-batch-size", "64"],
+        "not divisible by --micro-batch-size 32 x data-parallel size 3",
+    ),
+    (["--task", "sequence_classification", "--demo", "--nnodes", "2", "--nproc-per-node", "1"], "--master-addr"),
     (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "not implemented yet"),
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
     (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from helpers import MLP, REPO, TokenSumFinetuner, ToyFinetuner, engine, params, read_metrics
+from rapidlite.checkpoint import read_model_tensors
 from rapidlite.errors import CheckpointError
 
 SGD = [
@@ -182,10 +182,10 @@ def test_resume_is_bit_exact_mid_epoch_with_dropout(tmp_path):
     assert losses_part == losses_full  # bit for bit, including data order and dropout masks
     for k, v in params(a.model).items():
         assert torch.equal(v, params(b.model)[k]), k
-    assert torch.equal(
-        load_file(full / "iter_0000024" / "model.safetensors")["net.0.weight"],
-        load_file(part / "iter_0000024" / "model.safetensors")["net.0.weight"],
-    )
+    saved_full, saved_part = (read_model_tensors(d / "iter_0000024") for d in (full, part))
+    assert saved_full.keys() == saved_part.keys() == params(a.model).keys()
+    for k, v in saved_full.items():
+        assert torch.equal(v, saved_part[k]) and torch.equal(v, params(a.model)[k]), k
 
 
 def test_pretrainer_resume_is_bit_exact(tmp_path):
@@ -236,7 +236,8 @@ sys.path.insert(0, {tests!r})
 from helpers import ToyFinetuner, engine
 real_save, calls = torch.save, []
 def crashing_save(obj, f, *a, **k):
-    calls.append(f)
+    if str(f).endswith("state.pt"):
+        calls.append(f)
     if len(calls) == 2:  # the second checkpoint: write half a file, then the machine "dies"
         with open(f, "wb") as fh:
             fh.write(b"partial")
@@ -256,7 +257,7 @@ def test_checkpoint_interrupted_mid_write_keeps_latest(tmp_path):
     assert proc.returncode == 9, proc.stderr
     assert (save / "latest").read_text().strip() == "2"
     assert not (save / "iter_0000004").exists()
-    assert list(save.glob(".tmp_iter_0000004_*"))  # the half-written one is there, under a name never loaded
+    assert (save / ".tmp_iter_0000004").is_dir()  # the half-written one is there, under a name never loaded
     resumed = train(ToyFinetuner, *argv[:-2], "--load", str(save), "--save", str(save))
     assert resumed.iteration == 6
     assert (save / "latest").read_text().strip() == "6"

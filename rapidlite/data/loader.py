@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapidlite.data.samplers import EpochSampler
+from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -45,13 +45,29 @@ def batch_stats(batch: Any) -> tuple[int, int | None]:
     return 0, None
 
 
+class GatherTrim:
+    """Which rows of the batch being evaluated are padding (see ``RapidliteEngine.gather``)."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.padding = 0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.padding and tensor.ndim > 0 and tensor.shape[0] == self.rows:
+            return tensor[: self.rows - self.padding]
+        return tensor
+
+
 class DeviceDataLoader:
     """Any batch iterable (usually a ``DataLoader``) whose batches arrive on ``device``. ``set_epoch``
-    reshuffles and can skip ahead; other attributes are the wrapped loader's."""
+    reshuffles and can skip ahead; ``padding_rows`` is the number of padding rows at the tail of the batch
+    last yielded (evaluation loaders over several ranks); other attributes are the wrapped loader's."""
 
-    def __init__(self, loader: Any, device: torch.device) -> None:
+    def __init__(self, loader: Any, device: torch.device, gather_trim: GatherTrim | None = None) -> None:
         self.loader = loader
         self.device = device
+        self.gather_trim = gather_trim
+        self.padding_rows = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loader"], name)
@@ -62,11 +78,35 @@ class DeviceDataLoader:
             sampler.set_epoch(epoch, start=start_batch * (self.loader.batch_size or 1))
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            yield to_device(batch, self.device)
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        padded = isinstance(batch_sampler, EvalBatchSampler)
+        trim = self.gather_trim
+        try:
+            for i, batch in enumerate(self.loader):
+                self.padding_rows = batch_sampler.padding_rows(i) if padded else 0
+                if trim is not None:
+                    trim.rows, trim.padding = batch_stats(batch)[0], self.padding_rows
+                yield to_device(batch, self.device)
+        finally:
+            self.padding_rows = 0
+            if trim is not None:
+                trim.rows, trim.padding = 0, 0
 
     def __len__(self) -> int:
         return len(self.loader)
+
+
+def slice_batch(batch: Any, rows: int) -> Any:
+    """The first ``rows`` samples of a batch (tensors with a leading batch dimension, nested)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows] if batch.ndim > 0 else batch
+    if isinstance(batch, Mapping):
+        return {k: slice_batch(v, rows) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(slice_batch(v, rows) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, rows) for v in batch)
+    return batch
 
 
 def build_data_loader(
@@ -82,12 +122,29 @@ def build_data_loader(
     num_workers: int = 0,
     drop_last: bool = False,
     pad: bool | None = None,
+    gather_trim: GatherTrim | None = None,
 ) -> DeviceDataLoader:
-    """Shard ``dataset`` over data-parallel ranks (a seeded shuffle per epoch) and batch it.
+    """Shard ``dataset`` over data-parallel ranks and batch it.
 
-    Training loaders pad the last shard so ranks stay in step (``pad`` defaults to ``shuffle``);
-    evaluation loaders do not, so every sample is counted exactly once.
+    Training loaders (``shuffle``) take a seeded shuffle per epoch, strided over ranks and padded by
+    wrapping around so ranks stay in step. Evaluation loaders keep the order (``EvalBatchSampler``):
+    equal batch counts on every rank, padding only in the last batches, and ``gather_trim`` told which
+    rows are padding. ``pad=False`` gives each rank its exact share instead (batch counts may differ).
     """
+    # A private generator: creating an iterator must not draw from the global RNG (dropout), or a resumed
+    # run would diverge from an uninterrupted one.
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    common = {
+        "collate_fn": collate_fn,
+        "num_workers": num_workers,
+        "pin_memory": device.type == "cuda",
+        "generator": generator,
+        "persistent_workers": False,
+    }
+    if not shuffle and pad is not False and world_size > 1:
+        batches = EvalBatchSampler(len(dataset), micro_batch_size, rank=rank, world_size=world_size)
+        return DeviceDataLoader(DataLoader(dataset, batch_sampler=batches, **common), device, gather_trim)
     sampler = EpochSampler(
         len(dataset),
         shuffle=shuffle,
@@ -96,19 +153,5 @@ def build_data_loader(
         world_size=world_size,
         pad=shuffle if pad is None else pad,
     )
-    # A private generator: creating an iterator must not draw from the global RNG (dropout), or a resumed
-    # run would diverge from an uninterrupted one.
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    loader = DataLoader(
-        dataset,
-        batch_size=micro_batch_size,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        drop_last=drop_last,
-        generator=generator,
-        persistent_workers=False,
-    )
-    return DeviceDataLoader(loader, device)
+    loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=drop_last, **common)
+    return DeviceDataLoader(loader, device, gather_trim)

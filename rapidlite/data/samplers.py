@@ -56,6 +56,43 @@ class EpochSampler(Sampler[int]):
         return max(len(self._indices()) - self.start, 0)
 
 
+class EvalBatchSampler:
+    """Evaluation order over data-parallel ranks, with every rank running the same number of batches.
+
+    Global batch ``k`` holds samples ``[k*G, (k+1)*G)`` (``G`` = micro-batch x ranks); rank ``r`` takes
+    its ``r``-th micro-batch slice, so gathering a batch over ranks in rank order gives the samples in
+    order. The last global batch is split evenly and padded with repeats of the last sample to a multiple
+    of the ranks; padding rows sit at the tail of a rank's batch, and ``padding_rows(i)`` says how many
+    the ``i``-th batch of this rank has.
+    """
+
+    def __init__(self, num_samples: int, micro_batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        self.num_samples, self.micro_batch_size = num_samples, micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self._batches = self._plan()
+
+    def _plan(self) -> list[tuple[list[int], int]]:
+        n, m, w, r = self.num_samples, self.micro_batch_size, self.world_size, self.rank
+        full = n // (m * w)
+        batches = [(list(range(k * m * w + r * m, k * m * w + (r + 1) * m)), 0) for k in range(full)]
+        rest = n - full * m * w
+        if rest:
+            share = -(-rest // w)  # ceil: every rank gets the same count, the overflow is padding
+            first = full * m * w + r * share
+            indices = [min(i, n - 1) for i in range(first, first + share)]
+            batches.append((indices, max(0, first + share - n)))
+        return batches
+
+    def padding_rows(self, index: int) -> int:
+        return self._batches[index][1]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([indices for indices, _ in self._batches])
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+
 class PretrainingBatchSampler:
     """Megatron's pretraining sampler: consecutive global batches from ``consumed_samples`` on, this
     rank's micro-batch slice of each; wraps around the dataset (datasets are usually sized for the run)."""

@@ -92,17 +92,19 @@ class SequenceClassificationFinetuner(Finetuner):
         return model(**batch).loss
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, float]:
+        # Whole-batch tensors are gathered (the engine drops the rows that pad the ranks' last batches),
+        # then unlabelled rows are filtered out.
         model = model[0]
-        preds, labels = [], []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        preds, labels, losses = [], [], []
         for batch in eval_dataloader:
-            outputs = model(**batch)
-            keep = batch["labels"] >= 0
-            preds.append(self.gather(outputs.logits.argmax(dim=-1)[keep]))
-            labels.append(self.gather(batch["labels"][keep]))
-            loss_sum += outputs.loss.double().cpu() * int(keep.sum())
-        preds_t, labels_t = torch.cat(preds), torch.cat(labels)
-        metrics = classification_metrics(preds_t, labels_t, self.data.num_labels)
-        count = self.engine.all_reduce_sum(torch.tensor(float(len(labels_t)), dtype=torch.float64))
-        metrics["loss"] = float(self.engine.all_reduce_sum(loss_sum) / count.clamp(min=1))
+            logits = model(**batch).logits.float()
+            target = batch["labels"]
+            per_sample = torch.nn.functional.cross_entropy(logits, target.clamp(min=0), reduction="none")
+            preds.append(self.gather(logits.argmax(dim=-1)))
+            labels.append(self.gather(target))
+            losses.append(self.gather(per_sample))
+        preds_t, labels_t, losses_t = torch.cat(preds), torch.cat(labels), torch.cat(losses)
+        keep = labels_t >= 0
+        metrics = classification_metrics(preds_t[keep], labels_t[keep], self.data.num_labels)
+        metrics["loss"] = float(losses_t[keep].double().mean()) if keep.any() else float("nan")
         return metrics

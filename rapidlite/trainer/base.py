@@ -19,6 +19,7 @@ from rapidlite import checkpoint as ckpt
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+from rapidlite.parallel.data_parallel import gradient_sync, model_state_bytes
 
 
 def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
@@ -88,6 +89,7 @@ class BaseTrainer:
         self._progress = None
         self.last_evaluation: dict[str, Any] = {}
         self._resume_rng: dict[str, Any] | None = None
+        self._state_bytes_logged = False
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -145,31 +147,41 @@ class BaseTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
         """Run the forward/backward of each micro-batch, then one optimizer step. Returns whether the
-        step was applied (False: skipped for an fp16 overflow)."""
+        step was applied (False: skipped for an fp16 overflow).
+
+        Gradients are reduced over data-parallel ranks only with the last micro-batch. A mean loss is
+        averaged over micro-batches (and ranks); ``(loss_sum, num_items)`` gradients are divided by the
+        items of the whole global batch, counted over all ranks."""
         model, optimizer = self.model, self.optimizer
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        losses, num_items, num_micro, mode = [], 0, 0, None
-        for forward in micro_steps:
-            loss, items = unpack_loss(forward())
-            step_mode = "mean" if items is None else "sum"
-            if mode is not None and step_mode != mode:
-                raise TypeError(
-                    "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
-                    "in another; return one kind"
-                )
-            mode = step_mode
-            optimizer.backward(loss)
+        micro_steps = list(micro_steps)
+        losses, num_items, mode = [], 0, None
+        for i, forward in enumerate(micro_steps):
+            with gradient_sync(model, enabled=i == len(micro_steps) - 1):
+                loss, items = unpack_loss(forward())
+                step_mode = "mean" if items is None else "sum"
+                if mode is not None and step_mode != mode:
+                    raise TypeError(
+                        "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
+                        "in another; return one kind"
+                    )
+                mode = step_mode
+                optimizer.backward(loss)
             losses.append(loss.detach().float())
             num_items += items or 0
-            num_micro += 1
-        divisor = max(num_items, 1) if mode == "sum" else num_micro
+        if mode == "sum":
+            # Data parallelism averages gradients over ranks: undo that, then divide by the global count.
+            total = self.engine.all_reduce_sum(torch.tensor(float(num_items), dtype=torch.float64))
+            divisor = max(float(total), 1.0) / self.engine.dp_size
+        else:
+            divisor = len(micro_steps)
         applied = optimizer.step(grad_divisor=divisor)
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.iteration += 1
         interval = self._interval
-        interval["loss"] += torch.stack(losses).sum() / divisor
+        interval["loss"] += (torch.stack(losses).sum() / divisor).cpu()
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
@@ -201,6 +213,8 @@ class BaseTrainer:
         self.consumed_samples += samples_this_step * self.engine.dp_size
         if self._progress is not None:
             self._progress.update(1)
+        if not self._state_bytes_logged:
+            self.log_model_state_bytes()
         if self.iteration % self.args.log_interval == 0 or self.iteration == self.total_iters:
             self.log_interval()
         if self.args.eval_interval and self.iteration % self.args.eval_interval == 0:
@@ -208,24 +222,48 @@ class BaseTrainer:
         if self.args.save_interval and self.iteration % self.args.save_interval == 0:
             self.save_checkpoint()
 
+    def log_model_state_bytes(self) -> None:
+        """Once, after the first step (optimizer state exists then): this rank's bytes of parameters,
+        gradients and optimizer state, so what ZeRO/FSDP shards is visible."""
+        self._state_bytes_logged = True
+        sizes = model_state_bytes(self.model, self.optimizer.optimizer)
+        record = {"split": "model_state", "iteration": self.iteration, "strategy": self.engine.strategy, **sizes}
+        self.logger.info(
+            f"model state on rank {self.engine.rank} ({self.engine.strategy}): "
+            + ", ".join(f"{k.replace('_bytes', '')} {v / 2**20:.2f} MiB" for k, v in sizes.items())
+        )
+        if self._metrics is not None:
+            self._metrics.write(record, "model_state")
+
     def log_interval(self) -> None:
         interval = self._interval
         if interval["steps"] == 0:
             return
         elapsed = time.perf_counter() - interval["start"]
-        dp = self.engine.dp_size
+        # One reduction per log interval: loss, samples and tokens over the data-parallel ranks.
+        tokens = interval["tokens"] if interval["tokens_known"] else -1e30
+        totals = self.engine.all_reduce_sum(
+            torch.stack(
+                [
+                    interval["loss"].double(),
+                    torch.tensor(float(interval["samples"]), dtype=torch.float64),
+                    torch.tensor(float(tokens), dtype=torch.float64),
+                ]
+            )
+        )
+        loss, samples, tokens = totals.tolist()
         grad_norm = self.optimizer.last_grad_norm
         scaler = self.optimizer.loss_scaler
         record: dict[str, Any] = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
-            "loss": float(interval["loss"]) / interval["steps"],
+            "loss": loss / self.engine.dp_size / interval["steps"],
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "loss_scale": scaler.scale if scaler is not None else None,
             "skipped_steps": self.optimizer.skipped_steps,
-            "samples_per_s": interval["samples"] * dp / elapsed,
-            "tokens_per_s": interval["tokens"] * dp / elapsed if interval["tokens_known"] else None,
+            "samples_per_s": samples / elapsed,
+            "tokens_per_s": tokens / elapsed if tokens >= 0 else None,
             "step_time_s": elapsed / interval["steps"],
             "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
         }
@@ -254,24 +292,25 @@ class BaseTrainer:
         return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
 
     def save_checkpoint(self) -> None:
+        """Every rank writes its shards (a collective); rank 0 the trainer, schedule and scaler state."""
         if self.args.save is None or self._last_saved == self.iteration:
             return
-        state: dict[str, Any] = {"trainer": self.trainer_state(), "rng": ckpt.rng_state()}
-        if not self.args.no_save_optim:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["skipped_steps"] = self.optimizer.skipped_steps
-            if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
-                state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            if self.optimizer.loss_scaler is not None:
-                state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
-        if self.engine.is_main_process:
-            path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, state)
-            self.logger.info(f"saved checkpoint {path}")
+        state: dict[str, Any] = {"trainer": self.trainer_state(), "skipped_steps": self.optimizer.skipped_steps}
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.optimizer.loss_scaler is not None:
+            state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
+        optimizer = None if self.args.no_save_optim else self.optimizer.optimizer
+        path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, optimizer, state)
+        self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
 
     def load_checkpoint(self) -> None:
         args = self.args
-        iteration, state = ckpt.load_checkpoint(args.load, self.model, weights_only=args.finetune)
+        skip_optimizer = args.finetune or args.no_load_optim
+        iteration, state = ckpt.load_checkpoint(
+            args.load, self.model, None if skip_optimizer else self.optimizer.optimizer, weights_only=args.finetune
+        )
         if args.finetune:
             self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
             return
@@ -279,13 +318,12 @@ class BaseTrainer:
         self.iteration = int(trainer["iteration"])
         self.consumed_samples = int(trainer["consumed_samples"])
         self._last_saved = self.iteration
-        if not args.no_load_optim and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer_loaded"]:
             self.optimizer.skipped_steps = int(state.get("skipped_steps", 0))
-            if "lr_scheduler" in state and self.lr_scheduler is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             if "loss_scaler" in state and self.optimizer.loss_scaler is not None:
                 self.optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+        if "lr_scheduler" in state and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         elif self.lr_scheduler is not None and hasattr(self.lr_scheduler, "num_steps"):
             self.lr_scheduler.num_steps = self.iteration  # keep the schedule where the run was
             self.lr_scheduler.step(0)
@@ -294,15 +332,14 @@ class BaseTrainer:
         self.logger.info(f"resumed from {args.load} at iteration {self.iteration}")
 
     def finish(self) -> None:
-        """Final checkpoint, Hugging Face export, close outputs."""
+        """Final checkpoint, Hugging Face export (gathered on rank 0), close outputs."""
         if self._progress is not None:
             self._progress.close()
         if self.args.save is not None:
             self.save_checkpoint()
-            if self.engine.is_main_process:
-                out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
-                if out is not None:
-                    self.logger.info(f"exported Hugging Face model to {out}")
+            out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
+            if out is not None:
+                self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
             self._metrics.close()
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.data.loader import batch_stats
+from rapidlite.data.loader import batch_stats, slice_batch
 from rapidlite.errors import DataError
 from rapidlite.trainer.base import BaseTrainer, split_datasets, unpack_loss
 
@@ -36,6 +36,12 @@ class Finetuner(BaseTrainer):
         total = torch.zeros((), dtype=torch.float64)
         count = torch.zeros((), dtype=torch.float64)
         for batch in eval_dataloader:
+            padding = getattr(eval_dataloader, "padding_rows", 0)  # repeats that even out the ranks' batches
+            if padding:
+                rows = batch_stats(batch)[0] - padding
+                if rows <= 0:
+                    continue
+                batch = slice_batch(batch, rows)
             loss, items = unpack_loss(self.run_forward_step(batch, model[0]))
             weight = items if items is not None else batch_stats(batch)[0]
             # A mean loss is weighted by its samples; a sum already is.

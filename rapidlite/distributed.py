@@ -1,0 +1,233 @@
+"""Process group, topology and collectives: one place that knows ranks.
+
+``ParallelDims`` is the topology (today data parallel only; tensor and pipeline sizes are validated
+here when they arrive). ``init_distributed`` joins the process group a launcher (torchrun, Slurm,
+Kubernetes) described through ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and builds
+the device mesh. Every other module asks the returned ``DistributedContext``; nobody recomputes ranks.
+
+``shutdown`` ends a worker: barrier, ``destroy_process_group``, flushed output, ``os._exit``. On torch
+2.13 a gloo worker that simply returns aborts with "terminate called without an active exception" in
+1 run of 3 (5 of 8 with FSDP2): the gloo run-loop thread frees pending work during interpreter
+finalisation. Exiting this way was clean in every run measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rapidlite.errors import ConfigError, RapidliteError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The world split into data-parallel replicas (model parallel sizes join with their features)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        model_parallel = self.tp * self.pp
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"the world of {self.world_size} processes is not divisible by tensor x pipeline parallel "
+                f"size {self.tp} x {self.pp}; use a world size that is a multiple of {model_parallel}"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launched_world_size() -> int | None:
+    """WORLD_SIZE when a launcher started this process (torchrun, srun with env, PyTorchJob), else None."""
+    return env_int("WORLD_SIZE", 0) or None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DistributedContext:
+    """This process's place in the world. ``mesh`` is None when no process group was started."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    dims: ParallelDims = ParallelDims(1)
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh with dimension "dp"
+
+    @property
+    def initialized(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.dims.tp * self.dims.pp)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    # ---------------------------------------------------------------- collectives (no-ops on one process)
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce over data-parallel ranks; returns a new tensor on the tensor's device."""
+        if not self.initialized or self.dp_size == 1:
+            return tensor
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}[op]
+        work = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(work, op=reduce_op, group=self.dp_group)
+        if op == "avg":
+            work /= self.dp_size
+        return work.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate along dim 0 over data-parallel ranks, in rank order; sizes along dim 0 may differ."""
+        if not self.initialized or self.dp_size == 1:
+            return tensor
+        local = tensor.detach().to(self.device).contiguous()
+        size = torch.tensor([local.shape[0]], device=self.device, dtype=torch.long)
+        sizes = [torch.zeros_like(size) for _ in range(self.dp_size)]
+        dist.all_gather(sizes, size, group=self.dp_group)
+        longest = max(int(s) for s in sizes)
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
+        dist.all_gather(parts, padded, group=self.dp_group)
+        gathered = torch.cat([p[: int(n)] for p, n in zip(parts, sizes, strict=True)])
+        return gathered.to(tensor.device)
+
+    def barrier(self) -> None:
+        if self.initialized:
+            dist.barrier()
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(args: Any, need_process_group: bool = False) -> DistributedContext:
+    """Join the process group the launcher described (or none for a single process that needs none).
+
+    ``need_process_group`` starts a one-process group when sharding is asked for on a single process,
+    so FSDP and the sharded optimizer run the same code on 1 rank as on N.
+    """
+    world = launched_world_size() or 1
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
+    dims = ParallelDims(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    device = pick_device(local_rank)
+    ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world, dims=dims, device=device)
+    if world == 1 and not need_process_group:
+        return ctx
+    if not dist.is_initialized():
+        if world == 1:  # a private one-process group on a free local port
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        backend = args.distributed_backend or default_backend(device)
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            device_id=device if backend == "nccl" else None,
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ctx.mesh = init_device_mesh(device.type, (dims.dp,), mesh_dim_names=("dp",))
+    return ctx
+
+
+# -------------------------------------------------------------------------------------------- ending
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def shutdown(exit_code: int = 0) -> None:
+    """End a launched worker cleanly (see the module docstring); returns only when no group is up."""
+    if dist.is_available() and dist.is_initialized():
+        if exit_code == 0:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already gone: nothing left to wait for
+                pass
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        _flush()
+        os._exit(exit_code)
+    if launched_world_size():
+        _flush()
+        os._exit(exit_code)
+
+
+def report_worker_error(exc: BaseException) -> int:
+    """Record a worker's failure for the launcher (one line for user errors, the traceback for bugs) and
+    return the exit code. Printing is left to the launcher, so N ranks never print N tracebacks."""
+    user_error = isinstance(exc, RapidliteError)
+    code = exc.exit_code if user_error else 1
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return code
+    data = {
+        "message": {
+            "message": str(exc) if user_error else f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "" if user_error else "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(time.time())),
+            },
+        },
+        "rapidlite": {"user_error": user_error, "time_ns": time.time_ns(), "rank": env_int("RANK", 0)},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+    return code

@@ -1,0 +1,168 @@
+"""Data parallelism and the ZeRO stages, on PyTorch's own machinery.
+
+======================================  =============================================================
+flag                                    what runs
+======================================  =============================================================
+(none, N ranks)                         DDP (composable ``replicate``): replicated everything
+``--zero-1-memory-optimization``        DDP + ``ZeroRedundancyOptimizer``: optimizer state sharded
+``--zero-2-memory-optimization``        FSDP2 ``fully_shard(reshard_after_forward=False)``: optimizer
+                                        state and gradients sharded; parameters are gathered once per
+                                        step and kept through the backward pass
+``--zero-3-memory-optimization``,       FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters
+``--fsdp-memory-optimization``          too, gathered per block when needed and freed after
+``--cpu-offload`` (with ZeRO-2/3)       FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and
+                                        optimizer state live in host memory; the optimizer steps there
+======================================  =============================================================
+
+Both ``replicate`` and ``fully_shard`` keep the model's own class (no wrapper), so user hooks still see
+``model.config`` and ``save_pretrained``, and both expose ``set_requires_gradient_sync`` for gradient
+accumulation without communication. Transformer blocks (the largest ``ModuleList``) are sharded one by
+one so only one block's parameters are gathered at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rapidlite.parallel.recompute import find_blocks
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    zero_stage: int = 0  # 0: DDP, 1: sharded optimizer state, 2: + gradients, 3: + parameters
+    cpu_offload: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> DataParallelConfig:
+        if args.zero_3_memory_optimization or args.fsdp_memory_optimization:
+            stage = 3
+        elif args.zero_2_memory_optimization:
+            stage = 2
+        elif args.zero_1_memory_optimization:
+            stage = 1
+        else:
+            stage = 0
+        return cls(zero_stage=stage, cpu_offload=args.cpu_offload)
+
+    @property
+    def fully_sharded(self) -> bool:
+        return self.zero_stage >= 2
+
+    @property
+    def name(self) -> str:
+        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + (
+            " + CPU offload" if self.cpu_offload else ""
+        )
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: Any,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+    cpu_offload: bool,
+) -> torch.nn.Module:
+    """``fully_shard`` each transformer block, then the root (which takes the remaining parameters)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # Gradients are reduced in fp32 whatever the compute dtype, so the sum over ranks loses nothing.
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator it cannot be had.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
+    blocks = find_blocks(model)
+    for block in blocks or ():
+        fully_shard(block, offload_policy=offload, **kwargs)
+    fully_shard(model, offload_policy=offload, **kwargs)
+    return model
+
+
+def apply_ddp(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    from torch.distributed._composable.replicate import replicate
+
+    device = mesh.device_type
+    device_ids = [torch.cuda.current_device()] if device == "cuda" else None
+    replicate(model, device_mesh=mesh, device_ids=device_ids)
+    return model
+
+
+def apply_data_parallel(
+    model: torch.nn.Module, mesh: Any, cfg: DataParallelConfig, param_dtype: torch.dtype | None
+) -> torch.nn.Module:
+    if cfg.fully_sharded:
+        return apply_fsdp(model, mesh, cfg.zero_stage == 3, param_dtype, cfg.cpu_offload)
+    return apply_ddp(model, mesh)
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient reduction of non-final micro-batches (DDP's ``no_sync``, FSDP2's equivalent)."""
+    toggle = getattr(model, "set_requires_gradient_sync", None)
+    if toggle is None or enabled:
+        yield
+        return
+    toggle(False)
+    try:
+        yield
+    finally:
+        toggle(True)
+
+
+def build_zero1_optimizer(
+    param_groups: list[dict[str, Any]], optimizer_class: type, group: Any, **defaults: Any
+) -> torch.optim.Optimizer:
+    """ZeRO-1: each rank keeps the optimizer state of its share of the parameters and steps only those;
+    the updated parameters are broadcast from their owners."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    first, *rest = param_groups
+    optimizer = ZeroRedundancyOptimizer(
+        first["params"],
+        optimizer_class=optimizer_class,
+        process_group=group,
+        parameters_as_bucket_view=False,
+        **{**defaults, **{k: v for k, v in first.items() if k != "params"}},
+    )
+    for extra in rest:
+        optimizer.add_param_group(extra)
+    return optimizer
+
+
+def is_zero1(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+# ----------------------------------------------------------------------------------------- memory
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        local = _local(t)
+        if local.data_ptr() in seen:
+            continue
+        seen.add(local.data_ptr())
+        total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (sharded tensors: the local shard)."""
+    params = list(model.parameters())
+    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+    state = [v for s in local_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "param_bytes": _bytes(params),
+        "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_bytes": _bytes(state),
+    }

@@ -1,0 +1,248 @@
+"""Data parallelism and ZeRO on 2 processes (gloo, CPU), launched the way a user launches them:
+``rapidlite --user-script ... --nproc-per-node 2``. Every layout is compared with one process."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, read_metrics, run_cli
+from rapidlite.checkpoint import read_model_tensors
+from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
+
+pytestmark = pytest.mark.distributed
+
+PRETRAIN = str(REPO / "examples" / "pretrain_custom_model.py")
+SCRIPTS = REPO / "tests" / "scripts"
+# Same global batch (8) everywhere: 1 process x micro 4 x 2 steps, or 2 ranks x micro 2 x 2 steps.
+COMMON = ["--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--hidden-dropout", "0"]
+COMMON += ["--seq-length", "16", "--hidden-size", "32", "--lr-decay-iters", "6"]
+ONE = ["--micro-batch-size", "4"]
+TWO = ["--micro-batch-size", "2", "--nproc-per-node", "2"]
+LAYOUTS = {
+    "ddp": [],
+    "zero1": ["--zero-1-memory-optimization"],
+    "zero2": ["--zero-2-memory-optimization"],
+    "zero3": ["--zero-3-memory-optimization"],
+    "fsdp": ["--fsdp-memory-optimization"],
+    "zero3_offload": ["--zero-3-memory-optimization", "--cpu-offload"],
+}
+
+
+def rapidlite(*argv, env=None, timeout=300):
+    """One thread per rank (2 cores, 2 ranks), as a user on this machine would run it."""
+    saved = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        return run_cli(*argv, timeout=timeout)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def train_losses(save_dir, key="loss"):
+    return [r[key] for r in read_metrics(save_dir) if "split" not in r]
+
+
+def assert_close_lists(actual, expected, rtol):
+    assert len(actual) == len(expected), (actual, expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert abs(a - e) <= rtol * abs(e), (actual, expected)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout trained once for 6 iterations (a checkpoint at 3 and at 6); results shared by the tests."""
+    root = tmp_path_factory.mktemp("layouts")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            save = root / name
+            argv = ONE if name == "single" else TWO + LAYOUTS[name]
+            proc = rapidlite(
+                "--user-script",
+                PRETRAIN,
+                *COMMON,
+                *argv,
+                "--train-iters",
+                "6",
+                "--save-interval",
+                "3",
+                "--save",
+                str(save),
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = save
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_train_like_one_process(runs, layout):
+    reference, run = runs("single"), runs(layout)
+    assert len(train_losses(run)) == 6
+    assert_close_lists(train_losses(run), train_losses(reference), rtol=1e-5)
+    # Adam is blind to the scale of the gradients; their norm is not, so a wrong average shows here.
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(reference, "grad_norm"), rtol=1e-5)
+    expected = read_model_tensors(reference / "iter_0000006")
+    actual = read_model_tensors(run / "iter_0000006")  # sharded checkpoints read back whole
+    assert actual.keys() == expected.keys()
+    # Where a gradient is almost zero, Adam's g / sqrt(v) turns reduction-order rounding into updates of up
+    # to ~1% of the lr (3e-3) on a few entries: 1e-4 absolute is far below what a real error moves.
+    for k, v in expected.items():
+        diff = (actual[k] - v).abs().max().item()
+        assert diff < 1e-4, (k, diff)
+
+
+def state_bytes(save_dir):
+    (record,) = [r for r in read_metrics(save_dir) if r.get("split") == "model_state"]
+    return record
+
+
+# Fraction of DDP's per-rank bytes expected on 2 ranks, for (parameters, gradients, optimizer state).
+SHARE = {
+    "zero1": (1, 1, 0.5),
+    "zero2": (0.5, 0.5, 0.5),
+    "zero3": (0.5, 0.5, 0.5),
+    "fsdp": (0.5, 0.5, 0.5),
+    "zero3_offload": (0.5, 0.5, 0.5),
+}
+
+
+@pytest.mark.parametrize("layout", list(SHARE))
+def test_per_rank_model_state_is_sharded(runs, layout):
+    ddp, sharded = state_bytes(runs("ddp")), state_bytes(runs(layout))
+    assert ddp["optimizer_bytes"] >= 2 * ddp["param_bytes"]  # AdamW: two moments per parameter
+    for key, share in zip(("param_bytes", "grad_bytes", "optimizer_bytes"), SHARE[layout], strict=True):
+        assert sharded[key] == pytest.approx(share * ddp[key], rel=0.10), (key, sharded, ddp)
+
+
+def resume(runs, first, then, tmp_path):
+    """3 iterations in layout ``first``, then 3 more in layout ``then`` from its checkpoint."""
+    save = tmp_path / "resumed"
+    layout = lambda name: ONE if name == "single" else TWO + LAYOUTS[name]
+    proc = rapidlite("--user-script", PRETRAIN, *COMMON, *layout(first), "--train-iters", "3", "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = rapidlite(
+        "--user-script",
+        PRETRAIN,
+        *COMMON,
+        *layout(then),
+        "--train-iters",
+        "6",
+        "--load",
+        str(save),
+        "--save",
+        str(save),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    return save
+
+
+def test_resume_two_ranks_zero3_on_one_process(runs, tmp_path):
+    save = resume(runs, "zero3", "single", tmp_path)
+    assert_close_lists(train_losses(save), train_losses(runs("single")), rtol=1e-5)
+
+
+def test_resume_one_process_on_two_ranks_zero1(runs, tmp_path):
+    save = resume(runs, "single", "zero1", tmp_path)
+    assert_close_lists(train_losses(save), train_losses(runs("single")), rtol=1e-5)
+
+
+def test_resume_same_layout_is_bit_exact(runs, tmp_path):
+    save = resume(runs, "zero3", "zero3", tmp_path)
+    assert train_losses(save) == train_losses(runs("zero3"))
+    for k, v in read_model_tensors(runs("zero3") / "iter_0000006").items():
+        assert torch.equal(v, read_model_tensors(save / "iter_0000006")[k]), k
+
+
+def test_gathered_metrics_equal_one_process(tmp_path):
+    """Validation set of 21 on 2 ranks: the last batches are padded, the metrics count every sample once."""
+    argv = [
+        "--user-script",
+        str(SCRIPTS / "classify.py"),
+        "--epochs",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "0.05",
+        "--log-interval",
+        "1",
+    ]
+    evals = {}
+    for name, layout in (
+        ("one", ["--micro-batch-size", "8"]),
+        ("two", ["--micro-batch-size", "4", "--nproc-per-node", "2"]),
+    ):
+        proc = rapidlite(*argv, *layout, "--save", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        evals[name] = [r for r in read_metrics(tmp_path / name) if r.get("split") == "validation"]
+    assert len(evals["one"]) == len(evals["two"]) == 2
+    for one, two in zip(evals["one"], evals["two"], strict=True):
+        assert two["count"] == one["count"] == 21
+        assert two["label_sum"] == one["label_sum"]
+        assert two["accuracy"] == one["accuracy"]
+        for key in ("loss", "default_loss"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), key
+        assert two["default_loss"] == pytest.approx(two["loss"], rel=1e-5)
+
+
+def test_samplers_cover_every_index():
+    for n, micro, world in ((21, 4, 2), (20, 4, 2), (7, 2, 3), (1, 4, 2), (33, 5, 4)):
+        shards = [EvalBatchSampler(n, micro, rank=r, world_size=world) for r in range(world)]
+        assert len({len(s) for s in shards}) == 1  # the same number of batches on every rank
+        real = []
+        for i in range(len(shards[0])):
+            for s in shards:
+                batch = list(s)[i]
+                real += batch[: len(batch) - s.padding_rows(i)]
+        assert real == list(range(n))  # every sample once, in order, padding excluded
+        train = [list(EpochSampler(n, shuffle=True, seed=3, rank=r, world_size=world)) for r in range(world)]
+        assert len({len(t) for t in train}) == 1 and set(sum(train, [])) == set(range(n))
+
+
+@pytest.mark.parametrize("kind,code", [("user", 2), ("bug", 1)])
+def test_worker_failure_is_one_report_and_no_hang(tmp_path, kind, code):
+    start = time.monotonic()
+    proc = rapidlite(
+        "--user-script",
+        str(SCRIPTS / "fail_on_rank.py"),
+        *COMMON,
+        *TWO,
+        "--train-iters",
+        "4",
+        env={"FAIL": kind},
+        timeout=120,
+    )
+    assert time.monotonic() - start < 60  # rank 0 waits in a collective: it is stopped, not left hanging
+    assert proc.returncode == code, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rapidlite: error:")]
+    assert len(errors) == 1, proc.stderr
+    if kind == "user":
+        assert "truncated file" in errors[0] and "Traceback" not in proc.stderr
+    else:
+        assert "rank 1 failed: ValueError: boom" in errors[0]
+        assert proc.stderr.count("Traceback") == 1 and "run_forward_step" in proc.stderr
+
+
+def test_launch_exits_cleanly_ten_times(tmp_path):
+    """Workers end with barrier, destroy_process_group and os._exit: no gloo abort at interpreter exit."""
+    for _ in range(10):
+        proc = rapidlite(
+            "--user-script",
+            PRETRAIN,
+            *COMMON,
+            *TWO,
+            "--zero-3-memory-optimization",
+            "--train-iters",
+            "1",
+            "--eval-iters",
+            "1",
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "terminate called" not in proc.stderr
