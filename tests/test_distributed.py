@@ -323,3 +323,23 @@ def test_two_nodes_on_one_machine(runs, tmp_path):
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=1e-5)
+
+
+def test_zero3_with_bf16_and_activation_checkpointing(runs, tmp_path):
+    """Composed: FSDP's bf16 policy (fp32 gradient reduction) and recomputation, against fp32 on one process."""
+    proc = rapidlite(
+        "--user-script",
+        PRETRAIN,
+        *COMMON,
+        *TWO,
+        "--zero-3-memory-optimization",
+        "--bf16",
+        "--checkpoint-activations",
+        "--train-iters",
+        "6",
+        "--save",
+        str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precision: bf16" in proc.stdout
+    assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=2e-2)  # bf16 has 8 bits
