@@ -343,3 +343,21 @@ def test_zero3_with_bf16_and_activation_checkpointing(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "precision: bf16" in proc.stdout
     assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=2e-2)  # bf16 has 8 bits
+
+
+def test_script_run_with_python_launches_itself(runs, tmp_path):
+    """``python my_trainer.py --nproc-per-node 2``: the engine re-runs the script under torchrun."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, *COMMON, *TWO, "--train-iters", "6", "--save", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data-parallel 2" in proc.stdout
+    assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=1e-5)
