@@ -1,9 +1,10 @@
-"""``RapidliteEngine``: device, seeds, precision, and ``compose`` — every flag applied to a model.
+"""``RapidliteEngine``: process group, device, seeds, precision, and ``compose`` — every flag applied to a model.
 
 ``compose`` is the one place where a model, its optimizer and its schedule get the features the flags
-ask for, in a fixed order: device placement → dropout overrides → activation checkpointing →
-autocast → optimizer (decay groups, fused kernels, loss scaling, clipping) → LR schedule. The trainer
-templates call it too, so a user-owned loop and the built-in loop train the same way.
+ask for, in a fixed order: device placement → dropout overrides → activation checkpointing → autocast
+(or, under ZeRO-2/3, FSDP's mixed-precision policy) → data parallel / ZeRO sharding → optimizer (decay
+groups, fused kernels, ZeRO-1 sharding, loss scaling, clipping) → LR schedule. The trainer templates
+call it too, so a user-owned loop and the built-in loop train the same way.
 """
 
 from __future__ import annotations
