@@ -459,6 +459,9 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
             "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
             "--zero-3-memory-optimization or --fsdp-memory-optimization"
         )
+    nnodes = args.nnodes or _env_int("NNODES", 1)
+    if nnodes > 1 and not _env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
+        raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
 

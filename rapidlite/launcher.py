@@ -38,10 +38,6 @@ def torchrun_args(args: Any) -> list[str]:
     master_port = args.master_port or _env_int("MASTER_PORT", 0)
     if nnodes == 1 and not master_addr:
         return [*out, "--standalone"]  # a private rendezvous on a free local port
-    if not master_addr:
-        from rapidlite.errors import ConfigError
-
-        raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK", 0)
     return [*out, f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port or 29500}"]
 

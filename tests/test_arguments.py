@@ -98,8 +98,11 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAPIDLITE_CACHE", str(cache))
     assert main(argv) == 2
+    assert not cache.exists()  # refused before anything was built or written (the --demo assets)
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("rapidlite: error: ") and message in err, err
