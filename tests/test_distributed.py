@@ -361,3 +361,14 @@ def test_script_run_with_python_launches_itself(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data-parallel 2" in proc.stdout
     assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero3"])
+def test_zero_flags_on_one_process(runs, tmp_path, layout):
+    """A one-process group runs the same sharding code on 1 rank; nothing to shard, the same numbers."""
+    proc = rapidlite(
+        "--user-script", PRETRAIN, *COMMON, *ONE, *LAYOUTS[layout], "--train-iters", "6", "--save", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data-parallel 1" in proc.stdout and "ZeRO-" in proc.stdout
+    assert train_losses(tmp_path) == train_losses(runs("single"))
