@@ -257,7 +257,7 @@ def parse_args(
     return args
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -429,13 +429,17 @@ def _default_nproc_per_node() -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def num_nodes(args: argparse.Namespace) -> int:
+    return args.nnodes or env_int("NNODES", 1)
+
+
+def nproc_per_node(args: argparse.Namespace) -> int:
+    return args.nproc_per_node or _default_nproc_per_node()
+
+
 def target_world_size(args: argparse.Namespace) -> int:
     """Processes of the whole job: the launcher's WORLD_SIZE inside a worker, else nodes x processes."""
-    launched = _env_int("WORLD_SIZE", 0)
-    if launched:
-        return launched
-    nnodes = args.nnodes or _env_int("NNODES", 1)
-    return nnodes * (args.nproc_per_node or _default_nproc_per_node())
+    return env_int("WORLD_SIZE", 0) or num_nodes(args) * nproc_per_node(args)
 
 
 def _validate_data_parallel(args: argparse.Namespace) -> None:
@@ -459,8 +463,8 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
             "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
             "--zero-3-memory-optimization or --fsdp-memory-optimization"
         )
-    nnodes = args.nnodes or _env_int("NNODES", 1)
-    if nnodes > 1 and not _env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
+    nnodes = num_nodes(args)
+    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidlite.arguments import env_int
 from rapidlite.errors import ConfigError, RapidliteError
 
 
@@ -48,16 +49,6 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def launched_world_size() -> int | None:
@@ -104,14 +95,11 @@ class DistributedContext:
 
     # ---------------------------------------------------------------- collectives (no-ops on one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce over data-parallel ranks; returns a new tensor on the tensor's device."""
+        """Sum (or max) over data-parallel ranks; returns a new tensor on the tensor's device."""
         if not self.initialized or self.dp_size == 1:
             return tensor
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}[op]
         work = tensor.detach().to(self.device, copy=True)
-        dist.all_reduce(work, op=reduce_op, group=self.dp_group)
-        if op == "avg":
-            work /= self.dp_size
+        dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.dp_group)
         return work.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -18,27 +18,26 @@ import os
 import sys
 from typing import Any
 
-from rapidlite.arguments import _env_int, target_world_size
+from rapidlite.arguments import env_int, nproc_per_node, num_nodes, target_world_size
 
 
 def needs_launch(args: Any) -> bool:
-    return not _env_int("WORLD_SIZE", 0) and target_world_size(args) > 1
+    return not env_int("WORLD_SIZE", 0) and target_world_size(args) > 1
 
 
 def torchrun_args(args: Any) -> list[str]:
-    nnodes = args.nnodes or _env_int("NNODES", 1)
-    nproc = target_world_size(args) // nnodes
+    nnodes = num_nodes(args)
     out = [
-        f"--nproc-per-node={nproc}",
+        f"--nproc-per-node={nproc_per_node(args)}",
         f"--nnodes={nnodes}",
         f"--max-restarts={args.max_restarts}",
         "--monitor-interval=0.2",  # a failed worker is noticed (and its peers stopped) within a fraction of a second
     ]
     master_addr = args.master_addr or os.environ.get("MASTER_ADDR")
-    master_port = args.master_port or _env_int("MASTER_PORT", 0)
+    master_port = args.master_port or env_int("MASTER_PORT", 0)
     if nnodes == 1 and not master_addr:
         return [*out, "--standalone"]  # a private rendezvous on a free local port
-    node_rank = args.node_rank if args.node_rank is not None else _env_int("NODE_RANK", 0)
+    node_rank = args.node_rank if args.node_rank is not None else env_int("NODE_RANK", 0)
     return [*out, f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port or 29500}"]
 
 
@@ -92,7 +91,7 @@ def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
     from torch.distributed.run import get_args_parser, run
 
     launch_args = torchrun_args(args)
-    _threads_per_worker(target_world_size(args) // (args.nnodes or _env_int("NNODES", 1)))
+    _threads_per_worker(nproc_per_node(args))
     _quiet_agent()
     parsed = get_args_parser().parse_args([*launch_args, *(["-m"] if module else []), entry, *argv])
     try:
