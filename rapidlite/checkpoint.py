@@ -218,13 +218,18 @@ _METADATA_GLOBALS = {
     ("pathlib", "WindowsPath"),
     ("collections", "OrderedDict"),
 }
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            # Only the classes the module defines, not what it imports (dataclass, field, ...).
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
         if module == "torch" and isinstance(
             getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
         ):

@@ -371,3 +371,18 @@ def test_activation_checkpointing_cuts_saved_activations():
     # Measured: 19.3 MB without, 1.6 MB with (the blocks keep only their inputs). Selective recompute keeps
     # its matmul outputs inside the checkpoint's own cache, out of this hook's sight, so it is not compared.
     assert sizes[True] < 0.25 * sizes[False], sizes
+
+
+def test_checkpoint_metadata_unpickler_refuses_foreign_globals(tmp_path):
+    """DCP's metadata is a pickle: reading it must not call anything but DCP's own metadata classes."""
+    import pickle
+
+    from rapidlite.checkpoint import SafeFileSystemReader
+
+    train(ToyFinetuner, "--micro-batch-size", "8", "--train-iters", "1", "--save", str(tmp_path))
+    ckpt = tmp_path / "iter_0000001"
+    assert SafeFileSystemReader(ckpt).read_metadata().state_dict_metadata  # a real one reads
+    for module, name in (("os", "system"), ("torch.distributed.checkpoint.metadata", "dataclass")):
+        (ckpt / ".metadata").write_bytes(f"c{module}\n{name}\n.".encode())  # protocol 0: GLOBAL, STOP
+        with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+            SafeFileSystemReader(ckpt).read_metadata()
