@@ -200,7 +200,9 @@ def test_samplers_cover_every_index():
         for i in range(len(shards[0])):
             for s in shards:
                 batch = list(s)[i]
-                real += batch[: len(batch) - s.padding_rows(i)]
+                rows, padding = s.rows(i)
+                assert rows == len(batch)
+                real += batch[: rows - padding]
         assert real == list(range(n))  # every sample once, in order, padding excluded
         train = [list(EpochSampler(n, shuffle=True, seed=3, rank=r, world_size=world)) for r in range(world)]
         assert len({len(t) for t in train}) == 1 and set(sum(train, [])) == set(range(n))

@@ -79,18 +79,18 @@ class DeviceDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         batch_sampler = getattr(self.loader, "batch_sampler", None)
-        padded = isinstance(batch_sampler, EvalBatchSampler)
-        trim = self.gather_trim
+        if not isinstance(batch_sampler, EvalBatchSampler):  # training and one-rank loaders: nothing padded
+            for batch in self.loader:
+                yield to_device(batch, self.device)
+            return
+        trim = self.gather_trim or GatherTrim()
         try:
             for i, batch in enumerate(self.loader):
-                self.padding_rows = batch_sampler.padding_rows(i) if padded else 0
-                if trim is not None:
-                    trim.rows, trim.padding = batch_stats(batch)[0], self.padding_rows
+                trim.rows, trim.padding = batch_sampler.rows(i)
+                self.padding_rows = trim.padding
                 yield to_device(batch, self.device)
         finally:
-            self.padding_rows = 0
-            if trim is not None:
-                trim.rows, trim.padding = 0, 0
+            self.padding_rows = trim.rows = trim.padding = 0
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -83,8 +83,10 @@ class EvalBatchSampler:
             batches.append((indices, max(0, first + share - n)))
         return batches
 
-    def padding_rows(self, index: int) -> int:
-        return self._batches[index][1]
+    def rows(self, index: int) -> tuple[int, int]:
+        """(rows, padding rows) of this rank's ``index``-th batch."""
+        indices, padding = self._batches[index]
+        return len(indices), padding
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter([indices for indices, _ in self._batches])
