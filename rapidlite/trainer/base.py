@@ -181,7 +181,8 @@ class BaseTrainer:
             self.lr_scheduler.step()
         self.iteration += 1
         interval = self._interval
-        interval["loss"] += (torch.stack(losses).sum() / divisor).cpu()
+        # Out of place: the zero-dim start tensor takes the loss's device, so no per-step host sync.
+        interval["loss"] = interval["loss"] + torch.stack(losses).sum() / divisor
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
@@ -241,11 +242,12 @@ class BaseTrainer:
             return
         elapsed = time.perf_counter() - interval["start"]
         # One reduction per log interval: loss, samples and tokens over the data-parallel ranks.
+        # A rank that cannot count tokens makes the sum negative: tokens/s is then left out.
         tokens = interval["tokens"] if interval["tokens_known"] else -1e30
         totals = self.engine.all_reduce_sum(
             torch.stack(
                 [
-                    interval["loss"].double(),
+                    interval["loss"].double().cpu(),
                     torch.tensor(float(interval["samples"]), dtype=torch.float64),
                     torch.tensor(float(tokens), dtype=torch.float64),
                 ]
