@@ -354,7 +354,7 @@ def test_script_run_with_python_launches_itself(runs, tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, PRETRAIN, *COMMON, *TWO, "--train-iters", "6", "--save", str(tmp_path)],
+        [sys.executable, PRETRAIN, *COMMON, *TWO, "--train-iters", "6", "--per-rank-logs", "--save", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -363,6 +363,8 @@ def test_script_run_with_python_launches_itself(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data-parallel 2" in proc.stdout
     assert_close_lists(train_losses(tmp_path), train_losses(runs("single")), rtol=1e-5)
+    for rank in (0, 1):  # --per-rank-logs: every rank's own log, while the console has rank 0's only
+        assert "iteration: 6 |" in (tmp_path / "logs" / f"rank{rank}.log").read_text()
 
 
 @pytest.mark.parametrize("layout", ["zero1", "zero3"])
@@ -374,3 +376,13 @@ def test_zero_flags_on_one_process(runs, tmp_path, layout):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data-parallel 1" in proc.stdout and "ZeRO-" in proc.stdout
     assert train_losses(tmp_path) == train_losses(runs("single"))
+
+
+def test_max_restarts_restarts_the_worker_group(tmp_path):
+    """Rank 1 fails on the first attempt only: with --max-restarts 1 torchrun restarts the group and it
+    finishes; without it the run fails."""
+    argv = ["--user-script", str(SCRIPTS / "fail_on_rank.py"), *COMMON, *TWO, "--train-iters", "3"]
+    assert rapidlite(*argv, env={"FAIL": "first_attempt"}, timeout=120).returncode == 1
+    proc = rapidlite(*argv, "--max-restarts", "1", "--save", str(tmp_path), env={"FAIL": "first_attempt"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(tmp_path)) == 3

@@ -1,4 +1,5 @@
-"""Trains the pretraining example, but rank 1 fails in its second forward step: FAIL=user or FAIL=bug."""
+"""Trains the pretraining example, but rank 1 fails in its second forward step: FAIL=user or FAIL=bug;
+FAIL=first_attempt fails (as a bug) only before torchrun's first restart."""
 
 import os
 import sys
@@ -16,7 +17,8 @@ class Failing(MyPreTrainer):
 
     def run_forward_step(self, data_iterator, model):
         self.calls += 1
-        if self.engine.rank == 1 and self.calls == 2:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.engine.rank == 1 and self.calls == 2 and (os.environ["FAIL"] != "first_attempt" or first_attempt):
             if os.environ["FAIL"] == "user":
                 raise DataError("--data-path shard-7.bin: truncated file; re-run the preprocessing")
             raise ValueError("boom in a forward step")
