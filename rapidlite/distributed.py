@@ -134,6 +134,19 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under torchrun, a store private to this attempt of the worker group. After a restart
+    (``--max-restarts``) the workers would otherwise read the addresses the previous attempt's workers
+    published and fail to connect (gloo, torch 2.13; plain torchrun does the same)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}  # env:// as the launcher set it up
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return {"store": dist.PrefixStore(f"rapidlite/attempt_{attempt}", store), "rank": rank, "world_size": world}
+
+
 def init_distributed(args: Any, need_process_group: bool = False) -> DistributedContext:
     """Join the process group the launcher described (or none for a single process that needs none).
 
@@ -156,10 +169,12 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
         backend = args.distributed_backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            **_attempt_store(rank, world, timeout),
         )
     from torch.distributed.device_mesh import init_device_mesh
 
