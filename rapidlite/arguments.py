@@ -168,6 +168,21 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile", action="store_true", help="compile the model with torch.compile")
 
 
+def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("DeepSpeed backend (pip install 'rapidlite[deepspeed]')")
+    g.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="train through deepspeed.initialize; the ZeRO, precision, batch and clipping flags become its config",
+    )
+    g.add_argument(
+        "--deepspeed-config",
+        default=None,
+        metavar="JSON",
+        help="a DeepSpeed config file (implies --deepspeed); flags given on the command line win over its values",
+    )
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument(
@@ -236,6 +251,7 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         _add_optimizer_args,
         _add_precision_args,
         _add_memory_speed_args,
+        _add_deepspeed_args,
         _add_data_args,
         _add_checkpoint_logging_args,
         _add_distributed_args,
@@ -252,9 +268,24 @@ def parse_args(
     require_task: bool = True,
 ) -> argparse.Namespace:
     """Parse and validate argv; raise ``ConfigError`` (one line) on any contradiction."""
-    args = build_parser(extra_args_provider).parse_args(argv)
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(argv)
+    mark_explicit(parser, argv, args)
     validate_args(args, require_task=require_task)
     return args
+
+
+class _Unset:
+    pass
+
+
+def mark_explicit(parser: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace) -> None:
+    """Record in ``args.explicit_flags`` the destinations set on the command line (not by defaults), so a
+    DeepSpeed config file can supply what the flags leave open."""
+    unset = _Unset()
+    probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parsed, _ = parser.parse_known_args(argv, probe)
+    args.explicit_flags = frozenset(k for k, v in vars(parsed).items() if v is not unset)
 
 
 def env_int(name: str, default: int) -> int:
@@ -323,6 +354,7 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _resolve_precision(args)
     _resolve_recompute(args)
     _refuse_unimplemented(args)
+    _resolve_deepspeed(args)
     _validate_data_parallel(args)
     _resolve_batch(args)
 
@@ -463,11 +495,33 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
             "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
             "--zero-3-memory-optimization or --fsdp-memory-optimization"
         )
+    if args.deepspeed and args.fsdp_memory_optimization:
+        raise ConfigError(
+            "--fsdp-memory-optimization is PyTorch's FSDP; with --deepspeed use --zero-3-memory-optimization"
+        )
+    if args.deepspeed and args.no_save_optim:
+        raise ConfigError(
+            "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
+            "there); drop the flag under --deepspeed"
+        )
     nnodes = num_nodes(args)
     if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
+
+
+def _resolve_deepspeed(args: argparse.Namespace) -> None:
+    """``--deepspeed-config``: read the file (torch-free) and let it fill what the flags leave open."""
+    args.deepspeed_user_config = None
+    args.deepspeed_notices = []
+    if args.deepspeed_config is None:
+        return
+    from rapidlite.parallel.deepspeed_config import adopt_user_config, read_user_config
+
+    args.deepspeed = True
+    args.deepspeed_user_config = read_user_config(args.deepspeed_config)
+    args.deepspeed_notices = adopt_user_config(args, args.deepspeed_user_config)
 
 
 def _resolve_batch(args: argparse.Namespace) -> None:
@@ -478,7 +532,7 @@ def _resolve_batch(args: argparse.Namespace) -> None:
     args.data_parallel_size = world // model_parallel
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
-        args.global_batch_size = per_step
+        args.global_batch_size = per_step * (getattr(args, "deepspeed_accumulation", None) or 1)
     if args.global_batch_size % per_step != 0:
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "

@@ -8,6 +8,8 @@ Layout of ``--save DIR``::
                                   ``optim.<name>.<state>`` tensors; the metadata goes last
         state.pt               trainer position, LR schedule, loss scaler, skipped steps (rank 0)
         rng_rank<R>.pt         each rank's RNG states
+    DIR/iter_0000200/deepspeed/   instead of the DCP files under --deepspeed: DeepSpeed's own checkpoint
+                                  (``engine.save_checkpoint``; ZeRO partitions of the optimizer state)
     DIR/hf/                    final model (+ tokenizer) in Hugging Face format, gathered on rank 0
     DIR/metrics.jsonl          one JSON object per logged iteration and per evaluation
 
@@ -17,18 +19,26 @@ it. Only tensors go through DCP; optimizer hyperparameters come from the resumed
 
 A checkpoint is written under ``.tmp_iter_N`` and renamed when every rank has finished; only then is
 ``latest`` replaced (through a temporary file and ``os.replace``). A crash mid-save leaves ``latest`` at
-the previous good checkpoint. Loading unpickles nothing but tensors and plain containers:
-``torch.load(weights_only=True)`` for the side files and a restricted unpickler for DCP's metadata.
+the previous good checkpoint.
+
+A DeepSpeed checkpoint resumes under DeepSpeed (same layout); its weights (consolidated by DeepSpeed's
+``zero_to_fp32``) also load without DeepSpeed, and a DCP checkpoint's weights load under DeepSpeed:
+across backends the optimizer state does not carry over (``--no-load-optim``).
+
+Loading a DCP checkpoint unpickles nothing but tensors and plain containers: ``torch.load(weights_only=True)``
+for the side files and a restricted unpickler for DCP's metadata. DeepSpeed's files are read by DeepSpeed,
+which unpickles them in full: load only DeepSpeed checkpoints you trust.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import random
 import shutil
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +60,7 @@ STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 METADATA_FILE = ".metadata"
 MODEL, OPTIM = "model.", "optim."
+DEEPSPEED_TAG = "deepspeed"
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -65,7 +76,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _one_process_is_fine():
     # DCP warns on every call without a process group, which is how one process runs here.
     with warnings.catch_warnings():
@@ -170,11 +181,13 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: Any | None,
     state: dict[str, Any],
+    ds_engine: Any = None,
 ) -> Path:
     """Write ``DIR/iter_N`` atomically from every rank and point ``DIR/latest`` at it (a collective).
 
     ``state`` holds what is not a tensor of the model or optimizer (trainer position, scheduler, scaler):
-    rank 0 writes it. ``optimizer`` None saves the weights only."""
+    rank 0 writes it. ``optimizer`` None saves the weights only. With ``ds_engine`` DeepSpeed writes the
+    model and optimizer in its own format."""
     save_dir = Path(save_dir)
     final = save_dir / checkpoint_name(iteration)
     tmp = save_dir / f".tmp_{final.name}"
@@ -185,9 +198,14 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
-    tensors = _flatten(get_model_state_dict(model), _optimizer_tensors(model, optimizer, False) if optimizer else None)
-    with _one_process_is_fine():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    if ds_engine is not None:
+        ds_engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    else:
+        tensors = _flatten(
+            get_model_state_dict(model), _optimizer_tensors(model, optimizer, False) if optimizer else None
+        )
+        with _one_process_is_fine():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         torch.save(state, tmp / STATE_FILE)
@@ -282,6 +300,23 @@ def _checkpoint_keys(path: Path) -> list[str]:
     return list(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def checkpoint_path(load_dir: str | os.PathLike) -> Path:
+    """The directory ``DIR/latest`` points at."""
+    return Path(load_dir) / checkpoint_name(latest_iteration(load_dir))
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / DEEPSPEED_TAG).is_dir()
+
+
+def cross_backend_optimizer_error(load_dir: Any, saved_by_deepspeed: bool) -> CheckpointError:
+    writer, reader = ("DeepSpeed", "without --deepspeed") if saved_by_deepspeed else ("PyTorch", "under --deepspeed")
+    return CheckpointError(
+        f"--load {load_dir}: the checkpoint was written by {writer}, and its optimizer state does not load "
+        f"{reader}: add --no-load-optim to continue from its weights and schedule (or --finetune for the weights)"
+    )
+
+
 def load_checkpoint(
     load_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any | None = None, weights_only: bool = False
 ) -> tuple[int, dict[str, Any] | None]:
@@ -291,8 +326,14 @@ def load_checkpoint(
     None with ``weights_only``. A collective: every rank calls it."""
     iteration = latest_iteration(load_dir)
     path = Path(load_dir) / checkpoint_name(iteration)
-    state_file = path / STATE_FILE
-    needed = [path / METADATA_FILE] + ([] if weights_only else [state_file])
+    if is_deepspeed_checkpoint(path):
+        if optimizer is not None:
+            raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
+        weights = deepspeed_weights(path, load_dir)
+        _check_keys(load_dir, get_model_state_dict(model), weights.keys())
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        return iteration, None if weights_only else read_state(path, load_dir, optimizer_loaded=False)
+    needed = [path / METADATA_FILE] + ([] if weights_only else [path / STATE_FILE])
     for f in needed:
         if not f.is_file():
             raise CheckpointError(f"--load {load_dir}: checkpoint file {f} is missing")
@@ -302,13 +343,7 @@ def load_checkpoint(
         raise CheckpointError(f"--load {load_dir}: cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
 
     model_sd = get_model_state_dict(model)
-    missing = sorted(k for k in model_sd if MODEL + k not in saved)
-    unexpected = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL) and k[len(MODEL) :] not in model_sd)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"--load {load_dir}: the checkpoint does not match the model (missing {missing[:3]}, unexpected "
-            f"{unexpected[:3]}); is it the same architecture?"
-        )
+    _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)])
     optim_state = None
     if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
         optim_state = _optimizer_tensors(model, optimizer, materialize=True)
@@ -324,19 +359,68 @@ def load_checkpoint(
         # ZeRO-1: optim_state holds this rank's live state tensors, which DCP filled in place.
     if weights_only:
         return iteration, None
+    return iteration, read_state(path, load_dir, optimizer_loaded=optim_state is not None)
+
+
+def _check_keys(load_dir: Any, model_sd: dict[str, Any], saved: Any) -> None:
+    saved = set(saved)
+    missing = sorted(k for k in model_sd if k not in saved)
+    unexpected = sorted(k for k in saved if k not in model_sd)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"--load {load_dir}: the checkpoint does not match the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); is it the same architecture?"
+        )
+
+
+def read_state(path: Path, load_dir: Any, optimizer_loaded: bool) -> dict[str, Any]:
+    """``state.pt`` (trainer position, schedule, scaler) plus this rank's RNG states."""
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"--load {load_dir}: checkpoint file {state_file} is missing")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
         rng_file = path / f"rng_rank{_rank()}.pt"
         state["rng"] = torch.load(rng_file if rng_file.is_file() else path / "rng_rank0.pt", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"--load {load_dir}: cannot read {state_file} ({_first_line(e)})") from None
-    state["optimizer_loaded"] = optim_state is not None
-    return iteration, state
+    state["optimizer_loaded"] = optimizer_loaded
+    return state
+
+
+def deepspeed_weights(path: Path, load_dir: Any = None) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a DeepSpeed checkpoint, consolidated from its ZeRO partitions (or, without ZeRO,
+    its module state), in this process."""
+    try:
+        from rapidlite.parallel.deepspeed_backend import import_deepspeed
+
+        import_deepspeed()
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except Exception as e:
+        raise CheckpointError(f"--load {load_dir or path}: a DeepSpeed checkpoint needs DeepSpeed ({e})") from None
+    tag_dir = path / DEEPSPEED_TAG
+    try:
+        if any(tag_dir.glob("*optim_states.pt")):
+            # zero_to_fp32 prints its progress: kept out of the run's output.
+            quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+            with warnings.catch_warnings(), quiet[0], quiet[1]:
+                warnings.simplefilter("ignore")
+                weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+        else:
+            (states,) = sorted(tag_dir.glob("*model_states.pt"))
+            weights = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    except Exception as e:
+        raise CheckpointError(
+            f"--load {load_dir or path}: cannot read the DeepSpeed checkpoint in {tag_dir} ({_first_line(e)})"
+        ) from None
+    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
 def read_model_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full (unsharded) weights of one checkpoint directory, in this process, whoever saved them."""
     path = Path(checkpoint_dir)
+    if is_deepspeed_checkpoint(path):
+        return deepspeed_weights(path)
     metadata = SafeFileSystemReader(path).read_metadata()
     target = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -349,13 +433,18 @@ def read_model_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Ten
 
 
 # ---------------------------------------------------------------------------------------- export
-def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path | None:
+def export_hf(
+    model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None, state_dict: dict[str, Any] | None = None
+) -> Path | None:
     """Save a Hugging Face model (and tokenizer) with ``save_pretrained`` in safetensors, atomically, from
     the full weights gathered on rank 0 (a collective). Returns None for models that are not Hugging Face
-    models, and on ranks other than 0."""
+    models, and on ranks other than 0. ``state_dict``: the full weights gathered already (DeepSpeed)."""
     if not hasattr(model, "save_pretrained"):
         return None
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if state_dict is not None:
+        full = state_dict
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         return None
     out_dir = Path(out_dir)

@@ -78,10 +78,12 @@ def _run(argv: list[str]) -> int:
         return run_task(argv)
     if not os.path.isfile(script):
         raise ConfigError(f"--user-script {script}: file not found")
-    from rapidlite.arguments import build_parser, validate_args
+    from rapidlite.arguments import build_parser, mark_explicit, validate_args
 
     # The script may add flags of its own (extra_args_provider): its engine checks those in each worker.
-    args, _ = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    mark_explicit(parser, argv, args)
     validate_args(args, require_task=False)
     code = _launch_if_needed(args, argv)
     return code if code is not None else run_user_script(script, argv)

@@ -116,7 +116,9 @@ class RapidliteEngine:
         set_global_args(args, self.timers)
         self.data_parallel = DataParallelConfig.from_args(args)
         owned = not distributed.dist.is_initialized()
-        self.dist = distributed.init_distributed(args, need_process_group=self.data_parallel.zero_stage > 0)
+        self.dist = distributed.init_distributed(
+            args, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
+        )
         if owned and self.dist.initialized:
             # A script's worker ends through the clean teardown (see distributed.shutdown); a private
             # one-process group is destroyed before the interpreter finalises.
@@ -130,8 +132,12 @@ class RapidliteEngine:
         log_file = os.path.join(args.save, "logs", f"rank{self.rank}.log") if args.per_rank_logs else None
         self.logger = setup_logger(self.rank, log_file)
         self.precision = resolve_precision(args.precision, self.device)
+        if self.is_main_process:
+            for notice in getattr(args, "deepspeed_notices", None) or ():
+                self.logger.warning(notice)
         set_seed(args.seed)
-        self._optimizer: RapidliteOptimizer | None = None
+        self._optimizer: Any = None
+        self._pending_weights: dict[str, torch.Tensor] | None = None
         self._gather_trim = GatherTrim()
 
     @property
@@ -169,6 +175,9 @@ class RapidliteEngine:
                 f"{dp.name} shards the optimizer, so it must build it: return None for the optimizer from "
                 "model_optimizer_lr_scheduler_provider (or pass none to compose) and set it with the flags"
             )
+        if dp.deepspeed:
+            loaders = (train_dataloader, eval_dataloader)
+            return self._compose_deepspeed(model, optimizer, lr_scheduler_fn, *loaders, total_iters)
         if not dp.cpu_offload:
             model.to(self.device)
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
@@ -198,19 +207,51 @@ class RapidliteEngine:
             )
         self._optimizer = wrapped
 
-        if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):
-            scheduler = lr_scheduler_fn
-        else:
-            total = total_iters or args.train_iters
-            if lr_scheduler_fn is None and total is None:
-                raise ConfigError("the learning-rate schedule needs the run length: pass --train-iters")
-            scheduler = build_lr_scheduler(wrapped.optimizer, args, total, lr_scheduler_fn)
+        scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
+        return self._compose_result(model, wrapped, scheduler, train_dataloader, eval_dataloader)
 
-        out = [model, wrapped, scheduler]
+    def _scheduler(self, optimizer: torch.optim.Optimizer, lr_scheduler_fn: Any, total_iters: int | None) -> Any:
+        if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):
+            return lr_scheduler_fn
+        total = total_iters or self.args.train_iters
+        if lr_scheduler_fn is None and total is None:
+            raise ConfigError("the learning-rate schedule needs the run length: pass --train-iters")
+        return build_lr_scheduler(optimizer, self.args, total, lr_scheduler_fn)
+
+    def _compose_result(self, model, optimizer, scheduler, train_dataloader, eval_dataloader) -> tuple:
+        out = [model, optimizer, scheduler]
         for loader in (train_dataloader, eval_dataloader):
             if loader is not None:
                 out.append(loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device))
         return tuple(out)
+
+    def _compose_deepspeed(self, model, optimizer, lr_scheduler_fn, train_dataloader, eval_dataloader, total_iters):
+        """``--deepspeed``: dropout and activation checkpointing as usual, then DeepSpeed's engine takes the
+        model and the optimizer built from the flags (it casts the weights for bf16/fp16 itself, so no
+        autocast). The model handed back is the engine: forward through it, as DeepSpeed requires."""
+        from rapidlite.parallel import deepspeed_backend
+        from rapidlite.parallel.deepspeed_config import build_config
+
+        args, dp = self.args, self.data_parallel
+        if deepspeed_backend.is_deepspeed_engine(model):
+            raise TypeError("compose() was given a DeepSpeed engine: pass the plain model")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("under --deepspeed, compose() takes a torch.optim.Optimizer (or None: built from flags)")
+        model.to(self.device)
+        _set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        if args.checkpoint_activations:
+            apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
+        if self._pending_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
+            model.load_state_dict(self._pending_weights)
+            self._pending_weights = None
+        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args))
+        config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
+        self.logger.info(f"starting DeepSpeed {dp.name} (its ops are compiled on first use: that can take minutes)")
+        ds_engine = deepspeed_backend.initialize(model, optimizer, config)
+        wrapped = deepspeed_backend.DeepSpeedOptimizer(ds_engine)
+        self._optimizer = wrapped
+        scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
+        return self._compose_result(ds_engine, wrapped, scheduler, train_dataloader, eval_dataloader)
 
     # ------------------------------------------------------------------ helpers for user loops
     def backward(self, loss: torch.Tensor) -> None:

@@ -207,6 +207,10 @@ class RapidliteOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @property
+    def loss_scale(self) -> float | None:
+        return self.loss_scaler.scale if self.loss_scaler is not None else None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -12,7 +12,8 @@ from rapidlite.errors import ConfigError
 # Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
 FLAGS = """
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --checkpoint-activations --clip-grad --cpu-offload
---data-dir --data-impl --data-name --data-path --demo --distributed-backend --distributed-timeout-minutes --epochs
+--data-dir --data-impl --data-name --data-path --deepspeed --deepspeed-config --demo --distributed-backend
+--distributed-timeout-minutes --epochs
 --eval-interval --eval-iters --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size
 --help --hidden-dropout --hidden-size --hysteresis --initial-loss-scale --label-key --load --log-interval
 --loss-scale --loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction --lr-warmup-iters

@@ -36,6 +36,7 @@ from rapidlite.parallel.recompute import find_blocks
 class DataParallelConfig:
     zero_stage: int = 0  # 0: DDP, 1: sharded optimizer state, 2: + gradients, 3: + parameters
     cpu_offload: bool = False
+    deepspeed: bool = False  # the stages run by DeepSpeed's engine instead of PyTorch's machinery
 
     @classmethod
     def from_args(cls, args: Any) -> DataParallelConfig:
@@ -47,7 +48,7 @@ class DataParallelConfig:
             stage = 1
         else:
             stage = 0
-        return cls(zero_stage=stage, cpu_offload=args.cpu_offload)
+        return cls(zero_stage=stage, cpu_offload=args.cpu_offload, deepspeed=bool(getattr(args, "deepspeed", False)))
 
     @property
     def fully_sharded(self) -> bool:
@@ -55,6 +56,8 @@ class DataParallelConfig:
 
     @property
     def name(self) -> str:
+        if self.deepspeed:
+            return f"DeepSpeed ZeRO-{self.zero_stage}" + (" + CPU offload" if self.cpu_offload else "")
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + (
             " + CPU offload" if self.cpu_offload else ""
         )

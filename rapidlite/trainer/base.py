@@ -19,6 +19,7 @@ from rapidlite import checkpoint as ckpt
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+from rapidlite.parallel import deepspeed_backend
 from rapidlite.parallel.data_parallel import gradient_sync, model_state_bytes
 
 
@@ -126,6 +127,8 @@ class BaseTrainer:
     # ------------------------------------------------------------------ setup
     def setup_model(self, total_iters: int) -> None:
         self.total_iters = total_iters
+        if self.args.load is not None and self.engine.data_parallel.deepspeed:
+            self._stage_foreign_weights()
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=total_iters
@@ -134,10 +137,11 @@ class BaseTrainer:
             self.load_checkpoint()
         if self.engine.is_main_process:
             self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = deepspeed_backend.parameter_count(deepspeed_backend.unwrap(self.model))
         a = self.args
         self.logger.info(
-            f"model: {type(self.model).__name__}, {n_params / 1e6:.2f}M parameters | device: {self.engine.device} | "
+            f"model: {type(deepspeed_backend.unwrap(self.model)).__name__}, {n_params / 1e6:.2f}M parameters | "
+            f"device: {self.engine.device} | "
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
             f"{a.global_batch_size} | iterations: {total_iters}"
@@ -157,9 +161,15 @@ class BaseTrainer:
         optimizer.zero_grad(set_to_none=True)
         micro_steps = list(micro_steps)
         losses, num_items, mode = [], 0, None
+        # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is
+        # turned into its micro-batch mean (exact when micro-batches hold equal item counts).
+        per_micro_mean = getattr(optimizer, "averages_micro_batches", False)
         for i, forward in enumerate(micro_steps):
             with gradient_sync(model, enabled=i == len(micro_steps) - 1):
                 loss, items = unpack_loss(forward())
+                if per_micro_mean and items is not None:
+                    self._warn_per_micro_mean()
+                    loss, items = loss / max(items, 1), None
                 step_mode = "mean" if items is None else "sum"
                 if mode is not None and step_mode != mode:
                     raise TypeError(
@@ -186,6 +196,15 @@ class BaseTrainer:
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
+
+    def _warn_per_micro_mean(self) -> None:
+        if not getattr(self, "_per_micro_mean_warned", False) and self.engine.is_main_process:
+            self._per_micro_mean_warned = True
+            self.logger.warning(
+                "under --deepspeed a (loss_sum, num_items) forward step is averaged per micro-batch (DeepSpeed "
+                "scales each micro-batch's loss itself): equal to the global-batch average when micro-batches "
+                "hold the same number of items"
+            )
 
     # ------------------------------------------------------------------ logging
     @staticmethod
@@ -227,7 +246,10 @@ class BaseTrainer:
         """Once, after the first step (optimizer state exists then): this rank's bytes of parameters,
         gradients and optimizer state, so what ZeRO/FSDP shards is visible."""
         self._state_bytes_logged = True
-        sizes = model_state_bytes(self.model, self.optimizer.optimizer)
+        if deepspeed_backend.is_deepspeed_engine(self.model):
+            sizes = deepspeed_backend.model_state_bytes(self.model)
+        else:
+            sizes = model_state_bytes(self.model, self.optimizer.optimizer)
         record = {"split": "model_state", "iteration": self.iteration, "strategy": self.engine.strategy, **sizes}
         self.logger.info(
             f"model state on rank {self.engine.rank} ({self.engine.strategy}): "
@@ -255,14 +277,13 @@ class BaseTrainer:
         )
         loss, samples, tokens = totals.tolist()
         grad_norm = self.optimizer.last_grad_norm
-        scaler = self.optimizer.loss_scaler
         record: dict[str, Any] = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
             "loss": loss / self.engine.dp_size / interval["steps"],
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "loss_scale": scaler.scale if scaler is not None else None,
+            "loss_scale": self.optimizer.loss_scale,
             "skipped_steps": self.optimizer.skipped_steps,
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed if tokens >= 0 else None,
@@ -303,16 +324,52 @@ class BaseTrainer:
         if self.optimizer.loss_scaler is not None:
             state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
         optimizer = None if self.args.no_save_optim else self.optimizer.optimizer
-        path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, optimizer, state)
+        ds_engine = self.model if deepspeed_backend.is_deepspeed_engine(self.model) else None
+        path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, optimizer, state, ds_engine)
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
+
+    def _stage_foreign_weights(self) -> None:
+        """Under DeepSpeed, a checkpoint written without it: its weights go into the model before DeepSpeed
+        builds its fp32 copies from them (the optimizer state does not carry over)."""
+        args = self.args
+        path = ckpt.checkpoint_path(args.load)
+        if ckpt.is_deepspeed_checkpoint(path):
+            return
+        if not (args.finetune or args.no_load_optim):
+            raise ckpt.cross_backend_optimizer_error(args.load, saved_by_deepspeed=False)
+        self.engine._pending_weights = ckpt.read_model_tensors(path)
+
+    def _load_deepspeed_checkpoint(self) -> tuple[int, dict[str, Any] | None]:
+        args = self.args
+        skip_optimizer = args.finetune or args.no_load_optim
+        iteration = ckpt.latest_iteration(args.load)
+        path = ckpt.checkpoint_path(args.load)
+        if ckpt.is_deepspeed_checkpoint(path):
+            loaded, _ = self.model.load_checkpoint(
+                str(path),
+                tag=ckpt.DEEPSPEED_TAG,
+                load_optimizer_states=not skip_optimizer,
+                load_lr_scheduler_states=False,
+                load_module_only=args.finetune,
+            )
+            if loaded is None:
+                raise ckpt.CheckpointError(f"--load {args.load}: DeepSpeed could not read the checkpoint in {path}")
+        # else: the weights were loaded before deepspeed.initialize (_stage_foreign_weights)
+        if args.finetune:
+            return iteration, None
+        loaded_optimizer = ckpt.is_deepspeed_checkpoint(path) and not skip_optimizer
+        return iteration, ckpt.read_state(path, args.load, optimizer_loaded=loaded_optimizer)
 
     def load_checkpoint(self) -> None:
         args = self.args
         skip_optimizer = args.finetune or args.no_load_optim
-        iteration, state = ckpt.load_checkpoint(
-            args.load, self.model, None if skip_optimizer else self.optimizer.optimizer, weights_only=args.finetune
-        )
+        if deepspeed_backend.is_deepspeed_engine(self.model):
+            iteration, state = self._load_deepspeed_checkpoint()
+        else:
+            iteration, state = ckpt.load_checkpoint(
+                args.load, self.model, None if skip_optimizer else self.optimizer.optimizer, weights_only=args.finetune
+            )
         if args.finetune:
             self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
             return
@@ -339,7 +396,12 @@ class BaseTrainer:
             self._progress.close()
         if self.args.save is not None:
             self.save_checkpoint()
-            out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
+            if deepspeed_backend.is_deepspeed_engine(self.model):
+                module = self.model.module
+                full = deepspeed_backend.full_state_dict(self.model) if hasattr(module, "save_pretrained") else None
+                out = ckpt.export_hf(module, f"{self.args.save}/hf", self.tokenizer, full) if full else None
+            else:
+                out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
             if out is not None:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
