@@ -36,5 +36,10 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
     },
-    entry_points={"console_scripts": ["rapidlite=rapidlite.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "rapidlite=rapidlite.cli:main",
+            "rapidlite-preprocess=rapidlite.data.preprocess:main",
+        ]
+    },
 )

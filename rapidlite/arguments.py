@@ -15,6 +15,14 @@ from collections.abc import Callable, Sequence
 from rapidlite.errors import ConfigError, NotImplementedYetError
 
 TASKS = ("sequence_classification", "pretraining")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "NullTokenizer",
+)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
@@ -58,6 +66,31 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         help="maximum sequence length (tokens); default 128 for fine-tuning",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="built-in GPT: pad the vocabulary to a multiple of this",
+    )
+    g.add_argument("--init-method-std", type=float, default=0.02, help="built-in GPT: std of the normal init")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="built-in GPT")
+    g.add_argument("--swiglu", action="store_true", help="built-in GPT: SwiGLU MLP (LLaMA-style)")
+    g.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default="learned_absolute",
+        help="built-in GPT",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="built-in GPT: a separate output layer instead of the input embedding's transpose",
+    )
+    g.add_argument(
+        "--load-pretrained-weights",
+        action="store_true",
+        help="--task pretraining: start from the weights of --pretrained-model-name-or-path (default: its config only)",
+    )
     g.add_argument("--hidden-dropout", type=float, default=None, help="override the model's hidden dropout probability")
     g.add_argument(
         "--attention-dropout",
@@ -196,6 +229,21 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights used to split a single data source")
     g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="pretraining: the tokenizer the data was preprocessed with",
+    )
+    g.add_argument("--vocab-file", default=None, help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)")
+    g.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer name/dir or SentencePiece model")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: the vocabulary size")
+    g.add_argument("--eod-mask-loss", action="store_true", help="GPT: no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true", help="GPT: positions restart after each EOD")
+    g.add_argument(
+        "--reset-attention-mask", action="store_true", help="GPT: attention does not cross EOD (built-in GPT)"
+    )
     g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
     g.add_argument("--label-key", default=None, help="label column of tabular data")
 
@@ -327,6 +375,8 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         "loss_scale_window",
         "hysteresis",
         "recompute_num_layers",
+        "make_vocab_size_divisible_by",
+        "vocab_size",
         "nproc_per_node",
         "nnodes",
         "distributed_timeout_minutes",
@@ -372,6 +422,16 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
                 f"--task sequence_classification needs {' and '.join(missing)} "
                 "(or --demo for the embedded offline example)"
             )
+    if args.task == "pretraining" and args.user_script is None:
+        if args.train_iters is None:
+            raise ConfigError("--task pretraining is iteration-based: pass --train-iters N")
+        if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
+            raise ConfigError(
+                "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
+                "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
+            )
+    if args.init_method_std <= 0:
+        raise ConfigError(f"--init-method-std {args.init_method_std}: must be positive")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.load is not None:
@@ -448,11 +508,6 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
                 f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
                 "yet in this version of rapidlite; use 1"
             )
-    if args.task == "pretraining" and args.user_script is None:
-        raise NotImplementedYetError(
-            "--task pretraining is not implemented yet in this version of rapidlite; "
-            "use --user-script with a PreTrainer subclass"
-        )
 
 
 def _default_nproc_per_node() -> int:

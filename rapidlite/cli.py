@@ -43,25 +43,46 @@ def _launch_if_needed(args: argparse.Namespace, argv: list[str]) -> int | None:
     return launch(args, "rapidlite", argv, module=True) if needs_launch(args) else None
 
 
+def _embedded_default(argv: list[str]):
+    """``(flags, prepare)`` of the embedded offline run this command asks for, or None: ``--demo``, and
+    ``--task pretraining`` without ``--data-path``."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--task", default=None)
+    pre.add_argument("--data-path", nargs="+", default=None)
+    pre.add_argument("--demo", action="store_true")
+    known, _ = pre.parse_known_args(argv)
+    if known.task == "pretraining" and (known.demo or known.data_path is None):
+        from rapidlite.tasks import pretraining_demo
+
+        return pretraining_demo.DEMO_ARGS, pretraining_demo.prepare_pretraining_demo
+    if known.demo:
+        from rapidlite.tasks import demo
+
+        return demo.DEMO_ARGS, demo.prepare_demo
+    return None
+
+
 def run_task(argv: list[str]) -> int:
     # Flags are parsed (and --help answered) before the heavy task modules are imported.
     from rapidlite.arguments import parse_args
-    from rapidlite.tasks import demo
 
-    if "--demo" in argv:
-        argv = [*demo.DEMO_ARGS, *argv]
+    embedded = _embedded_default(argv) if "--help" not in argv and "-h" not in argv else None
+    if embedded is not None:
+        argv = [*embedded[0], *argv]  # flags given on the command line come later and win
     args = parse_args(argv)
-    if args.demo:
-        demo.prepare_demo(args)  # once, before any workers start
+    if embedded is not None:
+        embedded[1](args)  # once, before any workers start
     code = _launch_if_needed(args, argv)
     if code is not None:
         return code
 
     from rapidlite.engine import RapidliteEngine
-    from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
 
-    tasks = {"sequence_classification": SequenceClassificationFinetuner}
-    trainer = tasks[args.task](engine=RapidliteEngine(args=args))
+    if args.task == "pretraining":
+        from rapidlite.tasks.pretraining import GPTPretrainer as task
+    else:
+        from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner as task
+    trainer = task(engine=RapidliteEngine(args=args))
     metrics = trainer.train()
     if metrics:
         shown = {k: v for k, v in metrics.items() if k != "split"}

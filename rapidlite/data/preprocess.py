@@ -1,0 +1,481 @@
+"""``rapidlite-preprocess``: text → Megatron mmap indexed dataset (Megatron's ``tools/preprocess_data.py``).
+
+Input: JSON lines (``.jsonl``/``.json``/``.ndjson``; one object per line, the text under each of
+``--json-keys``) or plain text (``.txt``: documents are blocks separated by blank lines, or one per
+line with ``--text-format lines``). A file with another suffix is JSON lines when its first non-blank
+line is a JSON object, else text. Blank lines of a JSON-lines file are skipped.
+
+Output, per key: ``{prefix}_{key}_document.bin/.idx`` (each document one sequence) or, with
+``--split-sentences``, ``{prefix}_{key}_sentence.bin/.idx`` (each sentence a sequence, grouped into
+documents). ``--append-eod`` adds the tokenizer's EOD id to the end of every document (its last sentence).
+Documents that tokenize to nothing are skipped, as Megatron does. Token ids are stored as uint16 when
+the vocabulary has fewer than 65500 tokens, else int32.
+
+Sentences are split by nltk's punkt model when nltk and its data are installed (nothing is
+downloaded), else by a built-in rule: a sentence ends at ``.``/``!``/``?`` (and closing quotes or
+brackets) followed by whitespace and a capital letter, unless the word before the period is a single
+letter or a common abbreviation (Mr., Dr., ...). Which one is used is printed. Without
+``--keep-newlines`` the whitespace between sentences is dropped; with it, each sentence keeps the
+whitespace (newlines included) that follows it, so the sentences concatenate back to the document.
+
+Tokenization runs in a ``multiprocessing`` pool (``--workers``) over chunks of documents in input
+order, with at most two windows of documents in flight so memory stays bounded; results are written
+in order, so the output is byte-identical for any number of workers. ``--partitions N`` cuts the
+documents into N contiguous ranges, processes them one after the other into temporary datasets and
+merges those with ``IndexedDatasetBuilder.add_index``: the result equals that of one partition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rapidlite.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    best_dtype,
+    data_file_path,
+    index_file_path,
+)
+from rapidlite.data.tokenizers import TOKENIZER_TYPES, AbstractTokenizer, build_tokenizer
+from rapidlite.errors import ConfigError, DataError, RapidliteError
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".text")
+TEXT_FORMATS = ("auto", "jsonl", "paragraphs", "lines")
+CHUNKSIZE = 32
+
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof st jr sr vs fig figs inc ltd co corp mt gen col lt sgt capt rev hon messrs approx dept".split()
+)
+
+
+# --------------------------------------------------------------------------------- sentence splitting
+class SentenceSplitter:
+    """Cuts a text into sentences with nltk punkt when available offline, else with a regex rule."""
+
+    _BOUNDARY = re.compile(
+        r"(?P<word>\w*)(?P<end>[.!?]+[\"')\]\u2019\u201d]*)(?P<space>\s+)(?=[\"'(\[\u2018\u201c]?\w)"
+    )
+
+    def __init__(self, lang: str = "english", keep_newlines: bool = False) -> None:
+        self.lang, self.keep_newlines = lang, keep_newlines
+        self._punkt = _load_punkt(lang)
+        self.kind = f"nltk punkt ({lang})" if self._punkt is not None else "the built-in regex rule"
+
+    def _regex_spans(self, text: str) -> list[tuple[int, int]]:
+        start, end = len(text) - len(text.lstrip()), len(text.rstrip())
+        if start >= end:
+            return []
+        spans = []
+        for m in self._BOUNDARY.finditer(text, start, end):
+            following = text[m.end() : m.end() + 8].lstrip("\"'([\u2018\u201c")[:1]
+            if not following.isupper():
+                continue
+            word, end_mark = m.group("word"), m.group("end")
+            if end_mark.startswith(".") and len(end_mark.rstrip("\"')]\u2019\u201d")) == 1:
+                if len(word) == 1 and word.isalpha() or word.lower() in _ABBREVIATIONS:
+                    continue
+            spans.append((start, m.start("space")))
+            start = m.end()
+        spans.append((start, end))
+        return spans
+
+    def split(self, text: str) -> list[str]:
+        """The sentences of ``text`` (whitespace-only pieces dropped)."""
+        if self._punkt is not None:
+            spans = list(self._punkt.span_tokenize(text))
+        else:
+            spans = self._regex_spans(text)
+        if self.keep_newlines:
+            starts = [s for s, _ in spans] + [len(text)]
+            pieces = [text[a:b] for a, b in itertools.pairwise(starts)]
+        else:
+            pieces = [text[a:b] for a, b in spans]
+        return [p for p in pieces if p.strip()]
+
+
+def _load_punkt(lang: str) -> Any:
+    """nltk's punkt sentence tokenizer if nltk and its data are installed; never downloads."""
+    try:
+        import nltk  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        from nltk.tokenize import PunktTokenizer
+
+        return PunktTokenizer(lang)
+    except Exception:
+        pass
+    try:
+        import nltk.data
+
+        return nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------------ input
+def check_input(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"--input {path}: no such file")
+    if not os.path.isfile(path):
+        raise DataError(f"--input {path}: not a file (give one JSON-lines or text file)")
+    return path
+
+
+def detect_format(path: str, text_format: str = "auto") -> str:
+    """``jsonl``, ``paragraphs`` or ``lines`` for ``path`` (see the module docstring for ``auto``)."""
+    if text_format not in TEXT_FORMATS:
+        raise ConfigError(f"--text-format {text_format}: choose one of {', '.join(TEXT_FORMATS)}")
+    if text_format != "auto":
+        return text_format
+    lower = path.lower()
+    if lower.endswith(JSON_SUFFIXES):
+        return "jsonl"
+    if lower.endswith(TEXT_SUFFIXES):
+        return "paragraphs"
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        return "jsonl" if isinstance(json.loads(first), dict) else "paragraphs"
+    except (ValueError, UnicodeDecodeError):
+        return "paragraphs"
+
+
+def iter_documents(path: str, fmt: str) -> Iterator[tuple[int, str]]:
+    """``(line number, raw item)``: a JSON line, or the text of one document."""
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            if fmt == "paragraphs":
+                block: list[str] = []
+                first = 0
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        if not block:
+                            first = lineno
+                        block.append(line)
+                    elif block:
+                        yield first, "".join(block).rstrip("\n")
+                        block = []
+                if block:
+                    yield first, "".join(block).rstrip("\n")
+            else:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield lineno, (line if fmt == "jsonl" else line.rstrip("\n"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason}); convert the file to UTF-8") from None
+
+
+# ------------------------------------------------------------------------------------ tokenization
+@dataclass(frozen=True)
+class _Job:
+    path: str
+    fmt: str
+    keys: tuple[str, ...]
+    split_sentences: bool
+    keep_newlines: bool
+    append_eod: bool
+    lang: str
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: AbstractTokenizer, job: _Job) -> None:
+    _WORKER["tokenizer"], _WORKER["job"] = tokenizer, job
+    _WORKER["splitter"] = SentenceSplitter(job.lang, job.keep_newlines) if job.split_sentences else None
+
+
+def _texts(job: _Job, lineno: int, raw: str) -> list[str]:
+    if job.fmt != "jsonl":
+        return [raw]
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{job.path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{job.path}:{lineno}: expected a JSON object, got a JSON {type(obj).__name__}")
+    texts = []
+    for key in job.keys:
+        if key not in obj:
+            keys = ", ".join(list(obj)[:10]) or "none"
+            raise DataError(f"{job.path}:{lineno}: no key {key!r} (keys: {keys}); choose the field with --json-keys")
+        if not isinstance(obj[key], str):
+            raise DataError(f"{job.path}:{lineno}: {key!r} is a JSON {type(obj[key]).__name__}, not a string")
+        texts.append(obj[key])
+    return texts
+
+
+def _encode(item: tuple[int, str]) -> tuple[list[tuple[np.ndarray, list[int]] | None], int]:
+    """One document → per key ``(token ids, sequence lengths)`` or None when empty; and its input bytes."""
+    lineno, raw = item
+    job: _Job = _WORKER["job"]
+    tokenizer: AbstractTokenizer = _WORKER["tokenizer"]
+    splitter: SentenceSplitter | None = _WORKER["splitter"]
+    out: list[tuple[np.ndarray, list[int]] | None] = []
+    for text in _texts(job, lineno, raw):
+        ids: list[int] = []
+        lengths: list[int] = []
+        for piece in splitter.split(text) if splitter is not None else [text]:
+            try:
+                tokens = tokenizer.tokenize(piece)
+            except RapidliteError as e:
+                raise DataError(f"{job.path}:{lineno}: {e}") from None
+            if tokens:
+                ids.extend(tokens)
+                lengths.append(len(tokens))
+        if ids and job.append_eod:
+            ids.append(tokenizer.eod)
+            lengths[-1] += 1
+        out.append((np.asarray(ids, dtype=np.int64), lengths) if ids else None)
+    return out, len(raw.encode("utf-8"))
+
+
+def _windowed_imap(pool: Any, items: Iterable[tuple[int, str]], window: int) -> Iterator[Any]:
+    """``pool.imap(_encode, items)`` in order, with at most two windows of items queued at once."""
+    source = iter(items)
+    pending: collections.deque = collections.deque()
+    while True:
+        while len(pending) < 2:
+            batch = list(itertools.islice(source, window))
+            if not batch:
+                break
+            pending.append(pool.imap(_encode, batch, CHUNKSIZE))
+        if not pending:
+            return
+        yield from pending.popleft()
+
+
+class _Progress:
+    def __init__(self, log: Callable[[str], None] | None, interval: int) -> None:
+        self.log, self.interval = log, interval
+        self.start = time.perf_counter()
+        self.documents = self.bytes = 0
+
+    def update(self, nbytes: int) -> None:
+        self.documents += 1
+        self.bytes += nbytes
+        if self.log is not None and self.interval > 0 and self.documents % self.interval == 0:
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            self.log(
+                f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
+                f"{self.bytes / elapsed / 1e6:.2f} MB/s)."
+            )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _remove(prefixes: Iterable[str]) -> None:
+    for prefix in prefixes:
+        for path in (data_file_path(prefix), index_file_path(prefix)):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+
+def preprocess(
+    input_path: str | os.PathLike,
+    output_prefix: str | os.PathLike,
+    tokenizer: AbstractTokenizer,
+    json_keys: Sequence[str] = ("text",),
+    split_sentences: bool = False,
+    append_eod: bool = False,
+    workers: int = 1,
+    partitions: int = 1,
+    keep_newlines: bool = False,
+    text_format: str = "auto",
+    lang: str = "english",
+    log_interval: int = 1000,
+    log: Callable[[str], None] | None = _stderr,
+) -> dict[str, str]:
+    """Tokenize ``input_path`` into mmap datasets; returns ``{key: output path prefix}``.
+
+    ``log`` receives the progress lines (None: silent)."""
+    path = check_input(input_path)
+    keys = tuple(json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise ConfigError(f"--json-keys {' '.join(keys)}: give one or more distinct keys")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be at least 1")
+    if partitions < 1:
+        raise ConfigError(f"--partitions {partitions}: must be at least 1")
+    fmt = detect_format(path, text_format)
+    if fmt != "jsonl" and len(keys) != 1:
+        raise ConfigError(f"--json-keys {' '.join(keys)}: {path} is plain text with one field; give one name")
+    if append_eod and tokenizer.eod is None:
+        raise ConfigError(
+            f"--append-eod: the {getattr(tokenizer, 'name', 'given')} tokenizer has no end-of-document id"
+        )
+
+    level = "sentence" if split_sentences else "document"
+    prefixes = {key: f"{os.fspath(output_prefix)}_{key}_{level}" for key in keys}
+    directory = os.path.dirname(os.fspath(output_prefix))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    dtype = best_dtype(tokenizer.vocab_size)
+    job = _Job(path, fmt, keys, split_sentences, keep_newlines, append_eod, lang)
+    if split_sentences and log is not None:
+        log(f"Splitting sentences with {SentenceSplitter(lang, keep_newlines).kind}.")
+
+    if partitions == 1:
+        ranges = [(0, None)]
+        part_prefixes = [prefixes]
+    else:
+        count = sum(1 for _ in iter_documents(path, fmt))
+        bounds = [count * i // partitions for i in range(partitions + 1)]
+        ranges = list(itertools.pairwise(bounds))
+        part_prefixes = [{k: f"{p}.part{i}-of-{partitions}" for k, p in prefixes.items()} for i in range(partitions)]
+    written = [p for parts in part_prefixes for p in parts.values()]
+    progress = _Progress(log, log_interval)
+    stats = {key: {"documents": 0, "sequences": 0, "tokens": 0, "empty": 0} for key in keys}
+    pool = None
+    try:
+        if workers > 1:
+            previous = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no fork warning from `tokenizers` in the workers
+            try:
+                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer, job))
+            finally:
+                if previous is None:
+                    del os.environ["TOKENIZERS_PARALLELISM"]
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+        else:
+            _init_worker(tokenizer, job)
+        for (start, stop), targets in zip(ranges, part_prefixes, strict=True):
+            builders = {k: IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for k, p in targets.items()}
+            items = itertools.islice(iter_documents(path, fmt), start, stop)
+            results = map(_encode, items) if pool is None else _windowed_imap(pool, items, CHUNKSIZE * workers * 8)
+            for encoded, nbytes in results:
+                for key, document in zip(keys, encoded, strict=True):
+                    if document is None:
+                        stats[key]["empty"] += 1
+                        continue
+                    builders[key].add_document(*document)
+                    stats[key]["documents"] += 1
+                    stats[key]["sequences"] += len(document[1])
+                    stats[key]["tokens"] += len(document[0])
+                progress.update(nbytes)
+            for key, builder in builders.items():
+                builder.finalize(index_file_path(targets[key]))
+        if partitions > 1:
+            for key, prefix in prefixes.items():
+                merged = IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype)
+                for targets in part_prefixes:
+                    merged.add_index(targets[key])
+                merged.finalize(index_file_path(prefix))
+            _remove(written)
+    except BaseException:
+        _remove(written + (list(prefixes.values()) if partitions > 1 else []))
+        raise
+    finally:
+        _WORKER.clear()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+    if log is not None:
+        elapsed = time.perf_counter() - progress.start
+        for key, prefix in prefixes.items():
+            n = stats[key]
+            skipped = f", {n['empty']} empty ones skipped" if n["empty"] else ""
+            log(
+                f"Wrote {prefix}.bin/.idx: {n['documents']} documents, {n['sequences']} sequences, "
+                f"{n['tokens']} tokens{skipped} ({elapsed:.1f}s)."
+            )
+    return prefixes
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rapidlite-preprocess",
+        description="Tokenize JSON lines or text into a Megatron-LM mmap indexed dataset (.bin/.idx).",
+    )
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="a JSON-lines (.jsonl/.json) or text (.txt) file")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
+    group.add_argument(
+        "--text-format",
+        choices=TEXT_FORMATS,
+        default="auto",
+        help="auto: by suffix; paragraphs: blank-line-separated documents; lines: one document per line",
+    )
+    group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
+    group.add_argument("--keep-newlines", action="store_true", help="keep the newlines between sentences")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, metavar="TYPE", help=" | ".join(TOKENIZER_TYPES))
+    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model or Hugging Face directory")
+    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2 BPE) or vocab.txt (BERT)")
+    group.add_argument("--merge-file", default=None, help="merges.txt (GPT-2 BPE)")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of token ids")
+    group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group.add_argument("--lang", default="english", help="language of the nltk sentence splitter")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_{document|sentence}.bin/.idx")
+    group.add_argument("--dataset-impl", default="mmap", help="only mmap is supported")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument("--partitions", type=int, default=1, help="process the input in N parts, then merge")
+    group.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``rapidlite-preprocess``: 0 on success, 2 (and one ``error:`` line) on a user error."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.dataset_impl != "mmap":
+            raise ConfigError(f"--dataset-impl {args.dataset_impl}: only mmap is supported (Megatron's default)")
+        check_input(args.input)
+        tokenizer = build_tokenizer(
+            args.tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+        )
+        preprocess(
+            args.input,
+            args.output_prefix,
+            tokenizer,
+            json_keys=args.json_keys,
+            split_sentences=args.split_sentences,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            partitions=args.partitions,
+            keep_newlines=args.keep_newlines,
+            text_format=args.text_format,
+            lang=args.lang,
+            log_interval=args.log_interval,
+        )
+    except RapidliteError as e:
+        print(f"rapidlite-preprocess: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The built-in GPT: a Megatron-style decoder-only transformer in plain PyTorch.
+
+The model is four separate stages, so later tensor or pipeline parallelism can split it::
+
+    embedding   (word embeddings + learned absolute positions, dropout)
+    layers      nn.ModuleList of pre-norm TransformerBlocks: x + attention(norm(x)), then x + mlp(norm(x))
+    final_norm  LayerNorm or RMSNorm
+    output      Linear(hidden, padded vocab), its weight tied to the word embeddings unless untied
+
+Blocks hold no state across layers and take tensors only (``hidden, rope, attention_mask``; the last two may
+be None), so activation checkpointing and FSDP can wrap each block (both find them as the largest
+``ModuleList``). Attention has separate q/k/v projections, each of which tensor parallelism can shard
+column-wise, and runs through ``F.scaled_dot_product_attention``: causal, or with an explicit boolean mask
+(``True`` = attend, as ``rapidlite.data.gpt_dataset.gpt_batch`` builds it for ``--reset-attention-mask``).
+With ``--position-embedding-type rope`` the rotation angles are computed once per forward from
+``position_ids`` and rotate q and k in every layer (half-split channel pairs, as GPT-NeoX and LLaMA).
+
+Megatron semantics kept: the vocabulary is padded up to a multiple of ``make_vocab_size_divisible_by``
+(the padded rows get logits too); weights are drawn from normal(0, ``init_method_std``) and the residual
+output projections (attention ``out_proj``, MLP ``down_proj``) from normal(0, std / sqrt(2 * num_layers));
+biases start at zero and norms at one. The MLP is GELU with ``ffn_hidden_size`` 4h by default, or SwiGLU
+with int(8h/3) rounded up to a multiple of 64 (LLaMA's rule, keeping the parameter count near the GELU MLP).
+
+With ``labels`` the forward returns ``(loss_sum, num_tokens)``: fp32 cross-entropy summed over the kept
+positions, so gradient accumulation can weight every token the same. ``save_pretrained`` and
+``from_pretrained`` use ``config.json`` + ``model.safetensors``, storing a tied output weight once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidlite.errors import CheckpointError, ConfigError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MODEL_TYPE = "rapidlite-gpt"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a ``GPTModel``; field names are Megatron's flags (``num_layers`` is ``--num-layers``)."""
+
+    vocab_size: int  # the tokenizer's; the embedding has padded_vocab_size rows
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 * hidden, or with SwiGLU int(8 * hidden / 3) rounded up to 64
+    seq_length: int = 1024
+    max_position_embeddings: int | None = None  # None: seq_length
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    untie_embeddings_and_output_weights: bool = False
+    bias: bool = True  # biases in linear layers and LayerNorm (LLaMA-style models have none)
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` (one line naming the flag) for an inconsistent configuration."""
+        positive = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+        positive += ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be a positive integer")
+        for name in ("init_method_std", "layernorm_epsilon", "rotary_base"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be positive")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be in [0, 1)")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization {self.normalization}: choose LayerNorm or RMSNorm")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(
+                f"--position-embedding-type {self.position_embedding_type}: choose learned_absolute or rope"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"--position-embedding-type rope needs an even head size; --hidden-size {self.hidden_size} / "
+                f"--num-attention-heads {self.num_attention_heads} = {self.head_dim}"
+            )
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by`` (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        """Build from ``to_dict`` output; unknown keys (such as ``model_type``) are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, bias=config.bias)
+
+
+def rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
+    """Rotation angles ``[b, 1, s, head_dim / 2]`` (fp32) for ``position_ids`` ``[b, s]``."""
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inv_freq = base**-exponents
+    return (position_ids.float()[..., None] * inv_freq)[:, None]
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of ``x`` ``[b, heads, s, d]`` by ``angles``, in fp32."""
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x.float().chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
+
+
+class Embedding(nn.Module):
+    """Word embeddings plus (for ``learned_absolute``) position embeddings, then dropout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        return self.dropout(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q, k, v projections (each shardable column-wise)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(h, h, bias=config.bias)
+        self.k_proj = nn.Linear(h, h, bias=config.bias)
+        self.v_proj = nn.Linear(h, h, bias=config.bias)
+        self.out_proj = nn.Linear(h, h, bias=config.bias)
+
+    @property
+    def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for proj in self.qkv)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        dropout = self.dropout if self.training else 0.0
+        if attention_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.up_proj = nn.Linear(h, f, bias=config.bias)
+        self.gate_proj = nn.Linear(h, f, bias=config.bias) if config.swiglu else None
+        self.down_proj = nn.Linear(f, h, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(F.gelu(self.up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + dropout(attention(norm(x)))``, then ``x + dropout(mlp(norm(x)))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.input_norm = _norm(config)
+        self.attention = Attention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), rope, attention_mask))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPTModel(nn.Module):
+    """Decoder-only transformer: ``embedding`` → ``layers`` → ``final_norm`` → ``output``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.final_norm = _norm(config)
+        self.output = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        if not config.untie_embeddings_and_output_weights:
+            self.output.weight = self.embedding.word_embeddings.weight
+        self.reset_parameters()
+
+    @property
+    def tied(self) -> bool:
+        return not self.config.untie_embeddings_and_output_weights
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init: normal(0, std) weights, std / sqrt(2L) residual projections, zero biases, unit norms."""
+        std = self.config.init_method_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
+                nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for layer in self.layers:
+            nn.init.normal_(layer.attention.out_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(layer.mlp.down_proj.weight, mean=0.0, std=residual_std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, int]:
+        """Logits ``[b, s, padded_vocab]`` (in the compute dtype); with ``labels``, ``(loss_sum, num_tokens)``.
+
+        ``position_ids`` ``[b, s]``: default 0..s-1 (reset per document for ``--reset-position-ids``).
+        ``attention_mask``: bool, broadcastable to ``[b, heads, s, s]``, True where a query may attend a key;
+        it replaces the causal mask, so it must be causal itself. ``labels`` ``[b, s]``: next-token ids, -100
+        ignored. ``loss_mask`` ``[b, s]`` (float or bool): positions with 0 are left out. ``loss_sum`` is the
+        fp32 0-dim sum of token cross-entropies, ``num_tokens`` the Python int count of the tokens summed.
+        """
+        b, s = input_ids.shape
+        c = self.config
+        if position_ids is None:
+            if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
+                raise ConfigError(f"input length {s} exceeds --max-position-embeddings {c.max_position_embeddings}")
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be bool (True = attend), got {attention_mask.dtype}")
+        rope = rope_angles(position_ids, c.head_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
+        x = self.embedding(input_ids, position_ids)
+        for layer in self.layers:
+            x = layer(x, rope, attention_mask)
+        logits = self.output(self.final_norm(x))
+        if labels is None:
+            return logits
+        return self.loss(logits, labels, loss_mask)
+
+    @staticmethod
+    def loss(
+        logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """``(sum of fp32 cross-entropies over kept positions, their count)``."""
+        labels = labels.flatten()
+        keep = labels != -100
+        if loss_mask is not None:
+            keep = keep & (loss_mask.flatten() != 0)
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.masked_fill(~keep, -100), reduction="none")
+        return losses.sum(), int(keep.sum().item())
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count, a tied weight counted once; ``exclude_embeddings`` leaves out the word and position
+        embeddings (and with them a tied output layer)."""
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for p in self.embedding.parameters():
+                params.pop(id(p), None)
+        return sum(p.numel() for p in params.values())
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): ``6 N + 12 L h s``.
+
+        N counts the weights used in matrix multiplies (all but the embedding tables, plus the output layer
+        even when tied); ``12 L h s`` are the attention scores and weighted values (Megatron / PaLM, without
+        halving for the causal mask).
+        """
+        c = self.config
+        n = self.num_parameters(exclude_embeddings=True) + (self.output.weight.numel() if self.tied else 0)
+        return 6.0 * n + 12.0 * c.num_layers * c.hidden_size * c.seq_length
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, **_: Any
+    ) -> None:
+        """Write ``config.json`` and ``model.safetensors``; ``state_dict`` overrides the module's own weights
+        (e.g. full weights gathered from shards). A tied output weight is stored once, as the embedding.
+        Other keyword arguments (``safe_serialization``...) are accepted for Hugging Face compatibility."""
+        from safetensors.torch import save_file
+
+        state = dict(self.state_dict() if state_dict is None else state_dict)
+        if self.tied:
+            output = state.pop("output.weight", None)
+            if output is not None:
+                state.setdefault("embedding.word_embeddings.weight", output)
+        tensors = {}
+        for key, value in state.items():
+            if hasattr(value, "full_tensor"):  # a DTensor shard of an FSDP model
+                value = value.full_tensor()
+            tensors[key] = value.detach().cpu().contiguous()
+        os.makedirs(save_directory, exist_ok=True)
+        save_file(tensors, os.path.join(save_directory, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(save_directory, CONFIG_FILE), "w") as f:
+            json.dump({"model_type": MODEL_TYPE, **self.config.to_dict()}, f, indent=2)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **_: Any) -> GPTModel:
+        """Load a model written by ``save_pretrained`` (weights in the config's fp32 parameters)."""
+        from safetensors.torch import load_file
+
+        config_path, weights_path = (os.path.join(directory, name) for name in (CONFIG_FILE, WEIGHTS_FILE))
+        for path in (config_path, weights_path):
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: not found; expected a directory written by GPTModel.save_pretrained")
+        with open(config_path) as f:
+            model = cls(GPTConfig.from_dict(json.load(f)))
+        state = load_file(weights_path)
+        if model.tied:
+            state["output.weight"] = state["embedding.word_embeddings.weight"]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{weights_path}: missing keys {missing}, unexpected keys {unexpected}")
+        return model

@@ -1,0 +1,177 @@
+"""``--task pretraining``: a ``PreTrainer`` over Megatron mmap data, model chosen by family.
+
+=========================================  ==============================================================
+``--pretrained-model-name-or-path``        model and data
+=========================================  ==============================================================
+(none)                                     the built-in GPT (``rapidlite.models.gpt``) on the GPT dataset
+a causal config (GPT-2, LLaMA, Mistral...)  ``AutoModelForCausalLM.from_config`` on the GPT dataset
+=========================================  ==============================================================
+
+The name (or directory) gives the architecture; its weights are loaded only with
+``--load-pretrained-weights``. The tokenizer comes from ``--tokenizer-type`` and its files (Megatron's
+flags), else from the model directory; it must be the one the data was preprocessed with: its EOD id
+separates documents and its vocabulary sizes the model. Without ``--data-path`` the run uses the embedded
+corpus (``rapidlite.tasks.pretraining_demo``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
+from rapidlite.errors import ConfigError, NotImplementedYetError
+from rapidlite.global_vars import get_args
+from rapidlite.trainer.pretrainer import PreTrainer
+
+
+def build_task_tokenizer(args: Any) -> Any:
+    from rapidlite.data.tokenizers import build_tokenizer
+
+    if args.tokenizer_type is None:
+        if args.pretrained_model_name_or_path is None:
+            raise ConfigError(
+                "--task pretraining needs the tokenizer the data was preprocessed with: --tokenizer-type with "
+                "--vocab-file/--merge-file/--tokenizer-model, or --pretrained-model-name-or-path"
+            )
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=args.pretrained_model_name_or_path)
+    return build_tokenizer(
+        args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
+
+
+def check_causal_config(name: str) -> None:
+    """A causal-LM architecture, or a one-line error (BERT's MLM + NSP pretraining is not in this release)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first})") from None
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    if config.model_type == "bert":
+        raise NotImplementedYetError(
+            f"--pretrained-model-name-or-path {name}: BERT pretraining (masked LM + next-sentence prediction) is "
+            "not implemented yet in this version of rapidlite; pretrain a causal model (GPT-2, LLaMA, ...) or "
+            "the built-in GPT (no --pretrained-model-name-or-path)"
+        )
+    raise ConfigError(
+        f"--pretrained-model-name-or-path {name}: a {config.model_type} config is not a causal language model; "
+        "--task pretraining trains GPT-style models"
+    )
+
+
+def gpt_config_from_args(args: Any, vocab_size: int) -> Any:
+    from rapidlite.models.gpt import GPTConfig
+
+    hidden = args.hidden_size or 256
+    return GPTConfig(
+        vocab_size=vocab_size,
+        num_layers=args.num_layers or 4,
+        hidden_size=hidden,
+        num_attention_heads=args.num_attention_heads or max(1, hidden // 64),
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std,
+        hidden_dropout=0.1 if args.hidden_dropout is None else args.hidden_dropout,
+        attention_dropout=0.1 if args.attention_dropout is None else args.attention_dropout,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        position_embedding_type=args.position_embedding_type,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+    )
+
+
+def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
+    """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name = args.pretrained_model_name_or_path
+    if args.load_pretrained_weights:
+        return AutoModelForCausalLM.from_pretrained(name)
+    config = AutoConfig.from_pretrained(name)
+    for flag, keys in (
+        ("num_layers", ("num_hidden_layers", "n_layer")),
+        ("hidden_size", ("hidden_size", "n_embd")),
+        ("num_attention_heads", ("num_attention_heads", "n_head")),
+        ("ffn_hidden_size", ("intermediate_size", "n_inner")),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            for key in keys:
+                if hasattr(config, key):
+                    setattr(config, key, value)
+    if getattr(config, "vocab_size", vocab_size) < vocab_size:
+        config.vocab_size = vocab_size
+    return AutoModelForCausalLM.from_config(config)
+
+
+class GPTPretrainer(PreTrainer):
+    """Causal language modelling on the GPT dataset, for the built-in GPT and Hugging Face causal LMs."""
+
+    def __init__(self, engine: Any = None) -> None:
+        super().__init__(engine)
+        args = self.args
+        self.hf = args.pretrained_model_name_or_path is not None
+        if self.hf:
+            check_causal_config(args.pretrained_model_name_or_path)
+        self.data_tokenizer = build_task_tokenizer(args)
+        if args.seq_length is None:
+            args.seq_length = 1024
+
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        args = get_args()
+        return build_train_valid_test_datasets(
+            data_prefix=args.data_path,
+            splits_string=args.split,
+            train_valid_test_num_samples=train_val_test_num_samples,
+            seq_length=args.seq_length,
+            seed=args.seed,
+            data_impl=args.data_impl,
+        )
+
+    def model_optimizer_lr_scheduler_provider(self):
+        args = get_args()
+        vocab_size = self.data_tokenizer.vocab_size
+        if self.hf:
+            return hf_causal_lm(args, vocab_size), None, None
+        from rapidlite.models.gpt import GPTModel
+
+        return GPTModel(gpt_config_from_args(args, vocab_size)), None, None
+
+    def run_forward_step(self, data_iterator, model):
+        args = get_args()
+        batch = gpt_batch(
+            next(data_iterator)["text"],
+            self.data_tokenizer.eod,
+            eod_mask_loss=args.eod_mask_loss,
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask,
+        )
+        if not self.hf:
+            return model(
+                batch["input_ids"],
+                position_ids=batch["position_ids"],
+                attention_mask=batch["attention_mask"],
+                labels=batch["labels"],
+                loss_mask=batch["loss_mask"],
+            )
+        if batch["attention_mask"] is not None:
+            raise ConfigError(
+                "--reset-attention-mask works with the built-in GPT only; drop it for Hugging Face models"
+            )
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
+        mask = batch["loss_mask"].flatten()
+        return (losses * mask).sum(), int(mask.sum().item())

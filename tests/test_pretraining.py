@@ -1,0 +1,108 @@
+"""``--task pretraining`` end to end: the embedded corpus, resume, Hugging Face causal models, errors."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from helpers import read_metrics, run_cli
+from rapidlite.data.indexed_dataset import IndexedDatasetBuilder
+from rapidlite.tasks import pretraining_demo
+
+pytestmark = pytest.mark.slow
+
+
+def train_records(save):
+    return [r for r in read_metrics(save) if "split" not in r]
+
+
+def test_embedded_corpus_pretraining_learns(tmp_path):
+    """No --data-path: a 2-layer, 128-wide built-in GPT on the standard library's docstrings; 150 iterations
+    take the validation loss below 0.6 ln(vocab) and well below the unigram entropy of the tokens."""
+    save = tmp_path / "run"
+    small = ["--num-layers", "2", "--hidden-size", "128", "--seq-length", "128", "--train-iters", "150"]
+    proc = run_cli("--task", "pretraining", *small, "--eval-interval", "150", "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (validation,) = [r for r in read_metrics(save) if r.get("split") == "validation"]
+    assert validation["loss"] < 0.6 * math.log(pretraining_demo.VOCAB_SIZE), validation
+    stats = json.loads((pretraining_demo.demo_dir() / pretraining_demo.STATS).read_text())
+    assert stats["tokens"] > 2_000_000  # a few MB of prose
+    assert validation["loss"] < stats["unigram_entropy"] - 0.3, (validation, stats)
+    assert "unigram" in proc.stderr
+    assert (save / "latest").read_text().strip() == "150"
+    assert train_records(save)[-1]["tokens_per_s"] > 0
+
+
+def write_tiny_corpus(prefix, vocab=97, eod=96, docs=300, seed=0):
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(docs):
+        start = int(rng.integers(0, 90))
+        builder.add_item(np.append((np.arange(start, start + rng.integers(8, 40)) % 90), eod))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32"]
+TINY += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8"]
+TINY += ["--lr", "3e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2", "--hidden-dropout", "0.1"]
+
+
+def test_resume_continues_the_data_and_the_loss_curve(tmp_path):
+    """A run stopped after its checkpoint at iteration 3 and resumed gives the uninterrupted run's losses:
+    ``consumed_samples`` in the checkpoint places the data stream, the RNG states the dropout masks."""
+    import shutil
+
+    prefix = tmp_path / "tiny_text_document"
+    write_tiny_corpus(prefix)
+    data = ["--data-path", str(prefix), *TINY, "--train-iters", "6", "--save-interval", "3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_cli("--task", "pretraining", *data, "--save", str(full)).returncode == 0
+    part.mkdir()
+    shutil.copytree(full / "iter_0000003", part / "iter_0000003")
+    (part / "latest").write_text("3")
+    proc = run_cli("--task", "pretraining", *data, "--load", str(part), "--save", str(part))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    resumed = train_records(part)
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in train_records(full)[3:]]
+    assert resumed[-1]["consumed_samples"] == 48
+
+
+def test_hugging_face_causal_config(tmp_path):
+    from transformers import GPT2Config
+
+    prefix = tmp_path / "tiny_text_document"
+    write_tiny_corpus(prefix)
+    config_dir = tmp_path / "gpt2-tiny"
+    GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=97, bos_token_id=96, eos_token_id=96
+    ).save_pretrained(config_dir)
+    save = tmp_path / "run"
+    proc = run_cli(
+        "--task", "pretraining", "--data-path", str(prefix), *TINY, "--train-iters", "40",
+        "--pretrained-model-name-or-path", str(config_dir), "--save", str(save),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GPT2LMHeadModel" in proc.stdout + proc.stderr
+    losses = [r["loss"] for r in train_records(save)]
+    assert losses[-1] < 0.8 * losses[0]  # counting sequences are easy to learn
+    assert (save / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--data-path", "nowhere/data_text_document", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"],
+         "nowhere/data_text_document"),
+        (["--data-path", "x"], "--tokenizer-type"),
+        (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
+    ],
+)  # fmt: skip
+def test_bad_pretraining_input_is_one_line(argv, message):
+    proc = run_cli("--task", "pretraining", "--train-iters", "2", *argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
