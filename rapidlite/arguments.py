@@ -244,6 +244,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reset-attention-mask", action="store_true", help="GPT: attention does not cross EOD (built-in GPT)"
     )
+    g.add_argument("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens to predict (80/10/10)")
+    g.add_argument(
+        "--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter sample than --seq-length"
+    )
+    g.add_argument(
+        "--binary-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BERT: next-sentence prediction (needs --split-sentences data); --no-binary-head for masked LM only",
+    )
     g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
     g.add_argument("--label-key", default=None, help="label column of tabular data")
 
@@ -430,6 +440,9 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
                 "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
                 "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
             )
+    for name in ("mask_prob", "short_seq_prob"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")
     if args.init_method_std <= 0:
         raise ConfigError(f"--init-method-std {args.init_method_std}: must be positive")
     if args.finetune and args.load is None:

@@ -79,7 +79,9 @@ def run_task(argv: list[str]) -> int:
     from rapidlite.engine import RapidliteEngine
 
     if args.task == "pretraining":
-        from rapidlite.tasks.pretraining import GPTPretrainer as task
+        from rapidlite.tasks.pretraining import pretrainer_for
+
+        task = pretrainer_for(args)
     else:
         from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner as task
     trainer = task(engine=RapidliteEngine(args=args))

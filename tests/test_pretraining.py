@@ -106,3 +106,39 @@ def test_bad_pretraining_input_is_one_line(argv, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("binary_head", [True, False])
+def test_bert_pretraining_from_a_config(tmp_path, binary_head):
+    """A BERT config selects masked LM + next-sentence prediction on sentence-split data (masked LM only
+    with --no-binary-head); the loss falls and the model is exported."""
+    from transformers import BertConfig
+
+    from rapidlite.data.preprocess import preprocess
+    from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
+    from test_bert_dataset import english_corpus
+
+    docs = english_corpus(300, seed=0)
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    vocab = write_wordpiece_vocab(docs, 200, tmp_path / "vocab")
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
+    prefix = preprocess(source, tmp_path / "corpus", tokenizer, split_sentences=True, log=None)["text"]
+    config_dir = tmp_path / "bert-tiny"
+    BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64,
+    ).save_pretrained(config_dir)  # fmt: skip
+    save = tmp_path / "run"
+    proc = run_cli(
+        "--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--data-path", prefix,
+        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab), "--seq-length", "48",
+        "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "100", "--lr", "3e-3",
+        "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "2", "--split", "90,10,0",
+        "--save", str(save), *([] if binary_head else ["--no-binary-head"]),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("BertForPreTraining" if binary_head else "BertForMaskedLM") in proc.stdout + proc.stderr
+    losses = [r["loss"] for r in train_records(save)]
+    assert losses[-1] < losses[0] - 0.5, losses  # the template corpus leaves ~4 nats of real entropy
+    assert (save / "hf" / "model.safetensors").is_file()

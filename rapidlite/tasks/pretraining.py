@@ -1,11 +1,13 @@
 """``--task pretraining``: a ``PreTrainer`` over Megatron mmap data, model chosen by family.
 
-=========================================  ==============================================================
-``--pretrained-model-name-or-path``        model and data
-=========================================  ==============================================================
-(none)                                     the built-in GPT (``rapidlite.models.gpt``) on the GPT dataset
-a causal config (GPT-2, LLaMA, Mistral...)  ``AutoModelForCausalLM.from_config`` on the GPT dataset
-=========================================  ==============================================================
+==========================================  =============================================================
+``--pretrained-model-name-or-path``         model and data
+==========================================  =============================================================
+(none)                                      the built-in GPT (``rapidlite.models.gpt``), GPT dataset
+a causal config (GPT-2, LLaMA, Mistral...)  ``AutoModelForCausalLM.from_config``, GPT dataset
+a BERT config                               ``BertForPreTraining`` (``BertForMaskedLM`` with
+                                            ``--no-binary-head``), BERT dataset (masked LM + NSP)
+==========================================  =============================================================
 
 The name (or directory) gives the architecture; its weights are loaded only with
 ``--load-pretrained-weights``. The tokenizer comes from ``--tokenizer-type`` and its files (Megatron's
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
-from rapidlite.errors import ConfigError, NotImplementedYetError
+from rapidlite.errors import ConfigError
 from rapidlite.global_vars import get_args
 from rapidlite.trainer.pretrainer import PreTrainer
 
@@ -46,8 +48,10 @@ def build_task_tokenizer(args: Any) -> Any:
     )
 
 
-def check_causal_config(name: str) -> None:
-    """A causal-LM architecture, or a one-line error (BERT's MLM + NSP pretraining is not in this release)."""
+def model_family(name: str | None) -> str:
+    """ "gpt" (built-in), "causal" (a Hugging Face causal LM config) or "bert" (masked LM + NSP)."""
+    if name is None:
+        return "gpt"
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -56,18 +60,28 @@ def check_causal_config(name: str) -> None:
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first})") from None
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return
     if config.model_type == "bert":
-        raise NotImplementedYetError(
-            f"--pretrained-model-name-or-path {name}: BERT pretraining (masked LM + next-sentence prediction) is "
-            "not implemented yet in this version of rapidlite; pretrain a causal model (GPT-2, LLaMA, ...) or "
-            "the built-in GPT (no --pretrained-model-name-or-path)"
-        )
+        return "bert"
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
     raise ConfigError(
-        f"--pretrained-model-name-or-path {name}: a {config.model_type} config is not a causal language model; "
-        "--task pretraining trains GPT-style models"
+        f"--pretrained-model-name-or-path {name}: a {config.model_type} config is neither a causal language model "
+        "nor BERT; --task pretraining trains GPT-style models and BERT"
     )
+
+
+def _override_sizes(config: Any, args: Any) -> None:
+    for flag, keys in (
+        ("num_layers", ("num_hidden_layers", "n_layer")),
+        ("hidden_size", ("hidden_size", "n_embd")),
+        ("num_attention_heads", ("num_attention_heads", "n_head")),
+        ("ffn_hidden_size", ("intermediate_size", "n_inner")),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            for key in keys:
+                if hasattr(config, key):
+                    setattr(config, key, value)
 
 
 def gpt_config_from_args(args: Any, vocab_size: int) -> Any:
@@ -101,17 +115,7 @@ def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
     if args.load_pretrained_weights:
         return AutoModelForCausalLM.from_pretrained(name)
     config = AutoConfig.from_pretrained(name)
-    for flag, keys in (
-        ("num_layers", ("num_hidden_layers", "n_layer")),
-        ("hidden_size", ("hidden_size", "n_embd")),
-        ("num_attention_heads", ("num_attention_heads", "n_head")),
-        ("ffn_hidden_size", ("intermediate_size", "n_inner")),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            for key in keys:
-                if hasattr(config, key):
-                    setattr(config, key, value)
+    _override_sizes(config, args)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
     return AutoModelForCausalLM.from_config(config)
@@ -124,8 +128,6 @@ class GPTPretrainer(PreTrainer):
         super().__init__(engine)
         args = self.args
         self.hf = args.pretrained_model_name_or_path is not None
-        if self.hf:
-            check_causal_config(args.pretrained_model_name_or_path)
         self.data_tokenizer = build_task_tokenizer(args)
         if args.seq_length is None:
             args.seq_length = 1024
@@ -175,3 +177,61 @@ class GPTPretrainer(PreTrainer):
         losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
         mask = batch["loss_mask"].flatten()
         return (losses * mask).sum(), int(mask.sum().item())
+
+
+class BertPretrainer(PreTrainer):
+    """Megatron's BERT pretraining: masked LM plus next-sentence prediction (``--no-binary-head``: masked LM
+    only) on sentence-split data, with ``BertForPreTraining`` (``BertForMaskedLM``) built from the config."""
+
+    def __init__(self, engine: Any = None) -> None:
+        super().__init__(engine)
+        args = self.args
+        self.data_tokenizer = build_task_tokenizer(args)
+        if getattr(self.data_tokenizer, "mask", None) is None or getattr(self.data_tokenizer, "cls", None) is None:
+            raise ConfigError(
+                "BERT pretraining needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]: --tokenizer-type "
+                "BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file vocab.txt"
+            )
+        if args.seq_length is None:
+            args.seq_length = 512
+
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        from rapidlite.data.bert_dataset import build_bert_train_valid_test_datasets
+
+        args = get_args()
+        return build_bert_train_valid_test_datasets(
+            data_prefix=args.data_path,
+            splits_string=args.split,
+            train_valid_test_num_samples=train_val_test_num_samples,
+            seq_length=args.seq_length,
+            seed=args.seed,
+            tokenizer=self.data_tokenizer,
+            mask_prob=args.mask_prob,
+            short_seq_prob=args.short_seq_prob,
+            binary_head=args.binary_head,
+        )
+
+    def model_optimizer_lr_scheduler_provider(self):
+        from transformers import AutoConfig, BertForMaskedLM, BertForPreTraining
+
+        args = get_args()
+        cls = BertForPreTraining if args.binary_head else BertForMaskedLM
+        name = args.pretrained_model_name_or_path
+        if args.load_pretrained_weights:
+            return cls.from_pretrained(name), None, None
+        config = AutoConfig.from_pretrained(name)
+        _override_sizes(config, args)
+        config.vocab_size = max(config.vocab_size, self.data_tokenizer.vocab_size)
+        config.max_position_embeddings = max(config.max_position_embeddings, args.seq_length)
+        return cls(config), None, None
+
+    def run_forward_step(self, data_iterator, model):
+        batch = dict(next(data_iterator))
+        if not get_args().binary_head:
+            batch.pop("next_sentence_label", None)
+        return model(**batch).loss
+
+
+def pretrainer_for(args: Any) -> type[PreTrainer]:
+    """The trainer of ``--task pretraining`` for this model family."""
+    return BertPretrainer if model_family(args.pretrained_model_name_or_path) == "bert" else GPTPretrainer
