@@ -19,11 +19,15 @@ _LAZY = {
     "get_args": "rapidlite.global_vars",
     "get_logger": "rapidlite.global_vars",
     "get_timers": "rapidlite.global_vars",
+    "get_tokenizer": "rapidlite.global_vars",
+    "build_train_valid_test_datasets": "rapidlite.data.gpt_dataset",
+    "get_ltor_masks_and_position_ids": "rapidlite.data.gpt_dataset",
 }
 
 if TYPE_CHECKING:
+    from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
     from rapidlite.engine import RapidliteEngine
-    from rapidlite.global_vars import get_args, get_logger, get_timers
+    from rapidlite.global_vars import get_args, get_logger, get_timers, get_tokenizer
     from rapidlite.trainer import Finetuner, PreTrainer, Pretrainer
 
 
@@ -43,6 +47,9 @@ __all__ = [
     "get_args",
     "get_logger",
     "get_timers",
+    "get_tokenizer",
+    "build_train_valid_test_datasets",
+    "get_ltor_masks_and_position_ids",
     "RapidliteError",
     "ConfigError",
     "DataError",

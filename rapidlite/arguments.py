@@ -244,6 +244,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reset-attention-mask", action="store_true", help="GPT: attention does not cross EOD (built-in GPT)"
     )
+    g.add_argument("--mmap-warmup", action="store_true", help="read the .bin files once before training")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens to predict (80/10/10)")
     g.add_argument(
         "--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter sample than --seq-length"

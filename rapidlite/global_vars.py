@@ -13,11 +13,12 @@ from rapidlite.logging import LOGGER_NAME, Timers
 
 _ARGS: argparse.Namespace | None = None
 _TIMERS: Timers | None = None
+_TOKENIZER = None
 
 
 def set_global_args(args: argparse.Namespace, timers: Timers) -> None:
-    global _ARGS, _TIMERS
-    _ARGS, _TIMERS = args, timers
+    global _ARGS, _TIMERS, _TOKENIZER
+    _ARGS, _TIMERS, _TOKENIZER = args, timers, None
 
 
 def get_args() -> argparse.Namespace:
@@ -35,3 +36,14 @@ def get_timers() -> Timers:
     if _TIMERS is None:
         raise RuntimeError("get_timers() called before RapidliteEngine() was created")
     return _TIMERS
+
+
+def get_tokenizer():
+    """The tokenizer the flags name (``--tokenizer-type`` and its files, else the tokenizer of
+    ``--pretrained-model-name-or-path``), built once: Megatron's ``get_tokenizer()``."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from rapidlite.tasks.pretraining import build_task_tokenizer
+
+        _TOKENIZER = build_task_tokenizer(get_args())
+    return _TOKENIZER

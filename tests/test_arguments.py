@@ -18,12 +18,12 @@ FLAGS = """
 --hidden-size --hysteresis --init-method-std --initial-loss-scale --label-key --load --load-pretrained-weights
 --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction
 --lr-warmup-iters --make-vocab-size-divisible-by --mask-prob --master-addr --master-port --max-position-embeddings
---max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --nnodes --no-binary-head
---no-load-optim --no-load-rng --no-save-optim --node-rank --normalization --nproc-per-node --num-attention-heads
---num-layers --num-workers --onnx-runtime-training --optimizer --per-rank-logs --pipeline-model-parallel-size
---position-embedding-type --pretrained-model-name-or-path --recompute-granularity --recompute-num-layers
---reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length --sgd-momentum
---short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
+--max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --mmap-warmup --nnodes
+--no-binary-head --no-load-optim --no-load-rng --no-save-optim --node-rank --normalization --nproc-per-node
+--num-attention-heads --num-layers --num-workers --onnx-runtime-training --optimizer --per-rank-logs
+--pipeline-model-parallel-size --position-embedding-type --pretrained-model-name-or-path --recompute-granularity
+--recompute-num-layers --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length
+--sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
 --tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights --user-script
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization

@@ -89,3 +89,30 @@ def test_compose_own_loop(assets):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2
+
+
+def test_pretrain_megatron_gpt(tmp_path):
+    """The Rapidformer-style white box on mmap data written by the builder (NullTokenizer ids)."""
+    import numpy as np
+
+    from rapidlite.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path / "counting_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        start = int(rng.integers(0, 60))
+        builder.add_item(np.append(np.arange(start, start + int(rng.integers(8, 30))) % 60, 60))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    proc = run_cli(
+        "--user-script", str(REPO / "examples" / "pretrain_megatron_gpt.py"), "--data-path", str(prefix),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+        "--train-iters", "30", "--lr", "3e-3", "--log-interval", "10", "--split", "90,10,0", "--eod-mask-loss",
+        "--reset-position-ids", "--reset-attention-mask", "--mmap-warmup", "--save", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rapidlite] iteration:")]
+    losses = [float(line.split("| loss: ")[1].split()[0]) for line in lines]
+    assert len(losses) == 3 and losses[-1] < 0.85 * losses[0], losses

@@ -269,10 +269,18 @@ def build_train_valid_test_datasets(
     seq_length: int,
     seed: int,
     data_impl: str = "mmap",
+    skip_warmup: bool = True,
 ) -> tuple[Any, Any, Any]:
-    """Megatron's entry point: GPT train/valid/test datasets from one or more (weighted) prefixes."""
+    """Megatron's entry point: GPT train/valid/test datasets from one or more (weighted) prefixes.
+
+    ``skip_warmup=False`` (``--mmap-warmup``) reads each ``.bin`` once first, so the page cache holds it."""
     if data_impl not in ("mmap", "infer"):
         raise ConfigError(f"--data-impl {data_impl}: only the mmap format is supported (rapidlite-preprocess)")
+    if not skip_warmup:
+        for _, prefix in parse_data_path(data_prefix):
+            with open(f"{prefix}.bin", "rb") as f:
+                while f.read(1 << 24):
+                    pass
     blend = parse_data_path(data_prefix)
     names = ("train", "valid", "test")
     if len(blend) == 1:
@@ -339,3 +347,14 @@ def gpt_batch(
         "position_ids": position_ids,
         "attention_mask": attention_mask,
     }
+
+
+def get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor, eod: int, reset_position_ids: bool, reset_attention_mask: bool, eod_mask_loss: bool
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Megatron's name and order for the inputs ``tokens`` (already shifted): ``(attention_mask, loss_mask,
+    position_ids)``. ``attention_mask`` is None unless ``reset_attention_mask`` (plain causal attention)."""
+    # gpt_batch takes the unshifted text: append a dummy label column and use its masks.
+    padded = torch.cat([tokens, tokens[:, -1:]], dim=1)
+    batch = gpt_batch(padded, eod, eod_mask_loss, reset_position_ids, reset_attention_mask)
+    return batch["attention_mask"], batch["loss_mask"], batch["position_ids"]
