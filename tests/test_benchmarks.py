@@ -1,5 +1,6 @@
 """The benchmark scripts run (quick mode: a few steps of a tiny model; nothing is asserted about speed)."""
 
+import os
 import subprocess
 import sys
 
@@ -19,3 +20,22 @@ def test_data_parallel_benchmark_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split()[0] for line in proc.stdout.splitlines()[1:6]]
     assert rows == ["1", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], proc.stdout
+
+
+@pytest.mark.slow
+def test_data_pipeline_benchmark_quick():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "data_pipeline.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [" ".join(line.split()[:2]) for line in proc.stdout.splitlines()]
+    for row in ("preprocess workers=1", "preprocess workers=2", "read HF", "read mmap", "train step", "fetch in"):
+        assert row in rows, proc.stdout
+    assert "check preprocess outputs byte-identical (workers 1 and 2): ok" in proc.stdout
+    assert "check mmap and datasets samples identical: ok" in proc.stdout
+    for target in ("preprocess workers 2 vs 1: x", "mmap vs datasets read: x", "data path: "):
+        assert any(line.startswith(target) for line in proc.stdout.splitlines()), proc.stdout
