@@ -196,6 +196,11 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-memory-optimization", action="store_true", help="fully sharded data parallel")
     g.add_argument("--cpu-offload", action="store_true", help="keep optimizer state in host memory")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with tensor parallelism: also split norms, dropout and the residual stream along the sequence",
+    )
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--onnx-runtime-training", action="store_true", help="graph optimisation (ORTModule)")
     g.add_argument("--torch-compile", action="store_true", help="compile the model with torch.compile")
@@ -513,15 +518,11 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
             raise NotImplementedYetError(
                 f"{flag} is not implemented yet in this version of rapidlite; drop the flag to train without it"
             )
-    for attr, flag in (
-        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ):
-        if getattr(args, attr) != 1:
-            raise NotImplementedYetError(
-                f"{flag} {getattr(args, attr)}: model parallelism is not implemented "
-                "yet in this version of rapidlite; use 1"
-            )
+    if args.pipeline_model_parallel_size != 1:
+        raise NotImplementedYetError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism is not "
+            "implemented yet in this version of rapidlite; use 1"
+        )
 
 
 def _default_nproc_per_node() -> int:
@@ -568,6 +569,17 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--fsdp-memory-optimization is PyTorch's FSDP; with --deepspeed use --zero-3-memory-optimization"
         )
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits tensor-parallel regions: add --tensor-model-parallel-size N > 1")
+    if tp > 1:
+        for on, flag, why in (
+            (args.deepspeed, "--deepspeed", "rapidlite's tensor parallelism runs on PyTorch's DTensor"),
+            (args.zero_1_memory_optimization, "--zero-1-memory-optimization", "use --zero-2 or --zero-3 (FSDP2)"),
+            (args.cpu_offload, "--cpu-offload", "offload is not tested with tensor parallelism yet"),
+        ):
+            if on:
+                raise ConfigError(f"{flag} does not combine with --tensor-model-parallel-size {tp}: {why}")
     if args.deepspeed and args.no_save_optim:
         raise ConfigError(
             "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "

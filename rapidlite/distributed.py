@@ -71,7 +71,7 @@ class DistributedContext:
     world_size: int = 1
     dims: ParallelDims = ParallelDims(1)
     device: torch.device = torch.device("cpu")
-    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh with dimension "dp"
+    mesh: Any = None  # DeviceMesh with dimension "dp" (and "tp" under tensor parallelism)
 
     @property
     def initialized(self) -> bool:
@@ -92,6 +92,17 @@ class DistributedContext:
     @property
     def dp_group(self) -> Any:
         return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The data-parallel (sub-)mesh: what DDP/FSDP shard and average over."""
+        if self.mesh is None:
+            return None
+        return self.mesh["dp"] if self.dims.tp > 1 else self.mesh
+
+    @property
+    def tp_mesh(self) -> Any:
+        return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
 
     # ---------------------------------------------------------------- collectives (no-ops on one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -121,6 +132,15 @@ class DistributedContext:
     def barrier(self) -> None:
         if self.initialized:
             dist.barrier()
+
+
+def all_reduce_world(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) over every rank of the job (a copy; the input itself when no group is up)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    work = tensor.detach().clone()
+    dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return work
 
 
 def default_backend(device: torch.device) -> str:
@@ -178,7 +198,10 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    ctx.mesh = init_device_mesh(device.type, (dims.dp,), mesh_dim_names=("dp",))
+    if dims.tp > 1:  # rank = dp_index * tp + tp_index: tensor-parallel groups are neighbouring ranks
+        ctx.mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    else:
+        ctx.mesh = init_device_mesh(device.type, (dims.dp,), mesh_dim_names=("dp",))
     return ctx
 
 

@@ -28,7 +28,7 @@ from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.global_vars import set_global_args
 from rapidlite.logging import Timers, setup_logger
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
-from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel
+from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel, gradient_averager
 from rapidlite.parallel.recompute import apply_activation_checkpointing
 from rapidlite.precision import LossScaler, Precision, resolve_precision
 
@@ -143,7 +143,10 @@ class RapidliteEngine:
     @property
     def strategy(self) -> str:
         """What trains the model: "single process", "DDP", "ZeRO-1", "ZeRO-3 (FSDP2) + CPU offload", ..."""
-        return self.data_parallel.name if self.dist.initialized else "single process"
+        if not self.dist.initialized:
+            return "single process"
+        tp = self.dist.dims.tp
+        return self.data_parallel.name + (f" x tensor parallel {tp}" if tp > 1 else "")
 
     # ------------------------------------------------------------------ compose
     def compose(
@@ -181,6 +184,12 @@ class RapidliteEngine:
         if not dp.cpu_offload:
             model.to(self.device)
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        tp_mesh = self.dist.tp_mesh
+        if tp_mesh is not None and not getattr(model, "_rapidlite_tensor_parallel", False):
+            from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, tp_mesh, args.sequence_parallel)
+            model._rapidlite_tensor_parallel = True
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
         fully_sharded = sharded and dp.fully_sharded
@@ -191,8 +200,10 @@ class RapidliteEngine:
             and not getattr(model.forward, "rapidlite_autocast", False)
         ):
             model.forward = _autocast_forward(model.forward, self.precision)
-        if sharded and not getattr(model, "_rapidlite_parallel", False):
-            apply_data_parallel(model, self.dist.mesh, dp, self.precision.dtype)
+        # Tensor parallelism without ZeRO: gradients are averaged over the replicas in the optimizer step.
+        wrap = dp.zero_stage > 0 or tp_mesh is None
+        if sharded and wrap and not getattr(model, "_rapidlite_parallel", False):
+            apply_data_parallel(model, self.dist.dp_mesh, dp, self.precision.dtype)
             model._rapidlite_parallel = True
 
         if isinstance(optimizer, RapidliteOptimizer):
@@ -201,10 +212,21 @@ class RapidliteEngine:
             zero1_group = self.dist.dp_group if sharded and dp.zero_stage == 1 else None
             optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), zero1_group)
             scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
-            reduce_max = functools.partial(self.dist.all_reduce, op="max") if fully_sharded else None
+            # Sharded gradients can overflow on some ranks only: every rank must agree to skip the step.
+            reduce_max = None
+            if tp_mesh is not None:
+                reduce_max = functools.partial(distributed.all_reduce_world, op="max")
+            elif fully_sharded:
+                reduce_max = functools.partial(self.dist.all_reduce, op="max")
             wrapped = RapidliteOptimizer(
                 optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, all_reduce_max=reduce_max
             )
+            if tp_mesh is not None:  # the parallel cross-entropy's backward runs under loss_parallel too
+                from rapidlite.parallel.tensor_parallel import backward_context
+
+                wrapped.backward_context = backward_context
+                if dp.zero_stage == 0 and self.dp_size > 1:
+                    wrapped.grad_all_reduce = gradient_averager(self.dist.dp_group, self.dp_size)
         self._optimizer = wrapped
 
         scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)

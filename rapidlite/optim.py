@@ -37,13 +37,18 @@ class OptimizerConfig:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings; never biases or norm weights (the tensors of rank < 2)."""
-    decay, no_decay = [], []
+    """Decay matrices and embeddings; never biases or norm weights (the tensors of rank < 2).
+
+    Under tensor parallelism some parameters are sharded (DTensor) and others plain: they go in separate
+    groups, since one fused/foreach kernel call cannot mix the two."""
+    groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+            groups.setdefault((param.ndim >= 2, hasattr(param, "placements")), []).append(param)
+    return [
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
+    ]
 
 
 def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
@@ -176,6 +181,28 @@ def build_lr_scheduler(
     )
 
 
+def _by_layout(items: list[Any], grad_of: Callable[[Any], torch.Tensor]) -> dict[Any, list[Any]]:
+    """Items grouped by their gradient's layout: (mesh, placements) for DTensors, None for plain tensors."""
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        grad = grad_of(item)
+        key = (grad.device_mesh, tuple(grad.placements)) if hasattr(grad, "placements") else None
+        groups.setdefault(key, []).append(item)
+    return groups
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients. Sharded (DTensor) gradients are grouped by layout, each group's norm is
+    made whole over its shards, and plain (replicated) gradients count once."""
+    norms = []
+    for group in _by_layout(grads, lambda g: g).values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds a partial sum of squares
+            norm = norm.full_tensor()
+        norms.append(norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
 class RapidliteOptimizer:
     """A torch optimizer with the step the flags ask for.
 
@@ -199,6 +226,9 @@ class RapidliteOptimizer:
         self.all_reduce_max = all_reduce_max
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
+        self.backward_context: Callable[[], Any] | None = None  # e.g. loss_parallel under tensor parallelism
+        # Averages gradients over data-parallel ranks before the step, where no wrapper does it (tensor parallel).
+        self.grad_all_reduce: Callable[[list[torch.Tensor]], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -217,7 +247,11 @@ class RapidliteOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        loss.backward()
+        if self.backward_context is not None:
+            with self.backward_context():
+                loss.backward()
+        else:
+            loss.backward()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -254,16 +288,17 @@ class RapidliteOptimizer:
         grads = [p.grad for p in params]
         if not grads:
             return None
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds a partial sum of squares
-            norm = norm.full_tensor()
+        norm = _global_norm(grads)
         if self.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm, foreach=True)
+            for group in _by_layout(params, lambda p: p.grad).values():
+                torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, norm, foreach=True)
         return norm
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """Returns False when the step was skipped because the gradients overflowed."""
         params = self._params()
+        if self.grad_all_reduce is not None:
+            self.grad_all_reduce(params)
         if self._unscale(self._local_grads(params), grad_divisor):
             self.skipped_steps += 1
             self.loss_scaler.update(found_inf=True)

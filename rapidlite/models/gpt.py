@@ -194,7 +194,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for proj in self.qkv)
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in self.qkv)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         dropout = self.dropout if self.training else 0.0
@@ -315,8 +316,16 @@ class GPTModel(nn.Module):
         keep = labels != -100
         if loss_mask is not None:
             keep = keep & (loss_mask.flatten() != 0)
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.masked_fill(~keep, -100), reduction="none")
-        return losses.sum(), int(keep.sum().item())
+        from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
+
+        # Vocabulary-sharded logits (tensor parallelism) take the parallel cross-entropy on their shards.
+        with maybe_loss_parallel(logits):
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.masked_fill(~keep, -100), ignore_index=-100, reduction="sum"
+            )
+        if hasattr(loss_sum, "full_tensor"):
+            loss_sum = loss_sum.full_tensor()
+        return loss_sum, int(keep.sum().item())
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count, a tied weight counted once; ``exclude_embeddings`` leaves out the word and position

@@ -138,6 +138,27 @@ def build_zero1_optimizer(
     return optimizer
 
 
+def gradient_averager(group: Any, size: int) -> Any:
+    """Plain data parallelism for tensor-parallel models (DDP's ``replicate`` does not take DTensor
+    parameters): after the last micro-batch, every rank's local gradient shards are averaged over the
+    data-parallel group in one flat all-reduce per dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    def average(params: list[torch.Tensor]) -> None:
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for same in by_dtype.values():
+            flat = _flatten_dense_tensors(same)
+            torch.distributed.all_reduce(flat, group=group)
+            flat.div_(size)
+            for grad, synced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+                grad.copy_(synced)
+
+    return average
+
+
 def is_zero1(optimizer: Any) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -1,0 +1,122 @@
+"""Tensor parallelism (``--tensor-model-parallel-size``) on DTensor, Megatron's layout.
+
+Within each transformer block the q/k/v projections and the MLP's up/gate projections are split
+column-wise (each rank computes its heads and its slice of the MLP), the attention output and MLP down
+projections row-wise (one all-reduce per sub-layer). The word embedding is split along the vocabulary
+and the output layer column-wise along the vocabulary: the logits stay sharded and the cross-entropy is
+computed on the shards (``loss_parallel``), so the full ``[batch, seq, vocab]`` logits never exist on one
+rank. ``--sequence-parallel`` also splits the norms, dropout and residual stream along the sequence
+between the parallel regions (all-gather before attention/MLP, reduce-scatter after), as in Megatron.
+
+A plan lives beside each model family it knows; the built-in GPT's is here. Other families are refused
+with one line until their plan exists.
+
+Dropout inside the parallel regions (attention probabilities of a rank's heads) draws from each rank's
+RNG, which is seeded alike: the masks differ from a one-process run's, so bit-for-bit equality with one
+process holds with dropout 0 (what the tests use); the training is statistically the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rapidlite.errors import ConfigError
+
+
+def _check_divisible(model: torch.nn.Module, tp: int) -> None:
+    c = model.config
+    for flag, value in (
+        ("--num-attention-heads", c.num_attention_heads),
+        ("--hidden-size", c.hidden_size),
+        ("--ffn-hidden-size", c.ffn_hidden_size),
+    ):
+        if value % tp:
+            raise ConfigError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
+    if c.padded_vocab_size % tp:
+        raise ConfigError(
+            f"the padded vocabulary ({c.padded_vocab_size}) is not divisible by --tensor-model-parallel-size {tp}: "
+            f"set --make-vocab-size-divisible-by to a multiple of {tp}"
+        )
+
+
+def gpt_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Shard the built-in GPT over ``tp_mesh`` in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    _check_divisible(model, tp_mesh.size())
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root: dict[str, Any] = {
+        # The embedding's output is whole on every rank (the vocabulary shards are summed), then split along
+        # the sequence with sequence parallelism: position embeddings and dropout see the whole sequence.
+        "embedding.word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        root["embedding"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        root["final_norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root)
+    for block in model.layers:
+        plan: dict[str, Any] = {
+            "attention.q_proj": ColwiseParallel(),
+            "attention.k_proj": ColwiseParallel(),
+            "attention.v_proj": ColwiseParallel(),
+            "attention.out_proj": RowwiseParallel(output_layouts=residual),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+        }
+        if block.mlp.gate_proj is not None:
+            plan["mlp.gate_proj"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["input_norm"] = SequenceParallel()
+            plan["mlp_norm"] = SequenceParallel()
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, plan)
+    if model.tied:  # both shards are rows of the vocabulary: the same DTensor serves as both
+        model.output.weight = model.embedding.word_embeddings.weight
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
+    from rapidlite.models.gpt import GPTModel
+
+    if isinstance(model, GPTModel):
+        gpt_plan(model, tp_mesh, sequence_parallel)
+        return model
+    raise ConfigError(
+        f"--tensor-model-parallel-size: there is no tensor-parallel plan for {type(model).__name__} yet; "
+        "the built-in GPT has one (--task pretraining without --pretrained-model-name-or-path)"
+    )
+
+
+@contextlib.contextmanager
+def maybe_loss_parallel(logits: torch.Tensor) -> Iterator[None]:
+    """``loss_parallel`` when the logits are vocabulary-sharded DTensors (forward and backward need it)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            yield
+    else:
+        yield
+
+
+def backward_context() -> contextlib.AbstractContextManager:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

@@ -1,0 +1,119 @@
+"""Tensor parallelism (with sequence parallelism, and with data parallelism on 4 processes) of the built-in
+GPT through ``rapidlite --task pretraining``, compared with one process."""
+
+import pytest
+import torch
+
+from helpers import read_metrics
+from rapidlite.checkpoint import read_model_tensors
+from test_distributed import assert_close_lists, rapidlite, train_losses
+from test_pretraining import write_tiny_corpus
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32"]
+MODEL += ["--num-attention-heads", "4", "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
+COMMON = ["--task", "pretraining", *MODEL, "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1"]
+COMMON += ["--lr-decay-iters", "6", "--eval-interval", "6", "--eval-iters", "1"]
+LAYOUTS = {
+    "single": ["--micro-batch-size", "4"],
+    "tp2": ["--micro-batch-size", "4", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+    "tp2_sp": ["--micro-batch-size", "4", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
+               "--sequence-parallel"],
+    "tp2_dp2": ["--micro-batch-size", "2", "--nproc-per-node", "4", "--tensor-model-parallel-size", "2"],
+    "tp2_sp_dp2_fsdp": ["--micro-batch-size", "2", "--nproc-per-node", "4", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--zero-3-memory-optimization"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("tp_data") / "tiny_text_document"
+    write_tiny_corpus(prefix)
+    return ["--data-path", str(prefix)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("tp_runs")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            save = root / name
+            argv = [*COMMON, *data, *LAYOUTS[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save)]
+            proc = rapidlite(*argv)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = save
+        return done[name]
+
+    return get
+
+
+def state(save):
+    (record,) = [r for r in read_metrics(save) if r.get("split") == "model_state"]
+    return record
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2", "tp2_sp_dp2_fsdp"])
+def test_tensor_parallel_trains_like_one_process(runs, layout):
+    reference, run = runs("single"), runs(layout)
+    assert len(train_losses(run)) == 6
+    assert_close_lists(train_losses(run), train_losses(reference), rtol=1e-5)
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(reference, "grad_norm"), rtol=1e-5)
+    expected = read_model_tensors(reference / "iter_0000006")
+    actual = read_model_tensors(run / "iter_0000006")  # DTensor shards read back whole
+    assert actual.keys() == expected.keys()
+    for k, v in expected.items():
+        assert (actual[k] - v).abs().max().item() < 1e-4, k
+
+
+def test_parameters_are_split_over_tensor_parallel_ranks(runs):
+    single, tp2, tp2_fsdp = state(runs("single")), state(runs("tp2")), state(runs("tp2_sp_dp2_fsdp"))
+    assert state(runs("tp2"))["strategy"] == "DDP x tensor parallel 2"
+    # Every matrix (embeddings, projections, output) is halved; norms and biases (< 3% here) are replicated.
+    assert tp2["param_bytes"] == pytest.approx(single["param_bytes"] / 2, rel=0.05)
+    assert tp2["optimizer_bytes"] == pytest.approx(single["optimizer_bytes"] / 2, rel=0.05)
+    # FSDP over the 2 data-parallel ranks shards those halves again.
+    assert tp2_fsdp["param_bytes"] == pytest.approx(single["param_bytes"] / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("first,then", [("tp2", "single"), ("single", "tp2_sp_dp2_fsdp")])
+def test_checkpoints_reshard_across_layouts(runs, data, tmp_path, first, then):
+    """Iteration 3's checkpoint of one layout, resumed in another, continues the one-process loss curve."""
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(runs(first) / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest").write_text("3")
+    argv = [*COMMON, *data, *LAYOUTS[then], "--train-iters", "6", "--load", str(resumed), "--save", str(resumed)]
+    proc = rapidlite(*argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_lists(train_losses(resumed), train_losses(runs("single"))[3:], rtol=1e-5)
+
+
+def test_mixed_precision_and_recompute_run_under_tensor_parallel(data, tmp_path):
+    argv = [*COMMON, *data, *LAYOUTS["tp2_sp"], "--train-iters", "3", "--bf16", "--checkpoint-activations"]
+    argv += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+    proc = rapidlite(*argv, "--save", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(tmp_path)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hidden-size", "48", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible by"),
+        (["--nproc-per-node", "3"], "not divisible by tensor x pipeline parallel size"),
+        (["--zero-1-memory-optimization"], "--zero-1-memory-optimization does not combine"),
+    ],
+)
+def test_bad_layouts_are_one_line(data, argv, message):
+    base = [*COMMON, *data, "--micro-batch-size", "4", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"]
+    proc = rapidlite(*base, *argv, "--train-iters", "2", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rapidlite: error:")]
+    assert len(errors) == 1, proc.stderr
