@@ -609,6 +609,12 @@ def _resolve_batch(args: argparse.Namespace) -> None:
     """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
     world = target_world_size(args)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ConfigError(
+            f"the world of {world} process{'es' if world > 1 else ''} is not divisible by tensor x pipeline "
+            f"parallel size {args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}: set "
+            f"--nproc-per-node (x --nnodes) to a multiple of {model_parallel}"
+        )
     args.world_size = world
     args.data_parallel_size = world // model_parallel
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -23,10 +23,10 @@ FLAGS = """
 --num-attention-heads --num-layers --num-workers --onnx-runtime-training --optimizer --per-rank-logs
 --pipeline-model-parallel-size --position-embedding-type --pretrained-model-name-or-path --recompute-granularity
 --recompute-num-layers --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length
---sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
---tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights --user-script
---vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
---zero-3-memory-optimization
+--sequence-parallel --sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size
+--tensorboard-dir --text-keys --tokenizer-model --tokenizer-type --torch-compile --train-iters
+--untie-embeddings-and-output-weights --user-script --vocab-file --vocab-size --weight-decay
+--zero-1-memory-optimization --zero-2-memory-optimization --zero-3-memory-optimization
 """.split()
 
 
@@ -94,7 +94,9 @@ BAD_INPUTS = [
         "not divisible by --micro-batch-size 32 x data-parallel size 3",
     ),
     (["--task", "sequence_classification", "--demo", "--nnodes", "2", "--nproc-per-node", "1"], "--master-addr"),
-    (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--pipeline-model-parallel-size", "2"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "world of 1 process"),
+    (["--task", "sequence_classification", "--demo", "--sequence-parallel"], "--sequence-parallel splits"),
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
     (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),
     ([], "no task given"),

@@ -106,7 +106,7 @@ def test_mixed_precision_and_recompute_run_under_tensor_parallel(data, tmp_path)
     "argv,message",
     [
         (["--hidden-size", "48", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible by"),
-        (["--nproc-per-node", "3"], "not divisible by tensor x pipeline parallel size"),
+        (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline parallel size 2 x 1"),
         (["--zero-1-memory-optimization"], "--zero-1-memory-optimization does not combine"),
     ],
 )
