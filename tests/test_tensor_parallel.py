@@ -117,3 +117,44 @@ def test_bad_layouts_are_one_line(data, argv, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rapidlite: error:")]
     assert len(errors) == 1, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny LLaMA config (grouped-query attention: 4 heads, 2 key/value heads)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama") / "config"
+    LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=98, max_position_embeddings=64, bos_token_id=96, eos_token_id=96,
+    ).save_pretrained(path)  # fmt: skip
+    return ["--pretrained-model-name-or-path", str(path)]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_dp2_fsdp"])
+def test_hugging_face_llama_tensor_parallel_trains_like_one_process(data, llama, tmp_path, layout):
+    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"]}
+    layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
+    saves = {}
+    for name in ("single", layout):
+        saves[name] = tmp_path / name
+        argv = [*COMMON, *data, *llama, *layouts[name], "--train-iters", "5", "--save", str(saves[name])]
+        proc = rapidlite(*argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(saves[layout])) == 5
+    assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
+    assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
+    single_bytes, split_bytes = state(saves["single"])["param_bytes"], state(saves[layout])["param_bytes"]
+    assert split_bytes < 0.55 * single_bytes  # every projection, the embedding and the output are split
+
+
+def test_families_without_a_plan_are_one_line(data, tmp_path):
+    from transformers import GPT2Config
+
+    path = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=98).save_pretrained(path)
+    argv = [*COMMON, *data, "--pretrained-model-name-or-path", str(path), *LAYOUTS["tp2"], "--train-iters", "2"]
+    proc = rapidlite(*argv, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no tensor-parallel plan for GPT2LMHeadModel" in proc.stderr and "Traceback" not in proc.stderr

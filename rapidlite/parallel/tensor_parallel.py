@@ -8,8 +8,9 @@ computed on the shards (``loss_parallel``), so the full ``[batch, seq, vocab]`` 
 rank. ``--sequence-parallel`` also splits the norms, dropout and residual stream along the sequence
 between the parallel regions (all-gather before attention/MLP, reduce-scatter after), as in Megatron.
 
-A plan lives beside each model family it knows; the built-in GPT's is here. Other families are refused
-with one line until their plan exists.
+The built-in GPT's plan is here; Hugging Face models that declare a column/row-wise plan in their config
+(``base_model_tp_plan``: LLaMA, Mistral, Qwen2, ...) are split by it, with the same vocabulary-parallel
+embedding and output. Other families (GPT-2's fused ``Conv1D`` attention, BERT) are refused with one line.
 
 Dropout inside the parallel regions (attention probabilities of a rank's heads) draws from each rank's
 RNG, which is seeded alike: the masks differ from a one-process run's, so bit-for-bit equality with one
@@ -90,15 +91,54 @@ def gpt_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> N
         model.output.weight = model.embedding.word_embeddings.weight
 
 
+def hf_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Shard a Hugging Face causal LM by the column/row-wise plan its config declares
+    (``base_model_tp_plan``: LLaMA, Mistral, Qwen2 and the like), plus a vocabulary-parallel embedding and
+    output layer as for the built-in GPT."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    name, config, tp = type(model).__name__, model.config, tp_mesh.size()
+    declared = getattr(config, "base_model_tp_plan", None) or {}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if not declared or any(style not in styles for style in declared.values()):
+        raise ConfigError(
+            f"--tensor-model-parallel-size: there is no tensor-parallel plan for {name} yet; the built-in GPT "
+            "and Hugging Face models with a column/row-wise plan (LLaMA, Mistral, Qwen2, ...) have one"
+        )
+    if sequence_parallel:
+        raise ConfigError(f"--sequence-parallel is implemented for the built-in GPT only, not {name}: drop it")
+    heads = config.num_attention_heads
+    for flag, value in (
+        ("--num-attention-heads", heads),
+        ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads),
+        ("--ffn-hidden-size", config.intermediate_size),
+        ("the vocabulary size", config.vocab_size),
+    ):
+        if value % tp:
+            raise ConfigError(f"{flag} {value} of {name} is not divisible by --tensor-model-parallel-size {tp}")
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    parallelize_module(base, tp_mesh, {pattern: styles[style]() for pattern, style in declared.items()})
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(output, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    if tied:
+        output.weight = embedding.weight
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
     from rapidlite.models.gpt import GPTModel
 
     if isinstance(model, GPTModel):
         gpt_plan(model, tp_mesh, sequence_parallel)
         return model
+    if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
+        hf_plan(model, tp_mesh, sequence_parallel)
+        return model
     raise ConfigError(
-        f"--tensor-model-parallel-size: there is no tensor-parallel plan for {type(model).__name__} yet; "
-        "the built-in GPT has one (--task pretraining without --pretrained-model-name-or-path)"
+        f"--tensor-model-parallel-size: there is no tensor-parallel plan for {type(model).__name__}; the built-in "
+        "GPT and Hugging Face models with a column/row-wise plan (LLaMA, Mistral, Qwen2, ...) have one"
     )
 
 

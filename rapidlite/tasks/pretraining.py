@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.errors import ConfigError
 from rapidlite.global_vars import get_args
+from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 from rapidlite.trainer.pretrainer import PreTrainer
 
 
@@ -174,9 +175,14 @@ class GPTPretrainer(PreTrainer):
                 "--reset-attention-mask works with the built-in GPT only; drop it for Hugging Face models"
             )
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        mask = batch["loss_mask"].flatten()
-        return (losses * mask).sum(), int(mask.sum().item())
+        keep = batch["loss_mask"].flatten() > 0
+        labels = batch["labels"].flatten().masked_fill(~keep, -100)
+        # Vocabulary-sharded logits (tensor parallelism) take the parallel cross-entropy on their shards.
+        with maybe_loss_parallel(logits):
+            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=-100, reduction="sum")
+        if hasattr(loss_sum, "full_tensor"):
+            loss_sum = loss_sum.full_tensor()
+        return loss_sum, int(keep.sum().item())
 
 
 class BertPretrainer(PreTrainer):
