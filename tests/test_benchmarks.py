@@ -39,3 +39,21 @@ def test_data_pipeline_benchmark_quick():
     assert "check mmap and datasets samples identical: ok" in proc.stdout
     for target in ("preprocess workers 2 vs 1: x", "mmap vs datasets read: x", "data path: "):
         assert any(line.startswith(target) for line in proc.stdout.splitlines()), proc.stdout
+
+
+@pytest.mark.distributed
+def test_model_parallel_benchmark_quick():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "model_parallel.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    labels = ["1 rank", "dp2", "tp2", "tp2 + sp", "tp2 x dp2", "tp2+sp x fsdp dp2"]
+    rows = [line[:18].strip() for line in lines[1:7]]
+    assert rows == labels, proc.stdout
+    assert any(line.startswith("check per-iteration losses") and line.endswith(": ok") for line in lines), proc.stdout
+    assert any(line.startswith("tp2 parameter bytes per rank: ") for line in lines), proc.stdout

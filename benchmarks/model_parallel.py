@@ -1,0 +1,189 @@
+"""Model-parallel layouts of the built-in GPT side by side: step time, tokens/s and per-rank memory.
+
+    python benchmarks/model_parallel.py            # about 95 seconds on 2 cores
+    python benchmarks/model_parallel.py --quick    # a few steps of a tiny model, to check the script works
+
+Every layout trains the built-in GPT (``rapidlite --task pretraining``, 4 layers, hidden 256, 8 heads,
+seq 256; dropout 0) on the same synthetic mmap corpus (random token ids, NullTokenizer vocabulary of 8000,
+written in a temporary directory with ``IndexedDatasetBuilder``) and the same global batch, through the
+``rapidlite`` command, one thread per rank (``OMP_NUM_THREADS=1``), in this one invocation: 1 rank; DDP on
+2 ranks (dp2); tensor parallel 2 (tp2); tp2 with sequence parallelism; tp2 x DDP dp2 on 4 ranks; tp2 with
+sequence parallelism x FSDP2 (``--zero-3-memory-optimization``) dp2 on 4 ranks. The micro-batch is
+global batch / data-parallel size, so every layout takes one micro-batch per step.
+
+Printed per layout: median step time over the timed steps (all but the first 2), tokens/s and its ratio to
+the 1-rank run, rank 0's parameter / gradient / optimizer-state MiB and their fraction of the 1-rank run's,
+rank 0's peak memory (process peak RSS on CPU) and the final loss. Then a check that every layout's
+per-iteration losses equal the 1-rank run's within 1e-4 relative (exit 1 on a mismatch), and the memory
+target: tp2 parameter bytes per rank 0.50 of 1 rank for the split weights; the replicated norms, biases and
+position embedding put the whole model at about 0.51, so the printed check allows <= 0.55.
+
+The 4-rank layouts run 4 processes on the 2 cores of the development machine: they are oversubscribed, so
+their times measure that the layout works (and its communication pattern) more than its speed. Pipeline
+layouts (and the pipeline bubble fraction) are not measured: pipeline parallelism is not implemented yet
+(``--pipeline-model-parallel-size`` is refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rapidlite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
+
+VOCAB = 8000  # NullTokenizer ids 0..7999, EOD = 8000
+TP2 = ["--tensor-model-parallel-size", "2"]
+LAYOUTS = [  # (label, ranks, data-parallel size, flags)
+    ("1 rank", 1, 1, []),
+    ("dp2", 2, 2, []),
+    ("tp2", 2, 1, TP2),
+    ("tp2 + sp", 2, 1, [*TP2, "--sequence-parallel"]),
+    ("tp2 x dp2", 4, 2, TP2),
+    ("tp2+sp x fsdp dp2", 4, 2, [*TP2, "--sequence-parallel", "--zero-3-memory-optimization"]),
+]
+SKIP = 2  # the first steps warm up allocators, caches and the process group
+
+
+def write_corpus(prefix: Path, docs: int, seed: int = 0) -> None:
+    """``docs`` documents of 20-400 random token ids, each ending in EOD."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(docs):
+        tokens = rng.integers(0, VOCAB, size=int(rng.integers(20, 400)))
+        builder.add_item(np.append(tokens, VOCAB))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def run(name: str, nproc: int, dp: int, flags: list[str], quick: bool, data: Path, out: Path) -> dict:
+    model = (
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+        if quick
+        else ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256"]
+    )
+    iters = 4 if quick else 12
+    global_batch = 8
+    argv = [
+        sys.executable,
+        "-m",
+        "rapidlite",
+        "--task",
+        "pretraining",
+        "--data-path",
+        str(data),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(VOCAB),
+        *model,
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--micro-batch-size",
+        str(global_batch // dp),
+        "--global-batch-size",
+        str(global_batch),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-3",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        str(iters),
+        "--eval-iters",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--save",
+        str(out),
+        *flags,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "split" not in r]
+    timed = steps[SKIP:]
+    (state,) = [r for r in records if r.get("split") == "model_state"]
+    return {
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "param_bytes": state["param_bytes"],
+        "grad_bytes": state["grad_bytes"],
+        "optimizer_bytes": state["optimizer_bytes"],
+        "strategy": state.get("strategy", ""),
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in steps),
+        "losses": [r["loss"] for r in steps],
+    }
+
+
+def fraction(part: float, whole: float) -> float:
+    return part / whole if whole else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model: checks the script only")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "synthetic_text_document"
+        write_corpus(data, docs=400 if args.quick else 2000)
+        for name, nproc, dp, flags in LAYOUTS:
+            out = Path(tmp) / name.replace(" ", "_").replace("+", "p")
+            results[name] = run(name, nproc, dp, flags, args.quick, data, out)
+    base = results["1 rank"]
+    header = (
+        f"{'layout':<18} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'vs 1':>5} {'param MiB':>9} {'grad MiB':>8} "
+        f"{'optim MiB':>9} {'param':>5} {'grad':>5} {'optim':>5} {'peak MB':>8} {'loss':>8}"
+    )
+    print(header)
+    for (name, nproc, _, _), r in zip(LAYOUTS, results.values(), strict=True):
+        print(
+            f"{name:<18} {nproc:>5} {r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:>5.2f} {r['param_bytes'] / 2**20:>9.2f} "
+            f"{r['grad_bytes'] / 2**20:>8.2f} {r['optimizer_bytes'] / 2**20:>9.2f} "
+            f"{fraction(r['param_bytes'], base['param_bytes']):>5.2f} "
+            f"{fraction(r['grad_bytes'], base['grad_bytes']):>5.2f} "
+            f"{fraction(r['optimizer_bytes'], base['optimizer_bytes']):>5.2f} "
+            f"{r['peak_memory_mb']:>8.0f} {r['losses'][-1]:>8.4f}"
+        )
+    print("(param/grad/optim: rank 0's bytes as a fraction of the 1-rank run's; step s, tokens/s: medians)")
+    mismatched = []
+    for name, r in results.items():
+        same = len(r["losses"]) == len(base["losses"]) and all(
+            abs(a - e) <= 1e-4 * abs(e) for a, e in zip(r["losses"], base["losses"], strict=True)
+        )
+        if not same:
+            mismatched.append(name)
+            print(f"{name}: losses {r['losses']}\n1 rank: losses {base['losses']}")
+    steps = len(base["losses"])
+    if mismatched:
+        print(f"check per-iteration losses equal 1 rank's within 1e-4 ({steps} steps): MISMATCH {mismatched}")
+    else:
+        print(f"check per-iteration losses equal 1 rank's within 1e-4 ({steps} steps): ok")
+    tp2_share = results["tp2"]["param_bytes"] / base["param_bytes"]
+    verdict = "met" if tp2_share <= 0.55 else "MISSED"
+    print(f"tp2 parameter bytes per rank: {tp2_share:.2f} of 1 rank (target <= 0.55: {verdict})")
+    print("pipeline layouts: not measured (pipeline parallelism is not implemented yet)")
+    if args.quick:
+        print("quick mode: speeds are not meaningful")
+    return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
