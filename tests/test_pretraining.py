@@ -62,7 +62,7 @@ def test_resume_continues_the_data_and_the_loss_curve(tmp_path):
     part.mkdir()
     shutil.copytree(full / "iter_0000003", part / "iter_0000003")
     (part / "latest").write_text("3")
-    proc = run_cli("--task", "pretraining", *data, "--load", str(part), "--save", str(part))
+    proc = run_cli("--task", "pretraining", *data, "--load", str(part), "--save", str(part), "--mmap-warmup")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
     resumed = train_records(part)

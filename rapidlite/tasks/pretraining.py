@@ -142,6 +142,7 @@ class GPTPretrainer(PreTrainer):
             seq_length=args.seq_length,
             seed=args.seed,
             data_impl=args.data_impl,
+            skip_warmup=not args.mmap_warmup,
         )
 
     def model_optimizer_lr_scheduler_provider(self):
