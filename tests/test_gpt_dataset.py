@@ -107,3 +107,14 @@ def test_batch_masks_follow_eod():
     assert mask[7, 6].item() is False and not mask[0, 1].item()
     plain = gpt_batch(text, EOD)
     assert plain["attention_mask"] is None and plain["position_ids"].tolist() == [list(range(8))]
+
+
+def test_blending_keeps_every_prefix_within_one_sample_of_its_share():
+    from rapidlite.data.gpt_dataset import build_blending_index
+
+    weights = [0.6, 0.3, 0.1]
+    datasets, numbers = build_blending_index(weights, 20000)
+    for j, w in enumerate(weights):
+        served = np.cumsum(datasets == j)
+        assert np.abs(served - w * np.arange(1, 20001)).max() <= 1.0
+        assert np.array_equal(numbers[datasets == j], np.arange(served[-1]))  # each dataset's samples in order

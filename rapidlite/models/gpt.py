@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidlite.errors import CheckpointError, ConfigError
+from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -316,8 +317,6 @@ class GPTModel(nn.Module):
         keep = labels != -100
         if loss_mask is not None:
             keep = keep & (loss_mask.flatten() != 0)
-        from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
-
         # Vocabulary-sharded logits (tensor parallelism) take the parallel cross-entropy on their shards.
         with maybe_loss_parallel(logits):
             loss_sum = F.cross_entropy(
