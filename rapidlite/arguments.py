@@ -35,6 +35,13 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see 'rapidlite --help')")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,5, got {text!r}") from None
+
+
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("task and model")
     g.add_argument("--task", default=None, help=f"black-box task: {', '.join(TASKS)}")
@@ -202,6 +209,25 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
         help="with tensor parallelism: also split norms, dropout and the residual stream along the sequence",
     )
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=("gpipe", "1f1b", "interleaved-1f1b"),
+        default=None,
+        help="pipeline schedule (default 1f1b; interleaved-1f1b with virtual stages)",
+    )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per virtual stage: each rank runs several stages (interleaved 1F1B)",
+    )
+    g.add_argument(
+        "--pipeline-split",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="layers per pipeline stage (default: as even as possible)",
+    )
     g.add_argument("--onnx-runtime-training", action="store_true", help="graph optimisation (ORTModule)")
     g.add_argument("--torch-compile", action="store_true", help="compile the model with torch.compile")
 
@@ -518,11 +544,6 @@ def _refuse_unimplemented(args: argparse.Namespace) -> None:
             raise NotImplementedYetError(
                 f"{flag} is not implemented yet in this version of rapidlite; drop the flag to train without it"
             )
-    if args.pipeline_model_parallel_size != 1:
-        raise NotImplementedYetError(
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: pipeline parallelism is not "
-            "implemented yet in this version of rapidlite; use 1"
-        )
 
 
 def _default_nproc_per_node() -> int:
@@ -580,6 +601,7 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
         ):
             if on:
                 raise ConfigError(f"{flag} does not combine with --tensor-model-parallel-size {tp}: {why}")
+    _validate_pipeline(args)
     if args.deepspeed and args.no_save_optim:
         raise ConfigError(
             "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
@@ -590,6 +612,73 @@ def _validate_data_parallel(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
+
+
+def _validate_pipeline(args: argparse.Namespace) -> None:
+    pp = args.pipeline_model_parallel_size
+    virtual_layers = args.num_layers_per_virtual_pipeline_stage
+    if virtual_layers is not None and virtual_layers <= 0:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual_layers}: must be a positive integer")
+    if args.pipeline_schedule is None:
+        args.pipeline_schedule = "interleaved-1f1b" if virtual_layers else "1f1b"
+    if pp == 1:
+        for on, flag in (
+            (args.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"),
+            (args.pipeline_split, "--pipeline-split"),
+        ):
+            if on:
+                raise ConfigError(f"{flag} splits a pipeline: add --pipeline-model-parallel-size N > 1")
+        return
+    if args.pipeline_schedule == "interleaved-1f1b" and not virtual_layers:
+        raise ConfigError(
+            "--pipeline-schedule interleaved-1f1b runs several stages per rank: add "
+            "--num-layers-per-virtual-pipeline-stage N"
+        )
+    if virtual_layers and args.pipeline_schedule != "interleaved-1f1b":
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not {args.pipeline_schedule}: "
+            "use --pipeline-schedule interleaved-1f1b"
+        )
+    if args.task == "sequence_classification" and args.user_script is None:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} runs pretraining (fixed-length samples); fine-tune "
+            "--task sequence_classification with data, tensor or ZeRO parallelism instead"
+        )
+    for on, flag, why in (
+        (args.deepspeed, "--deepspeed", "rapidlite's pipeline runs on torch.distributed.pipelining"),
+        (args.cpu_offload, "--cpu-offload", "offload is not tested with pipeline parallelism yet"),
+    ):
+        if on:
+            raise ConfigError(f"{flag} does not combine with --pipeline-model-parallel-size {pp}: {why}")
+    if args.num_layers is not None and args.user_script is None:
+        stages = pp * (args.num_layers // virtual_layers // pp if virtual_layers else 1)
+        if virtual_layers and args.num_layers % (virtual_layers * pp):
+            raise ConfigError(
+                f"--num-layers {args.num_layers} is not divisible by --num-layers-per-virtual-pipeline-stage "
+                f"{virtual_layers} x --pipeline-model-parallel-size {pp}"
+            )
+        if args.num_layers < stages:
+            raise ConfigError(
+                f"--num-layers {args.num_layers} is fewer than the {stages} pipeline stages: lower "
+                "--pipeline-model-parallel-size or add layers"
+            )
+
+
+def _check_pipeline_micro_batches(args: argparse.Namespace) -> None:
+    """The schedules' constraints on the micro-batches of a global batch (the accumulation steps)."""
+    pp, m = args.pipeline_model_parallel_size, args.gradient_accumulation_steps
+    if pp == 1:
+        return
+    if args.pipeline_schedule == "1f1b" and m < pp:
+        raise ConfigError(
+            f"--pipeline-schedule 1f1b needs at least as many micro-batches per global batch ({m}) as pipeline "
+            f"stages ({pp}): raise --global-batch-size to {args.global_batch_size // m * pp} or more"
+        )
+    if args.pipeline_schedule == "interleaved-1f1b" and m % max(1, m // pp):
+        raise ConfigError(
+            f"--pipeline-schedule interleaved-1f1b needs the micro-batches per global batch ({m}) to be a multiple "
+            f"of {max(1, m // pp)}: use a multiple of --pipeline-model-parallel-size {pp}"
+        )
 
 
 def _resolve_deepspeed(args: argparse.Namespace) -> None:
@@ -627,3 +716,4 @@ def _resolve_batch(args: argparse.Namespace) -> None:
             f"use a multiple of {per_step}"
         )
     args.gradient_accumulation_steps = args.global_batch_size // per_step
+    _check_pipeline_micro_batches(args)

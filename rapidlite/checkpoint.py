@@ -330,7 +330,11 @@ def load_checkpoint(
         if optimizer is not None:
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
         weights = deepspeed_weights(path, load_dir)
-        _check_keys(load_dir, get_model_state_dict(model), weights.keys())
+        stage = getattr(model, "_rapidlite_pipeline", None) is not None
+        _check_keys(load_dir, get_model_state_dict(model), weights.keys(), partial=stage)
+        if stage:
+            own = get_model_state_dict(model).keys()
+            weights = {k: v for k, v in weights.items() if k in own}
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         return iteration, None if weights_only else read_state(path, load_dir, optimizer_loaded=False)
     needed = [path / METADATA_FILE] + ([] if weights_only else [path / STATE_FILE])
@@ -343,7 +347,9 @@ def load_checkpoint(
         raise CheckpointError(f"--load {load_dir}: cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
 
     model_sd = get_model_state_dict(model)
-    _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)])
+    # A pipeline stage holds part of the model: the checkpoint's other weights belong to other stages.
+    stage = getattr(model, "_rapidlite_pipeline", None) is not None
+    _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)], partial=stage)
     optim_state = None
     if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
         optim_state = _optimizer_tensors(model, optimizer, materialize=True)
@@ -362,10 +368,10 @@ def load_checkpoint(
     return iteration, read_state(path, load_dir, optimizer_loaded=optim_state is not None)
 
 
-def _check_keys(load_dir: Any, model_sd: dict[str, Any], saved: Any) -> None:
+def _check_keys(load_dir: Any, model_sd: dict[str, Any], saved: Any, partial: bool = False) -> None:
     saved = set(saved)
     missing = sorted(k for k in model_sd if k not in saved)
-    unexpected = sorted(k for k in saved if k not in model_sd)
+    unexpected = [] if partial else sorted(k for k in saved if k not in model_sd)
     if missing or unexpected:
         raise CheckpointError(
             f"--load {load_dir}: the checkpoint does not match the model (missing {missing[:3]}, unexpected "
@@ -441,8 +447,11 @@ def export_hf(
     models, and on ranks other than 0. ``state_dict``: the full weights gathered already (DeepSpeed)."""
     if not hasattr(model, "save_pretrained"):
         return None
+    pipeline = getattr(model, "_rapidlite_pipeline", None)
     if state_dict is not None:
         full = state_dict
+    elif pipeline is not None:  # each stage's weights, whole, gathered to rank 0
+        full = pipeline.full_state_dict()
     else:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:

@@ -1,7 +1,8 @@
 """Process group, topology and collectives: one place that knows ranks.
 
-``ParallelDims`` is the topology (today data parallel only; tensor and pipeline sizes are validated
-here when they arrive). ``init_distributed`` joins the process group a launcher (torchrun, Slurm,
+``ParallelDims`` is the topology: pipeline x data x tensor parallel, tensor-parallel ranks neighbours
+(rank = (pp_index * dp + dp_index) * tp + tp_index), as in Megatron and torchtitan.
+``init_distributed`` joins the process group a launcher (torchrun, Slurm,
 Kubernetes) described through ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and builds
 the device mesh. Every other module asks the returned ``DistributedContext``; nobody recomputes ranks.
 
@@ -32,7 +33,7 @@ from rapidlite.errors import ConfigError, RapidliteError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The world split into data-parallel replicas (model parallel sizes join with their features)."""
+    """The world split into pipeline stages, data-parallel replicas and tensor-parallel shards."""
 
     world_size: int
     tp: int = 1
@@ -71,7 +72,7 @@ class DistributedContext:
     world_size: int = 1
     dims: ParallelDims = ParallelDims(1)
     device: torch.device = torch.device("cpu")
-    mesh: Any = None  # DeviceMesh with dimension "dp" (and "tp" under tensor parallelism)
+    mesh: Any = None  # DeviceMesh with dimension "dp" ("pp" before it, "tp" after it when used)
 
     @property
     def initialized(self) -> bool:
@@ -79,7 +80,15 @@ class DistributedContext:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.dims.tp * self.dims.pp)
+        return (self.rank // self.dims.tp) % self.dims.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dims.tp * self.dims.dp)
+
+    @property
+    def pp_group(self) -> Any:
+        return self.mesh.get_group("pp") if self.mesh is not None and self.dims.pp > 1 else None
 
     @property
     def dp_size(self) -> int:
@@ -98,7 +107,7 @@ class DistributedContext:
         """The data-parallel (sub-)mesh: what DDP/FSDP shard and average over."""
         if self.mesh is None:
             return None
-        return self.mesh["dp"] if self.dims.tp > 1 else self.mesh
+        return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
 
     @property
     def tp_mesh(self) -> Any:
@@ -111,6 +120,14 @@ class DistributedContext:
             return tensor
         work = tensor.detach().to(self.device, copy=True)
         dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.dp_group)
+        return work.to(tensor.device)
+
+    def all_reduce_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the stages of this rank's pipeline (one process per stage; a no-op without one)."""
+        if self.pp_group is None:
+            return tensor
+        work = tensor.detach().to(self.device, copy=True)
+        dist.all_reduce(work, group=self.pp_group)
         return work.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -198,10 +215,13 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dims.tp > 1:  # rank = dp_index * tp + tp_index: tensor-parallel groups are neighbouring ranks
-        ctx.mesh = init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
-    else:
-        ctx.mesh = init_device_mesh(device.type, (dims.dp,), mesh_dim_names=("dp",))
+    # rank = (pp_index * dp + dp_index) * tp + tp_index: tensor-parallel groups are neighbouring ranks.
+    shape = [
+        (name, size) for name, size in (("pp", dims.pp), ("dp", dims.dp), ("tp", dims.tp)) if size > 1 or name == "dp"
+    ]
+    ctx.mesh = init_device_mesh(
+        device.type, tuple(size for _, size in shape), mesh_dim_names=tuple(name for name, _ in shape)
+    )
     return ctx
 
 

@@ -137,6 +137,7 @@ class RapidliteEngine:
                 self.logger.warning(notice)
         set_seed(args.seed)
         self._optimizer: Any = None
+        self._pipeline: Any = None
         self._pending_weights: dict[str, torch.Tensor] | None = None
         self._gather_trim = GatherTrim()
 
@@ -145,8 +146,11 @@ class RapidliteEngine:
         """What trains the model: "single process", "DDP", "ZeRO-1", "ZeRO-3 (FSDP2) + CPU offload", ..."""
         if not self.dist.initialized:
             return "single process"
-        tp = self.dist.dims.tp
-        return self.data_parallel.name + (f" x tensor parallel {tp}" if tp > 1 else "")
+        tp, pp = self.dist.dims.tp, self.dist.dims.pp
+        name = self.data_parallel.name + (f" x tensor parallel {tp}" if tp > 1 else "")
+        if pp > 1:
+            name += f" x pipeline parallel {pp} ({self.args.pipeline_schedule})"
+        return name
 
     # ------------------------------------------------------------------ compose
     def compose(
@@ -184,6 +188,9 @@ class RapidliteEngine:
         if not dp.cpu_offload:
             model.to(self.device)
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        pipeline = None
+        if self.dist.dims.pp > 1 and getattr(model, "_rapidlite_pipeline", None) is None:
+            pipeline = self._split_pipeline(model)
         tp_mesh = self.dist.tp_mesh
         if tp_mesh is not None and not getattr(model, "_rapidlite_tensor_parallel", False):
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
@@ -193,15 +200,19 @@ class RapidliteEngine:
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
         fully_sharded = sharded and dp.fully_sharded
+        if pipeline is not None:
+            self._compose_pipeline_stages(pipeline, fully_sharded)
         # Under FSDP the compute dtype is FSDP's mixed-precision policy (as in torchtitan); else autocast.
-        if (
+        elif (
             self.precision.dtype is not None
             and not fully_sharded
             and not getattr(model.forward, "rapidlite_autocast", False)
         ):
             model.forward = _autocast_forward(model.forward, self.precision)
-        # Tensor parallelism without ZeRO: gradients are averaged over the replicas in the optimizer step.
-        wrap = dp.zero_stage > 0 or tp_mesh is None
+        # Tensor or pipeline parallelism without ZeRO-2/3: gradients are averaged over the replicas in the
+        # optimizer step.
+        model_parallel = tp_mesh is not None or self.dist.dims.pp > 1
+        wrap = self.dist.dims.pp == 1 and (dp.zero_stage > 0 or tp_mesh is None)
         if sharded and wrap and not getattr(model, "_rapidlite_parallel", False):
             apply_data_parallel(model, self.dist.dp_mesh, dp, self.precision.dtype)
             model._rapidlite_parallel = True
@@ -214,7 +225,7 @@ class RapidliteEngine:
             scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
             # Sharded gradients can overflow on some ranks only: every rank must agree to skip the step.
             reduce_max = None
-            if tp_mesh is not None:
+            if model_parallel:
                 reduce_max = functools.partial(distributed.all_reduce_world, op="max")
             elif fully_sharded:
                 reduce_max = functools.partial(self.dist.all_reduce, op="max")
@@ -225,12 +236,84 @@ class RapidliteEngine:
                 from rapidlite.parallel.tensor_parallel import backward_context
 
                 wrapped.backward_context = backward_context
-                if dp.zero_stage == 0 and self.dp_size > 1:
-                    wrapped.grad_all_reduce = gradient_averager(self.dist.dp_group, self.dp_size)
+            if model_parallel and not dp.fully_sharded and self.dp_size > 1:
+                wrapped.grad_all_reduce = gradient_averager(self.dist.dp_group, self.dp_size)
+            runner = getattr(model, "_rapidlite_pipeline", None)
+            if runner is not None:
+                self._pipeline_optimizer_hooks(runner, wrapped)
         self._optimizer = wrapped
 
         scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
         return self._compose_result(model, wrapped, scheduler, train_dataloader, eval_dataloader)
+
+    # ------------------------------------------------------------------ pipeline parallelism
+    @property
+    def pipeline(self) -> Any:
+        """The pipeline runner of the composed model (None without pipeline parallelism)."""
+        return self._pipeline
+
+    def _split_pipeline(self, model: torch.nn.Module) -> Any:
+        """Prune ``model`` in place to this rank's stages (before tensor parallelism and checkpointing, which
+        then see only the blocks this rank runs)."""
+        from rapidlite.parallel.pipeline import PipelineRunner, embedding_groups
+
+        args, dist_ctx = self.args, self.dist
+        runner = PipelineRunner(
+            model,
+            dist_ctx.pp_group,
+            dist_ctx.pp_rank,
+            dist_ctx.dims.pp,
+            self.device,
+            args.pipeline_schedule,
+            layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+            split=args.pipeline_split,
+            tp_mesh=dist_ctx.tp_mesh,
+        )
+        runner.embedding_group = embedding_groups(dist_ctx.mesh, dist_ctx.dims.pp) if runner.tied else None
+        self._pipeline = runner
+        return runner
+
+    def _compose_pipeline_stages(self, runner: Any, fully_sharded: bool) -> None:
+        """Stage modules over the rank's blocks; autocast per stage (or FSDP's policy), ZeRO-2/3 per stage."""
+        dp = self.data_parallel
+        for stage in runner.build_stages():
+            if self.precision.dtype is not None and not fully_sharded:
+                stage.forward = _autocast_forward(stage.forward, self.precision)
+            if fully_sharded:
+                apply_data_parallel(stage, self.dist.dp_mesh, dp, self.precision.dtype)
+
+    def _pipeline_optimizer_hooks(self, runner: Any, optimizer: RapidliteOptimizer) -> None:
+        """The gradient norm over every stage (a tied embedding counted once), and the tied embedding's two
+        copies summed over the first and the last stage before the step."""
+        pp_group = self.dist.pp_group
+
+        def norm_reduce(norm_sq: torch.Tensor) -> torch.Tensor:
+            torch.distributed.all_reduce(norm_sq, group=pp_group)
+            return norm_sq
+
+        optimizer.norm_reduce = norm_reduce
+        tied = runner.tied_weight()
+        if tied is None:
+            return
+        if runner.has_last and not runner.has_first:
+            optimizer.norm_exclude = {id(tied)}
+        averager = optimizer.grad_all_reduce
+        group = runner.embedding_group
+
+        def sync(params: list[torch.Tensor]) -> None:
+            if averager is not None:
+                averager(params)
+            grad = tied.grad
+            if grad is None:  # this stage's copy took no gradient: contribute zeros
+                tied.grad = grad = torch.zeros_like(tied)
+            if hasattr(grad, "placements") and tuple(grad.placements) != tuple(tied.placements):
+                # The embedding's vocabulary-parallel backward may leave its gradient whole: lay it out as the
+                # weight, so both stages reduce the same shard.
+                tied.grad = grad = grad.redistribute(placements=tied.placements)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            torch.distributed.all_reduce(local, group=group)
+
+        optimizer.grad_all_reduce = sync
 
     def _scheduler(self, optimizer: torch.optim.Optimizer, lr_scheduler_fn: Any, total_iters: int | None) -> Any:
         if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):

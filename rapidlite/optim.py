@@ -229,6 +229,9 @@ class RapidliteOptimizer:
         self.backward_context: Callable[[], Any] | None = None  # e.g. loss_parallel under tensor parallelism
         # Averages gradients over data-parallel ranks before the step, where no wrapper does it (tensor parallel).
         self.grad_all_reduce: Callable[[list[torch.Tensor]], None] | None = None
+        # Pipeline parallelism: the squared norm summed over the stages, and a tied copy counted once.
+        self.norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.norm_exclude: set[int] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -285,10 +288,12 @@ class RapidliteOptimizer:
 
     def _clip(self, params: list[torch.Tensor]) -> torch.Tensor | None:
         """The global gradient norm (over every shard of every rank), clipping to ``clip_grad`` if set."""
-        grads = [p.grad for p in params]
-        if not grads:
+        grads = [p.grad for p in params if id(p) not in self.norm_exclude]
+        if not params:
             return None
-        norm = _global_norm(grads)
+        norm = _global_norm(grads) if grads else torch.zeros((), device=params[0].grad.device)
+        if self.norm_reduce is not None:
+            norm = self.norm_reduce(norm.float() ** 2).sqrt()
         if self.clip_grad > 0:
             for group in _by_layout(params, lambda p: p.grad).values():
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, norm, foreach=True)

@@ -20,13 +20,14 @@ FLAGS = """
 --lr-warmup-iters --make-vocab-size-divisible-by --mask-prob --master-addr --master-port --max-position-embeddings
 --max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --mmap-warmup --nnodes
 --no-binary-head --no-load-optim --no-load-rng --no-save-optim --node-rank --normalization --nproc-per-node
---num-attention-heads --num-layers --num-workers --onnx-runtime-training --optimizer --per-rank-logs
---pipeline-model-parallel-size --position-embedding-type --pretrained-model-name-or-path --recompute-granularity
---recompute-num-layers --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length
---sequence-parallel --sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size
---tensorboard-dir --text-keys --tokenizer-model --tokenizer-type --torch-compile --train-iters
---untie-embeddings-and-output-weights --user-script --vocab-file --vocab-size --weight-decay
---zero-1-memory-optimization --zero-2-memory-optimization --zero-3-memory-optimization
+--num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-workers --onnx-runtime-training
+--optimizer --per-rank-logs --pipeline-model-parallel-size --pipeline-schedule --pipeline-split
+--position-embedding-type --pretrained-model-name-or-path --recompute-granularity --recompute-num-layers
+--reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length --sequence-parallel
+--sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
+--tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights --user-script
+--vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
+--zero-3-memory-optimization
 """.split()
 
 
@@ -94,7 +95,60 @@ BAD_INPUTS = [
         "not divisible by --micro-batch-size 32 x data-parallel size 3",
     ),
     (["--task", "sequence_classification", "--demo", "--nnodes", "2", "--nproc-per-node", "1"], "--master-addr"),
-    (["--task", "sequence_classification", "--demo", "--pipeline-model-parallel-size", "2"], "not implemented yet"),
+    (["--task", "sequence_classification", "--demo", "--pipeline-model-parallel-size", "2"], "runs pretraining"),
+    (
+        [
+            "--task",
+            "pretraining",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "4",
+        ],
+        "1f1b needs at least as many micro-batches per global batch (1) as pipeline stages (2)",
+    ),
+    (
+        [
+            "--task",
+            "pretraining",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--pipeline-schedule",
+            "interleaved-1f1b",
+        ],
+        "add --num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        [
+            "--task",
+            "pretraining",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--num-layers",
+            "4",
+            "--num-layers-per-virtual-pipeline-stage",
+            "3",
+        ],
+        "--num-layers 4 is not divisible by --num-layers-per-virtual-pipeline-stage 3",
+    ),
+    (
+        ["--task", "pretraining", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2", "--num-layers", "1"],
+        "--num-layers 1 is fewer than the 2 pipeline stages",
+    ),
+    (["--task", "pretraining", "--pipeline-split", "2,2"], "add --pipeline-model-parallel-size"),
+    (["--task", "pretraining", "--pipeline-split", "2,x"], "expected comma-separated integers"),
+    (
+        ["--task", "pretraining", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2", "--deepspeed"],
+        "--deepspeed does not combine with --pipeline-model-parallel-size 2",
+    ),
     (["--task", "sequence_classification", "--demo", "--tensor-model-parallel-size", "2"], "world of 1 process"),
     (["--task", "sequence_classification", "--demo", "--sequence-parallel"], "--sequence-parallel splits"),
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),

@@ -43,12 +43,15 @@ def _checkpoint_kwargs(granularity: str) -> dict:
     return kwargs
 
 
-def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's stack of transformer blocks: its largest ``ModuleList`` (by parameter count)."""
+def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | list[torch.nn.Module] | None:
+    """The model's stack of transformer blocks: its largest ``ModuleList`` (by parameter count), or the
+    blocks of a pipeline stage's ``ModuleDict`` keyed by layer index."""
     best, best_size = None, 0
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
+        if isinstance(module, torch.nn.ModuleDict) and len(module) > 0 and all(k.isdigit() for k in module):
+            module = list(module.values())
+        if isinstance(module, (torch.nn.ModuleList, list)) and len(module) > 0:
+            size = sum(p.numel() for block in module for p in block.parameters())
             if size > best_size:
                 best, best_size = module, size
     return best

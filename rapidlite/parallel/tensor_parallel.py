@@ -58,17 +58,22 @@ def gpt_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> N
 
     _check_divisible(model, tp_mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()
-    root: dict[str, Any] = {
+    # A pipeline stage holds only some of these (see parallel.pipeline): each part is split if present.
+    root: dict[str, Any] = {}
+    if model.embedding is not None:
         # The embedding's output is whole on every rank (the vocabulary shards are summed), then split along
         # the sequence with sequence parallelism: position embeddings and dropout see the whole sequence.
-        "embedding.word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sequence_parallel:
-        root["embedding"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        root["final_norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root)
-    for block in model.layers:
+        root["embedding.word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sequence_parallel and hasattr(model.embedding, "dropout"):
+            root["embedding"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if model.output is not None:
+        root["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        if sequence_parallel:
+            root["final_norm"] = SequenceParallel()
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    blocks = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+    for block in blocks:
         plan: dict[str, Any] = {
             "attention.q_proj": ColwiseParallel(),
             "attention.k_proj": ColwiseParallel(),
@@ -87,7 +92,8 @@ def gpt_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> N
             )
             plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
-    if model.tied:  # both shards are rows of the vocabulary: the same DTensor serves as both
+    if model.tied and model.output is not None and model.embedding is not None:
+        # Both shards are rows of the vocabulary: the same DTensor serves as both.
         model.output.weight = model.embedding.word_embeddings.weight
 
 
@@ -120,9 +126,12 @@ def hf_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> No
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     parallelize_module(base, tp_mesh, {pattern: styles[style]() for pattern, style in declared.items()})
     embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding.weight
-    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    parallelize_module(output, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    tied = output is not None and embedding is not None and output.weight is embedding.weight
+    # A pipeline stage may hold neither (see parallel.pipeline).
+    if embedding is not None:
+        parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if output is not None:
+        parallelize_module(output, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     if tied:
         output.weight = embedding.weight
 
@@ -142,21 +151,42 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_paralle
     )
 
 
+_loss_parallel_depth = 0
+
+
+@contextlib.contextmanager
+def loss_parallel_context() -> Iterator[None]:
+    """``loss_parallel``, re-entrant: PyTorch's switches the parallel cross-entropy off on any exit, so a
+    nested use (the forward's inside a pipeline step's backward) would leave the backward without it."""
+    global _loss_parallel_depth
+    if _loss_parallel_depth:
+        _loss_parallel_depth += 1
+        try:
+            yield
+        finally:
+            _loss_parallel_depth -= 1
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    _loss_parallel_depth = 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _loss_parallel_depth = 0
+
+
 @contextlib.contextmanager
 def maybe_loss_parallel(logits: torch.Tensor) -> Iterator[None]:
     """``loss_parallel`` when the logits are vocabulary-sharded DTensors (forward and backward need it)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
+        with loss_parallel_context():
             yield
     else:
         yield
 
 
 def backward_context() -> contextlib.AbstractContextManager:
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
+    return loss_parallel_context()

@@ -8,6 +8,7 @@ over padded, variable-length micro-batches equals one big batch exactly).
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -49,12 +50,18 @@ class CountingIterator:
         self.samples = 0
         self.tokens = 0
         self.tokens_known = True
+        self._replay: collections.deque[Any] = collections.deque()
+        self._recording: list[Any] | None = None
 
     def __iter__(self) -> CountingIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._replay:  # a pipeline replays a forward step on the batches it drew before (not counted again)
+            return self._replay.popleft()
         batch = next(self.iterator)
+        if self._recording is not None:
+            self._recording.append(batch)
         samples, tokens = batch_stats(batch)
         self.samples += samples
         if tokens is None:
@@ -67,6 +74,27 @@ class CountingIterator:
         counts = (self.samples, self.tokens if self.tokens_known else None)
         self.samples, self.tokens, self.tokens_known = 0, 0, True
         return counts
+
+    def replayable(self, step: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """``(record, replay)`` for pipeline parallelism: ``record()`` runs ``step`` and keeps the batches it
+        drew; ``replay()`` runs it again on those same batches."""
+        drawn: list[Any] = []
+
+        def record() -> Any:
+            self._recording = drawn
+            try:
+                return step()
+            finally:
+                self._recording = None
+
+        def replay() -> Any:
+            self._replay.extend(drawn)
+            try:
+                return step()
+            finally:
+                self._replay.clear()
+
+        return record, replay
 
 
 class BaseTrainer:
@@ -160,6 +188,8 @@ class BaseTrainer:
         model.train()
         optimizer.zero_grad(set_to_none=True)
         micro_steps = list(micro_steps)
+        if self.engine.pipeline is not None:
+            return self._pipeline_train_step(micro_steps)
         losses, num_items, mode = [], 0, None
         # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is
         # turned into its micro-batch mean (exact when micro-batches hold equal item counts).
@@ -186,16 +216,46 @@ class BaseTrainer:
             divisor = max(float(total), 1.0) / self.engine.dp_size
         else:
             divisor = len(micro_steps)
-        applied = optimizer.step(grad_divisor=divisor)
+        return self._apply_step(torch.stack(losses).sum(), divisor)
+
+    def _apply_step(self, loss_total: torch.Tensor, divisor: float) -> bool:
+        applied = self.optimizer.step(grad_divisor=divisor)
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.iteration += 1
         interval = self._interval
         # Out of place: the zero-dim start tensor takes the loss's device, so no per-step host sync.
-        interval["loss"] = interval["loss"] + torch.stack(losses).sum() / divisor
+        interval["loss"] = interval["loss"] + loss_total / divisor
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
+
+    def _pipeline_train_step(self, micro_steps: list[Any]) -> bool:
+        """Pipeline parallelism: each micro step is a ``(record, replay)`` pair (``CountingIterator.replayable``);
+        the schedule runs them all, and the last stage's losses and item counts are shared with the other
+        stages so every rank divides its gradients alike."""
+        if not all(isinstance(step, tuple) for step in micro_steps):
+            raise TypeError("under pipeline parallelism train_step takes (record, replay) pairs per micro-batch")
+        optimizer = self.optimizer
+        results = self.engine.pipeline.run(micro_steps, train=True, loss_scale=optimizer.loss_scale or 1.0)
+        modes = {items is None for _, items in results}
+        if len(modes) > 1:
+            raise TypeError(
+                "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) in another; "
+                "return one kind"
+            )
+        summary = torch.zeros(3, dtype=torch.float64)
+        if results:
+            summary[0] = float(sum(loss for loss, _ in results))
+            summary[1] = float(sum(items or 0 for _, items in results))
+            summary[2] = 0.0 if modes == {True} else 1.0
+        loss_total, num_items, summed = self.engine.dist.all_reduce_pipeline(summary).tolist()
+        if summed:
+            total = self.engine.all_reduce_sum(torch.tensor(num_items, dtype=torch.float64))
+            divisor = max(float(total), 1.0) / self.engine.dp_size
+        else:
+            divisor = len(micro_steps)
+        return self._apply_step(torch.tensor(loss_total), divisor)
 
     def _warn_per_micro_mean(self) -> None:
         if not getattr(self, "_per_micro_mean_warned", False) and self.engine.is_main_process:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rapidlite.data.loader import batch_stats, slice_batch
-from rapidlite.errors import DataError
+from rapidlite.errors import ConfigError, DataError
 from rapidlite.trainer.base import BaseTrainer, split_datasets, unpack_loss
 
 
@@ -70,6 +70,11 @@ class Finetuner(BaseTrainer):
     def train(self) -> dict[str, Any]:
         """Run the fine-tuning; returns the last validation metrics."""
         args = self.args
+        if args.pipeline_model_parallel_size > 1:
+            raise ConfigError(
+                "--pipeline-model-parallel-size runs PreTrainer jobs (fixed-length samples, --task pretraining or a "
+                "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
+            )
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
         if train_ds is None or len(train_ds) == 0:
             raise DataError("the training dataset is empty")

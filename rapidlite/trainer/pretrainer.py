@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,6 +46,11 @@ class PreTrainer(BaseTrainer):
         )
         return CountingIterator(iter(DeviceDataLoader(loader, self.engine.device)))
 
+    def _micro_step(self, iterator: CountingIterator) -> Any:
+        """One micro-batch's forward step: a call, or under pipeline parallelism a (record, replay) pair."""
+        step = functools.partial(self.run_forward_step, iterator, self.model)
+        return iterator.replayable(step) if self.engine.pipeline is not None else step
+
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         iterator = self.valid_data_iterator if split == "validation" else self.test_data_iterator
         if iterator is None:
@@ -52,13 +58,20 @@ class PreTrainer(BaseTrainer):
         was_training = self.model.training
         self.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        accumulation, pipeline = self.args.gradient_accumulation_steps, self.engine.pipeline
         with torch.no_grad():
-            for _ in range(self.args.eval_iters * self.args.gradient_accumulation_steps):
-                loss, items = unpack_loss(self.run_forward_step(iterator, self.model))
-                total += loss.detach().double().cpu()  # a mean counts once, a sum counts its items
-                count += items if items is not None else 1
+            for _ in range(self.args.eval_iters):
+                if pipeline is not None:  # a global batch at a time through the pipeline (forward only)
+                    results = pipeline.run([self._micro_step(iterator) for _ in range(accumulation)], train=False)
+                else:
+                    results = [unpack_loss(self.run_forward_step(iterator, self.model)) for _ in range(accumulation)]
+                for loss, items in results:
+                    total += loss.detach().double().cpu()  # a mean counts once, a sum counts its items
+                    count += items if items is not None else 1
         iterator.take_counts()
         self.model.train(was_training)
+        if pipeline is not None:  # the losses are the last stage's
+            total, count = self.engine.dist.all_reduce_pipeline(torch.stack([total, count]))
         total, count = self.engine.all_reduce_sum(total), self.engine.all_reduce_sum(count)
         loss = float(total / count.clamp(min=1))
         return self.log_evaluation(split, {"loss": loss, "ppl": perplexity(loss)})
@@ -94,9 +107,7 @@ class PreTrainer(BaseTrainer):
         self.begin_training()
         iterator = self.train_data_iterator
         while self.iteration < args.train_iters:
-            self.train_step(
-                lambda: self.run_forward_step(iterator, self.model) for _ in range(args.gradient_accumulation_steps)
-            )
+            self.train_step(self._micro_step(iterator) for _ in range(args.gradient_accumulation_steps))
             samples, tokens = iterator.take_counts()
             self.count_batch(samples, tokens)
             self.after_step(samples)
