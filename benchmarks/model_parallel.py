@@ -18,10 +18,17 @@ per-iteration losses equal the 1-rank run's within 1e-4 relative (exit 1 on a mi
 target: tp2 parameter bytes per rank 0.50 of 1 rank for the split weights; the replicated norms, biases and
 position embedding put the whole model at about 0.51, so the printed check allows <= 0.55.
 
+Pipeline layouts (``--pipeline-model-parallel-size 2``) run with m micro-batches per global batch (the
+micro-batch is global / m), under 1F1B for m = 2, 4, 8, GPipe and interleaved 1F1B (2 virtual stages per
+rank) for m = 4; then pp2 x dp2 and tp2 x pp2 on 4 ranks. The 1-rank run is repeated with the same
+micro-batch for each m, so the pipeline's idle share can be measured against the work it splits:
+``bubble = 1 - t_1rank(m) / (p * t_pp(m))``, the fraction of a pipeline step a stage does not spend on its
+share of the work (bubbles, plus the send/receive and any imbalance between the stages), printed beside
+the schedule's theoretical bubble ``(p - 1) / (m + p - 1)`` (``(p - 1) / (v m + p - 1)`` interleaved with v
+stages per rank).
+
 The 4-rank layouts run 4 processes on the 2 cores of the development machine: they are oversubscribed, so
-their times measure that the layout works (and its communication pattern) more than its speed. Pipeline
-layouts (and the pipeline bubble fraction) are not measured: pipeline parallelism is not implemented yet
-(``--pipeline-model-parallel-size`` is refused).
+their times measure that the layout works (and its communication pattern) more than its speed.
 """
 
 from __future__ import annotations
@@ -44,13 +51,32 @@ from rapidlite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
 VOCAB = 8000  # NullTokenizer ids 0..7999, EOD = 8000
 TP2 = ["--tensor-model-parallel-size", "2"]
-LAYOUTS = [  # (label, ranks, data-parallel size, flags)
-    ("1 rank", 1, 1, []),
-    ("dp2", 2, 2, []),
-    ("tp2", 2, 1, TP2),
-    ("tp2 + sp", 2, 1, [*TP2, "--sequence-parallel"]),
-    ("tp2 x dp2", 4, 2, TP2),
-    ("tp2+sp x fsdp dp2", 4, 2, [*TP2, "--sequence-parallel", "--zero-3-memory-optimization"]),
+PP2 = ["--pipeline-model-parallel-size", "2"]
+GLOBAL_BATCH = 8
+LAYOUTS = [  # (label, ranks, micro-batch size, flags)
+    ("1 rank", 1, 8, []),
+    ("dp2", 2, 4, []),
+    ("tp2", 2, 8, TP2),
+    ("tp2 + sp", 2, 8, [*TP2, "--sequence-parallel"]),
+    ("tp2 x dp2", 4, 4, TP2),
+    ("tp2+sp x fsdp dp2", 4, 4, [*TP2, "--sequence-parallel", "--zero-3-memory-optimization"]),
+    ("1 rank m=2", 1, 4, []),
+    ("1 rank m=4", 1, 2, []),
+    ("1 rank m=8", 1, 1, []),
+    ("pp2 1f1b m=2", 2, 4, PP2),
+    ("pp2 1f1b m=4", 2, 2, PP2),
+    ("pp2 1f1b m=8", 2, 1, PP2),
+    ("pp2 gpipe m=4", 2, 2, [*PP2, "--pipeline-schedule", "gpipe"]),
+    ("pp2 interleaved m=4", 2, 2, [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp2 x dp2 m=2", 4, 2, PP2),
+    ("tp2 x pp2 m=4", 4, 2, [*TP2, *PP2]),
+]
+BUBBLES = [  # (pipeline layout, 1-rank layout with the same micro-batch, m, virtual stages per rank)
+    ("pp2 1f1b m=2", "1 rank m=2", 2, 1),
+    ("pp2 1f1b m=4", "1 rank m=4", 4, 1),
+    ("pp2 1f1b m=8", "1 rank m=8", 8, 1),
+    ("pp2 gpipe m=4", "1 rank m=4", 4, 1),
+    ("pp2 interleaved m=4", "1 rank m=4", 4, 2),
 ]
 SKIP = 2  # the first steps warm up allocators, caches and the process group
 
@@ -66,14 +92,14 @@ def write_corpus(prefix: Path, docs: int, seed: int = 0) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
-def run(name: str, nproc: int, dp: int, flags: list[str], quick: bool, data: Path, out: Path) -> dict:
+def run(name: str, nproc: int, micro: int, flags: list[str], quick: bool, data: Path, out: Path) -> dict:
     model = (
-        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+        ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
         if quick
         else ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256"]
     )
     iters = 4 if quick else 12
-    global_batch = 8
+    global_batch = GLOBAL_BATCH
     argv = [
         sys.executable,
         "-m",
@@ -92,7 +118,7 @@ def run(name: str, nproc: int, dp: int, flags: list[str], quick: bool, data: Pat
         "--attention-dropout",
         "0",
         "--micro-batch-size",
-        str(global_batch // dp),
+        str(micro),
         "--global-batch-size",
         str(global_batch),
         "--train-iters",
@@ -143,18 +169,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "synthetic_text_document"
         write_corpus(data, docs=400 if args.quick else 2000)
-        for name, nproc, dp, flags in LAYOUTS:
-            out = Path(tmp) / name.replace(" ", "_").replace("+", "p")
-            results[name] = run(name, nproc, dp, flags, args.quick, data, out)
+        for name, nproc, micro, flags in LAYOUTS:
+            out = Path(tmp) / name.replace(" ", "_").replace("+", "p").replace("=", "")
+            results[name] = run(name, nproc, micro, flags, args.quick, data, out)
     base = results["1 rank"]
     header = (
-        f"{'layout':<18} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'vs 1':>5} {'param MiB':>9} {'grad MiB':>8} "
+        f"{'layout':<20} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'vs 1':>5} {'param MiB':>9} {'grad MiB':>8} "
         f"{'optim MiB':>9} {'param':>5} {'grad':>5} {'optim':>5} {'peak MB':>8} {'loss':>8}"
     )
     print(header)
     for (name, nproc, _, _), r in zip(LAYOUTS, results.values(), strict=True):
         print(
-            f"{name:<18} {nproc:>5} {r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
+            f"{name:<20} {nproc:>5} {r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
             f"{r['tokens_per_s'] / base['tokens_per_s']:>5.2f} {r['param_bytes'] / 2**20:>9.2f} "
             f"{r['grad_bytes'] / 2**20:>8.2f} {r['optimizer_bytes'] / 2**20:>9.2f} "
             f"{fraction(r['param_bytes'], base['param_bytes']):>5.2f} "
@@ -179,7 +205,15 @@ def main() -> int:
     tp2_share = results["tp2"]["param_bytes"] / base["param_bytes"]
     verdict = "met" if tp2_share <= 0.55 else "MISSED"
     print(f"tp2 parameter bytes per rank: {tp2_share:.2f} of 1 rank (target <= 0.55: {verdict})")
-    print("pipeline layouts: not measured (pipeline parallelism is not implemented yet)")
+    print(f"\n{'pipeline':<20} {'m':>3} {'1 rank s':>8} {'pp2 s':>7} {'speedup':>7} {'bubble':>7} {'theory':>7}")
+    for name, single, m, virtual in BUBBLES:
+        t_pp, t_1 = results[name]["step_time_s"], results[single]["step_time_s"]
+        p = 2
+        theory = (p - 1) / (virtual * m + p - 1)
+        print(
+            f"{name:<20} {m:>3} {t_1:>8.3f} {t_pp:>7.3f} {t_1 / t_pp:>7.2f} {1 - t_1 / (p * t_pp):>7.2f} {theory:>7.2f}"
+        )
+    print("(bubble: 1 - t_1rank / (2 t_pp2), the idle share of a stage; theory: (p-1)/(v m + p-1))")
     if args.quick:
         print("quick mode: speeds are not meaningful")
     return 1 if mismatched else 0

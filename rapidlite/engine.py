@@ -81,8 +81,8 @@ def _set_dropout(model: torch.nn.Module, hidden: float | None, attention: float 
         for key in ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop"):
             if config is not None and hasattr(config, key):
                 setattr(config, key, attention)
-        for module in model.modules():  # HF attention modules read their rate from an attribute
-            for key in ("dropout_prob", "attention_dropout"):
+        for module in model.modules():  # attention modules (HF, built-in GPT) read their rate from an attribute
+            for key in ("dropout_prob", "attention_dropout", "dropout"):
                 if isinstance(getattr(module, key, None), float):
                     setattr(module, key, attention)
             if isinstance(getattr(module, "attn_dropout", None), torch.nn.Dropout):

@@ -223,3 +223,15 @@ def test_rope_allows_longer_sequences_than_learned_positions():
     GPTConfig(**{**TINY, "position_embedding_type": "rope", "seq_length": 32, "max_position_embeddings": 16})
     with pytest.raises(ConfigError, match="--max-position-embeddings 16"):
         make()(tokens(length=20))
+
+
+def test_dropout_flags_reach_the_attention_of_a_model_built_by_the_user():
+    """A white-box GPTModel built from its own config: --hidden-dropout/--attention-dropout still apply."""
+    from rapidlite.engine import _set_dropout
+    from rapidlite.models.gpt import GPTConfig, GPTModel
+
+    model = GPTModel(GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16))
+    assert model.layers[0].attention.dropout > 0  # the config's default
+    _set_dropout(model, 0.0, 0.0)
+    assert all(layer.attention.dropout == 0.0 for layer in model.layers)
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
