@@ -20,7 +20,8 @@ position embedding put the whole model at about 0.51, so the printed check allow
 
 Pipeline layouts (``--pipeline-model-parallel-size 2``) run with m micro-batches per global batch (the
 micro-batch is global / m), under 1F1B for m = 2, 4, 8, GPipe and interleaved 1F1B (2 virtual stages per
-rank) for m = 4; then pp2 x dp2 and tp2 x pp2 on 4 ranks. The 1-rank run is repeated with the same
+rank) for m = 4, 1F1B with m = 8 and the layers split 3,1 (the last stage also holds the output layer, the
+largest matrix here); then pp2 x dp2 and tp2 x pp2 on 4 ranks. The 1-rank run is repeated with the same
 micro-batch for each m, so the pipeline's idle share can be measured against the work it splits:
 ``bubble = 1 - t_1rank(m) / (p * t_pp(m))``, the fraction of a pipeline step a stage does not spend on its
 share of the work (bubbles, plus the send/receive and any imbalance between the stages), printed beside
@@ -68,6 +69,7 @@ LAYOUTS = [  # (label, ranks, micro-batch size, flags)
     ("pp2 1f1b m=8", 2, 1, PP2),
     ("pp2 gpipe m=4", 2, 2, [*PP2, "--pipeline-schedule", "gpipe"]),
     ("pp2 interleaved m=4", 2, 2, [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp2 1f1b m=8 split3,1", 2, 1, [*PP2, "--pipeline-split", "3,1"]),
     ("pp2 x dp2 m=2", 4, 2, PP2),
     ("tp2 x pp2 m=4", 4, 2, [*TP2, *PP2]),
 ]
@@ -77,6 +79,7 @@ BUBBLES = [  # (pipeline layout, 1-rank layout with the same micro-batch, m, vir
     ("pp2 1f1b m=8", "1 rank m=8", 8, 1),
     ("pp2 gpipe m=4", "1 rank m=4", 4, 1),
     ("pp2 interleaved m=4", "1 rank m=4", 4, 2),
+    ("pp2 1f1b m=8 split3,1", "1 rank m=8", 8, 1),
 ]
 SKIP = 2  # the first steps warm up allocators, caches and the process group
 
@@ -174,13 +177,13 @@ def main() -> int:
             results[name] = run(name, nproc, micro, flags, args.quick, data, out)
     base = results["1 rank"]
     header = (
-        f"{'layout':<20} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'vs 1':>5} {'param MiB':>9} {'grad MiB':>8} "
+        f"{'layout':<22} {'ranks':>5} {'step s':>7} {'tokens/s':>9} {'vs 1':>5} {'param MiB':>9} {'grad MiB':>8} "
         f"{'optim MiB':>9} {'param':>5} {'grad':>5} {'optim':>5} {'peak MB':>8} {'loss':>8}"
     )
     print(header)
     for (name, nproc, _, _), r in zip(LAYOUTS, results.values(), strict=True):
         print(
-            f"{name:<20} {nproc:>5} {r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
+            f"{name:<22} {nproc:>5} {r['step_time_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
             f"{r['tokens_per_s'] / base['tokens_per_s']:>5.2f} {r['param_bytes'] / 2**20:>9.2f} "
             f"{r['grad_bytes'] / 2**20:>8.2f} {r['optimizer_bytes'] / 2**20:>9.2f} "
             f"{fraction(r['param_bytes'], base['param_bytes']):>5.2f} "
