@@ -161,9 +161,10 @@ def hf_configs(tmp_path_factory):
     [
         ("llama", [*PP2, "--pipeline-schedule", "gpipe"]),
         ("gpt2", PP2),
-        ("llama", [*PP2_DP2, "--tensor-model-parallel-size", "2"]),
+        ("llama", [*PP2_DP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("gpt2", [*PP2_DP2, "--tensor-model-parallel-size", "2"]),
     ],
-    ids=["llama_pp2_gpipe", "gpt2_pp2_tied", "llama_tp2_pp2"],
+    ids=["llama_pp2_gpipe", "gpt2_pp2_tied", "llama_tp2_sp_pp2", "gpt2_tp2_pp2"],
 )  # fmt: skip
 def test_hugging_face_models_train_like_one_process_in_a_pipeline(data, hf_configs, tmp_path, family, layout):
     from transformers import AutoModelForCausalLM

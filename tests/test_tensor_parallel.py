@@ -132,9 +132,9 @@ def llama(tmp_path_factory):
     return ["--pretrained-model-name-or-path", str(path)]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_dp2_fsdp"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2_fsdp"])
 def test_hugging_face_llama_tensor_parallel_trains_like_one_process(data, llama, tmp_path, layout):
-    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"]}
+    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
     layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
     saves = {}
     for name in ("single", layout):
@@ -149,12 +149,70 @@ def test_hugging_face_llama_tensor_parallel_trains_like_one_process(data, llama,
     assert split_bytes < 0.55 * single_bytes  # every projection, the embedding and the output are split
 
 
-def test_families_without_a_plan_are_one_line(data, tmp_path):
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A tiny GPT-2 config (fused q/k/v in one Conv1D, tied embedding and output layer)."""
     from transformers import GPT2Config
 
-    path = tmp_path / "gpt2"
-    GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=98).save_pretrained(path)
+    path = tmp_path_factory.mktemp("gpt2") / "config"
+    GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=98, bos_token_id=96, eos_token_id=96,
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+    ).save_pretrained(path)  # fmt: skip
+    return ["--pretrained-model-name-or-path", str(path)]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2_fsdp"])
+def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, tmp_path, layout):
+    """GPT-2's fused q/k/v projection is split column-wise in its original layout and regrouped per head
+    after the projection, so checkpoints and the export stay Hugging Face's."""
+    from transformers import AutoModelForCausalLM
+
+    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
+    layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
+    saves = {}
+    for name in ("single", layout):
+        saves[name] = tmp_path / name
+        argv = [*COMMON, *data, *gpt2, *layouts[name], "--train-iters", "5", "--save", str(saves[name])]
+        proc = rapidlite(*argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
+    assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
+    single_bytes, split_bytes = state(saves["single"])["param_bytes"], state(saves[layout])["param_bytes"]
+    assert split_bytes < 0.6 * single_bytes  # the position embedding, norms and row-parallel biases are whole
+    expected = AutoModelForCausalLM.from_pretrained(saves["single"] / "hf").state_dict()
+    actual = AutoModelForCausalLM.from_pretrained(saves[layout] / "hf").state_dict()
+    for k, v in expected.items():
+        assert (actual[k] - v).abs().max().item() < 1e-4, k
+
+
+def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, tmp_path):
+    saves = {}
+    for name in ("single", "tp2"):
+        saves[name] = tmp_path / name
+        argv = [*COMMON, *data, *gpt2, *LAYOUTS[name], "--train-iters", "6", "--save-interval", "3"]
+        proc = rapidlite(*argv, "--save", str(saves[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(saves["tp2"] / "iter_0000003", resumed / "iter_0000003")
+    (resumed / "latest").write_text("3")
+    argv = [*COMMON, *data, *gpt2, *LAYOUTS["single"], "--train-iters", "6", "--load", str(resumed)]
+    proc = rapidlite(*argv, "--save", str(resumed))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_lists(train_losses(resumed), train_losses(saves["single"])[3:], rtol=1e-5)
+
+
+def test_families_without_a_plan_are_one_line(data, tmp_path):
+    from transformers import GPTNeoConfig
+
+    path = tmp_path / "gpt_neo"
+    GPTNeoConfig(
+        num_layers=2, hidden_size=32, num_heads=4, attention_types=[[["global"], 2]], vocab_size=98
+    ).save_pretrained(path)
     argv = [*COMMON, *data, "--pretrained-model-name-or-path", str(path), *LAYOUTS["tp2"], "--train-iters", "2"]
     proc = rapidlite(*argv, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "no tensor-parallel plan for GPT2LMHeadModel" in proc.stderr and "Traceback" not in proc.stderr
+    assert "no tensor-parallel plan for" in proc.stderr and "Traceback" not in proc.stderr
