@@ -216,3 +216,54 @@ def test_families_without_a_plan_are_one_line(data, tmp_path):
     proc = rapidlite(*argv, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no tensor-parallel plan for" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even)."""
+    import json
+
+    from transformers import BertConfig
+
+    from rapidlite.data.preprocess import preprocess
+    from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
+    from test_bert_dataset import english_corpus
+
+    root = tmp_path_factory.mktemp("bert")
+    docs = english_corpus(200, seed=0)
+    source = root / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    vocab = write_wordpiece_vocab(docs, 200, root / "vocab")
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
+    prefix = preprocess(source, root / "corpus", tokenizer, split_sentences=True, log=None)["text"]
+    BertConfig(
+        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+    ).save_pretrained(root / "config")  # fmt: skip
+    return [
+        "--task", "pretraining", "--pretrained-model-name-or-path", str(root / "config"), "--data-path", prefix,
+        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab), "--seq-length", "48",
+        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--lr-decay-iters", "5",
+        "--eval-interval", "5", "--eval-iters", "1", "--split", "90,10,0", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--train-iters", "5",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_dp2_fsdp"])
+def test_hugging_face_bert_tensor_parallel_trains_like_one_process(bert, tmp_path, layout):
+    """BertForPreTraining (masked LM + next sentence): its own loss, on the gathered decoder logits. Its loss
+    is a mean per micro-batch, so the one-process run uses the same micro-batches (of 2 with dp2)."""
+    layouts = {"tp2": LAYOUTS["tp2"], "tp2_dp2_fsdp": [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]}
+    layouts["single"] = ["--micro-batch-size", "4" if layout == "tp2" else "2"]
+    saves = {}
+    for name in ("single", layout):
+        saves[name] = tmp_path / name
+        proc = rapidlite(*bert, *layouts[name], "--save", str(saves[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(saves[layout])) == 5
+    assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
+    assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
+    expected = read_model_tensors(saves["single"] / "iter_0000005")
+    actual = read_model_tensors(saves[layout] / "iter_0000005")
+    for k, v in expected.items():
+        assert (actual[k] - v).abs().max().item() < 1e-4, k

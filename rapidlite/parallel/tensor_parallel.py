@@ -305,6 +305,48 @@ def _llama_sequence_parallel_plan(base: torch.nn.Module, declared: dict[str, str
     return plan
 
 
+def bert_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Shard Hugging Face BERT (``BertForPreTraining``/``BertForMaskedLM``) Megatron's way: query/key/value and
+    the intermediate projection column-wise, the attention output and output projections row-wise, the
+    word embedding and the masked-LM decoder along the vocabulary. The model computes its masked-LM and
+    next-sentence losses itself, on whole logits, so the decoder's vocabulary shards are all-gathered
+    (the one place the full logits exist); pooler, NSP head and norms are replicated."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config, tp, name = model.config, tp_mesh.size(), type(model).__name__
+    if sequence_parallel:
+        raise ConfigError(f"--sequence-parallel is not implemented for {name}: drop it")
+    for flag, value in (
+        ("--num-attention-heads", config.num_attention_heads),
+        ("--hidden-size", config.hidden_size),
+        ("--ffn-hidden-size", config.intermediate_size),
+        ("the vocabulary size", config.vocab_size),
+    ):
+        if value % tp:
+            raise ConfigError(f"{flag} {value} of {name} is not divisible by --tensor-model-parallel-size {tp}")
+    layer_plan = {
+        "attention.self.query": ColwiseParallel(),
+        "attention.self.key": ColwiseParallel(),
+        "attention.self.value": ColwiseParallel(),
+        "attention.output.dense": RowwiseParallel(),
+        "intermediate.dense": ColwiseParallel(),
+        "output.dense": RowwiseParallel(),
+    }
+    for layer in model.bert.encoder.layer:
+        parallelize_module(layer, tp_mesh, layer_plan)
+    embedding = model.bert.embeddings.word_embeddings
+    head = model.cls.predictions
+    tied_weight = head.decoder.weight is embedding.weight
+    tied_bias = head.decoder.bias is not None and head.decoder.bias is head.bias
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(head.decoder, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    if tied_weight:
+        head.decoder.weight = embedding.weight
+    if tied_bias:
+        head.bias = head.decoder.bias
+
+
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
     from rapidlite.models.gpt import GPTModel
 
@@ -313,6 +355,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_paralle
         return model
     if type(model).__name__ == "GPT2LMHeadModel":
         gpt2_plan(model, tp_mesh, sequence_parallel)
+        return model
+    if type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM"):
+        bert_plan(model, tp_mesh, sequence_parallel)
         return model
     if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
         hf_plan(model, tp_mesh, sequence_parallel)
