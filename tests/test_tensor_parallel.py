@@ -218,9 +218,9 @@ def test_families_without_a_plan_are_one_line(data, tmp_path):
     assert "no tensor-parallel plan for" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even)."""
+def bert_run_args(root, num_layers=2):
+    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even) in
+    ``root``; returns the --task pretraining flags that train it."""
     import json
 
     from transformers import BertConfig
@@ -229,7 +229,7 @@ def bert(tmp_path_factory):
     from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
     from test_bert_dataset import english_corpus
 
-    root = tmp_path_factory.mktemp("bert")
+    root.mkdir(parents=True, exist_ok=True)
     docs = english_corpus(200, seed=0)
     source = root / "corpus.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -237,7 +237,7 @@ def bert(tmp_path_factory):
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
     prefix = preprocess(source, root / "corpus", tokenizer, split_sentences=True, log=None)["text"]
     BertConfig(
-        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=2,
+        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=num_layers,
         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
     ).save_pretrained(root / "config")  # fmt: skip
     return [
@@ -247,6 +247,11 @@ def bert(tmp_path_factory):
         "--eval-interval", "5", "--eval-iters", "1", "--split", "90,10,0", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--train-iters", "5",
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return bert_run_args(tmp_path_factory.mktemp("bert"))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_dp2_fsdp"])

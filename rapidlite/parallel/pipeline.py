@@ -297,10 +297,97 @@ class HFDecoderFamily:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+class BertFamily:
+    """Hugging Face BERT for pretraining (``BertForPreTraining``, ``BertForMaskedLM``): ``bert.embeddings`` →
+    ``bert.encoder.layer`` → ``bert.pooler`` + ``cls`` (masked-LM decoder, next-sentence head)."""
+
+    name = "Hugging Face BERT"
+
+    @staticmethod
+    def matches(model: nn.Module) -> bool:
+        return type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM") and hasattr(model, "cls")
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        layers = model.bert.encoder.layer
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+    def tied(self, model: nn.Module) -> bool:
+        embeddings = model.bert.embeddings
+        return (
+            model.cls is not None
+            and embeddings is not None
+            and model.cls.predictions.decoder.weight is embeddings.word_embeddings.weight
+        )
+
+    def prune(self, model: nn.Module, keep: list[int], has_first: bool, has_last: bool) -> None:
+        blocks, tied = self.blocks(model), self.tied(model)
+        model.bert.encoder.layer = nn.ModuleDict({str(i): blocks[i] for i in keep})
+        if not has_first:
+            model.bert.embeddings = _Holder(model.bert.embeddings.word_embeddings) if has_last and tied else None
+        if not has_last:
+            model.bert.pooler = None
+            model.cls = None
+
+    def stage_parts(self, model: nn.Module, first: bool, last: bool) -> dict[str, nn.Module]:
+        parts: dict[str, nn.Module] = {}
+        if first or (last and model.bert.embeddings is not None):
+            parts["embeddings"] = model.bert.embeddings
+        if last:
+            if model.bert.pooler is not None:
+                parts["pooler"] = model.bert.pooler
+            parts["cls"] = model.cls
+        return parts
+
+    def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
+        names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "next_sentence_label")
+        values = _bind(type(model).forward.__get__(model), args, kwargs, names, self.name)
+        if values["input_ids"] is None:
+            raise ConfigError("under pipeline parallelism pass input_ids to the model (inputs_embeds is not supported)")
+        stage = {k: values[k] for k in ("attention_mask", "token_type_ids", "position_ids")}
+        return Call(values["input_ids"], stage, {k: values[k] for k in ("labels", "next_sentence_label")})
+
+    def run(self, stage: StageModule, x: torch.Tensor, call: Call) -> Any:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        kwargs = call.stage_kwargs
+        if stage.first:
+            x = stage.embeddings(
+                input_ids=x, token_type_ids=kwargs["token_type_ids"], position_ids=kwargs["position_ids"]
+            )
+        mask = create_bidirectional_mask(config=stage.config, inputs_embeds=x, attention_mask=kwargs["attention_mask"])
+        for layer in stage.layers.values():
+            x = layer(x, mask)
+            if isinstance(x, tuple):
+                x = x[0]
+        if not stage.last:
+            return x
+        if hasattr(stage, "pooler"):
+            return stage.cls(x, stage.pooler(x))  # (masked-LM logits, next-sentence logits)
+        return stage.cls(x)
+
+    def finish(self, model: nn.Module, output: Any, call: Call) -> Any:
+        import torch.nn.functional as F
+        from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, MaskedLMOutput
+
+        labels, next_sentence = call.loss_kwargs["labels"], call.loss_kwargs["next_sentence_label"]
+        vocab = model.config.vocab_size
+        if isinstance(output, tuple):
+            scores, relationship = output
+            loss = None
+            if labels is not None and next_sentence is not None:
+                loss = F.cross_entropy(scores.view(-1, vocab), labels.view(-1)) + F.cross_entropy(
+                    relationship.view(-1, 2), next_sentence.view(-1)
+                )
+            return BertForPreTrainingOutput(loss=loss, prediction_logits=scores, seq_relationship_logits=relationship)
+        loss = F.cross_entropy(output.view(-1, vocab), labels.view(-1)) if labels is not None else None
+        return MaskedLMOutput(loss=loss, logits=output)
+
+
 FAMILIES: tuple[Any, ...] = (
     GPTFamily(),
     HFDecoderFamily("model", "embed_tokens", "layers", "norm", None, None),
     HFDecoderFamily("transformer", "wte", "h", "ln_f", "wpe", "drop"),
+    BertFamily(),
 )
 
 
@@ -310,7 +397,7 @@ def family_of(model: nn.Module) -> Any:
             return family
     raise ConfigError(
         f"--pipeline-model-parallel-size: there is no pipeline split for {type(model).__name__}; the built-in GPT "
-        "and Hugging Face decoder LMs (LLaMA, Mistral, Qwen2, GPT-2, ...) have one"
+        "Hugging Face decoder LMs (LLaMA, Mistral, Qwen2, GPT-2, ...) and BERT for pretraining have one"
     )
 
 
@@ -330,12 +417,13 @@ class StageModule(nn.Module):
         self.config = runner.model.config
         self._runner = [runner]  # a list: not registered as a submodule
 
-    def forward(self, *activations: torch.Tensor, microbatch: torch.Tensor) -> torch.Tensor:
+    def forward(self, *activations: torch.Tensor, microbatch: torch.Tensor) -> Any:
         runner = self._runner[0]
         call = runner.calls[int(microbatch)]
         x = call.inputs if self.first else activations[0]
         out = runner.family.run(self, x, call)
         if self.last and hasattr(out, "to_local"):  # vocabulary-sharded logits cross stages as local shards
+            runner.sharded_logits = True
             out = out.to_local()
         return out
 
@@ -387,6 +475,7 @@ class PipelineRunner:
         self._replay_output: Any = None
         self._schedules: dict[tuple[int, bool], Any] = {}
         self.loss_scale = 1.0
+        self.sharded_logits = False
         self.stages: list[StageModule] = []
         self._original_forward = model.forward
         model.forward = self._dispatch
@@ -459,7 +548,7 @@ class PipelineRunner:
         from rapidlite.trainer.base import unpack_loss
 
         index = int(target)
-        if self.tp_mesh is not None:  # the last stage's logits went out as local vocabulary shards
+        if self.sharded_logits:  # the last stage's logits went out as local vocabulary shards
             from torch.distributed.tensor import DTensor, Shard
 
             output = DTensor.from_local(output, self.tp_mesh, [Shard(-1)], run_check=False)
@@ -526,7 +615,7 @@ class PipelineRunner:
         if not self.tied:
             return None
         stage = self.stages[0] if self.has_first else self.stages[-1]
-        embedding = getattr(stage, "embedding", None) or getattr(stage, "embed", None)
+        embedding = next((getattr(stage, n) for n in ("embedding", "embed", "embeddings") if hasattr(stage, n)), None)
         module = getattr(embedding, "word_embeddings", embedding)
         return module.weight if module is not None and (self.has_first or self.has_last) else None
 

@@ -333,14 +333,19 @@ def bert_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> 
         "intermediate.dense": ColwiseParallel(),
         "output.dense": RowwiseParallel(),
     }
-    for layer in model.bert.encoder.layer:
+    layers = model.bert.encoder.layer
+    for layer in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, layer_plan)
-    embedding = model.bert.embeddings.word_embeddings
-    head = model.cls.predictions
-    tied_weight = head.decoder.weight is embedding.weight
-    tied_bias = head.decoder.bias is not None and head.decoder.bias is head.bias
-    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    parallelize_module(head.decoder, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    # A pipeline stage may hold neither the embedding nor the heads (see parallel.pipeline).
+    embeddings = model.bert.embeddings
+    embedding = embeddings.word_embeddings if embeddings is not None else None
+    head = model.cls.predictions if model.cls is not None else None
+    tied_weight = head is not None and embedding is not None and head.decoder.weight is embedding.weight
+    tied_bias = head is not None and head.decoder.bias is not None and head.decoder.bias is head.bias
+    if embedding is not None:
+        parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        parallelize_module(head.decoder, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     if tied_weight:
         head.decoder.weight = embedding.weight
     if tied_bias:
