@@ -33,6 +33,8 @@ LAYOUTS = {
     "tp2_sp_pp2_zero3": [*PP2_DP2, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                          "--zero-3-memory-optimization", "--nproc-per-node", "4"],
     "dp4": ["--nproc-per-node", "4"],
+    "dp2_tp2_pp2_zero2": ["--nproc-per-node", "8", "--pipeline-model-parallel-size", "2",
+                          "--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"],
 }  # fmt: skip
 
 
@@ -91,7 +93,9 @@ def test_pipeline_schedules_train_like_one_process(runs, layout):
     assert_same_weights(runs(layout), runs("single"))
 
 
-@pytest.mark.parametrize("layout", ["pp2_dp2", "pp2_dp2_zero1", "pp2_dp2_zero2", "tp2_pp2", "tp2_sp_pp2_zero3"])
+@pytest.mark.parametrize(
+    "layout", ["pp2_dp2", "pp2_dp2_zero1", "pp2_dp2_zero2", "tp2_pp2", "tp2_sp_pp2_zero3", "dp2_tp2_pp2_zero2"]
+)
 def test_pipeline_combines_with_data_zero_and_tensor_parallelism(runs, layout):
     assert_trains_like(runs(layout), runs("single"))
     assert_same_weights(runs(layout), runs("single"))
@@ -131,6 +135,18 @@ def test_checkpoints_reshard_across_pipeline_layouts(runs, data, tmp_path, first
     assert_close_lists(train_losses(resumed), train_losses(runs("single"))[3:], rtol=1e-5)
 
 
+def test_fp16_loss_scaling_in_a_pipeline_follows_one_process(data, tmp_path):
+    """The last stage scales the loss it back-propagates; every stage unscales, and all agree on overflow."""
+    argv = [*COMMON, *data, "--train-iters", "6", "--fp16", "--initial-loss-scale", "1024", "--checkpoint-activations"]
+    saves = {}
+    for name, extra in (("single", []), ("pipeline", PP2)):
+        saves[name] = tmp_path / name
+        proc = rapidlite(*argv, *extra, "--save", str(saves[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_lists(train_losses(saves["pipeline"]), train_losses(saves["single"]), rtol=1e-3)
+    assert_close_lists(train_losses(saves["pipeline"], "loss_scale"), train_losses(saves["single"], "loss_scale"), 0)
+
+
 def test_mixed_precision_and_recompute_run_in_a_pipeline(data, tmp_path):
     argv = [*COMMON, *data, *LAYOUTS["pp2_interleaved"], "--train-iters", "3", "--bf16", "--checkpoint-activations"]
     argv += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
@@ -163,8 +179,10 @@ def hf_configs(tmp_path_factory):
         ("gpt2", PP2),
         ("llama", [*PP2_DP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("gpt2", [*PP2_DP2, "--tensor-model-parallel-size", "2"]),
+        ("llama", [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("gpt2", PP2_DP2),
     ],
-    ids=["llama_pp2_gpipe", "gpt2_pp2_tied", "llama_tp2_sp_pp2", "gpt2_tp2_pp2"],
+    ids=["llama_pp2_gpipe", "gpt2_pp2_tied", "llama_tp2_sp_pp2", "gpt2_tp2_pp2", "llama_interleaved", "gpt2_pp2_dp2"],
 )  # fmt: skip
 def test_hugging_face_models_train_like_one_process_in_a_pipeline(data, hf_configs, tmp_path, family, layout):
     from transformers import AutoModelForCausalLM
