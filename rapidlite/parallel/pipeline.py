@@ -36,8 +36,6 @@ from torch import nn
 from rapidlite.errors import ConfigError
 from rapidlite.parallel.tensor_parallel import loss_parallel_context
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
 
 # ------------------------------------------------------------------------------------------ layout
 def stage_layer_ids(num_layers: int, num_stages: int, split: Sequence[int] | None = None) -> list[list[int]]:
@@ -595,9 +593,7 @@ class PipelineRunner:
         local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         local = {k: v.detach().cpu() for k, v in local.items()}
         rank = dist.get_rank()
-        if rank not in dist.get_process_group_ranks(self.pp_group) or 0 not in dist.get_process_group_ranks(
-            self.pp_group
-        ):
+        if 0 not in dist.get_process_group_ranks(self.pp_group):  # another pipeline's copy: rank 0 has one
             return {}
         gathered: list[Any] | None = [None] * self.pp_size if rank == 0 else None
         dist.gather_object(local, gathered, dst=0, group=self.pp_group)
