@@ -12,7 +12,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from rapidlite.errors import ConfigError, NotImplementedYetError
+from rapidlite.errors import ConfigError
 
 TASKS = ("sequence_classification", "pretraining")
 TOKENIZER_TYPES = (
@@ -228,8 +228,18 @@ def _add_memory_speed_args(p: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="layers per pipeline stage (default: as even as possible)",
     )
-    g.add_argument("--onnx-runtime-training", action="store_true", help="graph optimisation (ORTModule)")
-    g.add_argument("--torch-compile", action="store_true", help="compile the model with torch.compile")
+    g.add_argument(
+        "--onnx-runtime-training",
+        action="store_true",
+        help="graph optimisation with ONNX Runtime's ORTModule (torch.compile where it cannot run)",
+    )
+    g.add_argument("--torch-compile", action="store_true", help="compile each transformer block with torch.compile")
+    g.add_argument(
+        "--compile-mode",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        default="default",
+        help="torch.compile mode",
+    )
 
 
 def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
@@ -445,7 +455,6 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _validate_lr(args)
     _resolve_precision(args)
     _resolve_recompute(args)
-    _refuse_unimplemented(args)
     _resolve_deepspeed(args)
     _validate_data_parallel(args)
     _resolve_batch(args)
@@ -531,19 +540,6 @@ def _resolve_recompute(args: argparse.Namespace) -> None:
         args.checkpoint_activations = True
     if args.checkpoint_activations and args.recompute_granularity is None:
         args.recompute_granularity = "full"
-
-
-def _refuse_unimplemented(args: argparse.Namespace) -> None:
-    """Flags whose features come in later releases: refused loudly, never silently ignored."""
-    pending = [
-        ("onnx_runtime_training", "--onnx-runtime-training"),
-        ("torch_compile", "--torch-compile"),
-    ]
-    for attr, flag in pending:
-        if getattr(args, attr):
-            raise NotImplementedYetError(
-                f"{flag} is not implemented yet in this version of rapidlite; drop the flag to train without it"
-            )
 
 
 def _default_nproc_per_node() -> int:

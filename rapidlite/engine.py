@@ -135,6 +135,14 @@ class RapidliteEngine:
         if self.is_main_process:
             for notice in getattr(args, "deepspeed_notices", None) or ():
                 self.logger.warning(notice)
+        from rapidlite.graph import resolve_graph_flags
+
+        notice = resolve_graph_flags(args)
+        if args.use_ort and distributed.launched_world_size():
+            args.use_ort, args.torch_compile = False, True
+            notice = "--onnx-runtime-training runs a single process here; with several ranks using torch.compile"
+        if notice and self.is_main_process:
+            self.logger.warning(notice)
         set_seed(args.seed)
         self._optimizer: Any = None
         self._pipeline: Any = None
@@ -199,6 +207,7 @@ class RapidliteEngine:
             model._rapidlite_tensor_parallel = True
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
+        self._maybe_compile(model)
         fully_sharded = sharded and dp.fully_sharded
         if pipeline is not None:
             self._compose_pipeline_stages(pipeline, fully_sharded)
@@ -244,7 +253,26 @@ class RapidliteEngine:
         self._optimizer = wrapped
 
         scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
+        if args.use_ort:
+            from rapidlite.graph import wrap_ort
+
+            model = wrap_ort(model)
         return self._compose_result(model, wrapped, scheduler, train_dataloader, eval_dataloader)
+
+    def _maybe_compile(self, model: torch.nn.Module) -> None:
+        """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
+        before the data-parallel wrappers (as torchtitan orders them)."""
+        if not self.args.torch_compile or getattr(model, "_rapidlite_compiled", False):
+            return
+        from rapidlite.graph import compile_model
+
+        count = compile_model(model, self.args.compile_mode)
+        model._rapidlite_compiled = True
+        if self.is_main_process:
+            self.logger.info(
+                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {self.args.compile_mode}); "
+                "they compile during the first step"
+            )
 
     # ------------------------------------------------------------------ pipeline parallelism
     @property
@@ -346,6 +374,7 @@ class RapidliteEngine:
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
+        self._maybe_compile(model)
         if self._pending_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
             model.load_state_dict(self._pending_weights)
             self._pending_weights = None

@@ -12,7 +12,7 @@ from rapidlite.errors import ConfigError
 # Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
 FLAGS = """
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --binary-head --checkpoint-activations --clip-grad
---cpu-offload --data-dir --data-impl --data-name --data-path --deepspeed --deepspeed-config --demo
+--compile-mode --cpu-offload --data-dir --data-impl --data-name --data-path --deepspeed --deepspeed-config --demo
 --distributed-backend --distributed-timeout-minutes --eod-mask-loss --epochs --eval-interval --eval-iters
 --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size --help --hidden-dropout
 --hidden-size --hysteresis --init-method-std --initial-loss-scale --label-key --load --load-pretrained-weights
@@ -83,7 +83,7 @@ BAD_INPUTS = [
     ),
     (["--task", "sequence_classification", "--demo", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--task", "sequence_classification"], "needs --pretrained-model-name-or-path and --data-path"),
-    (["--task", "sequence_classification", "--demo", "--torch-compile"], "not implemented yet"),
+    (["--task", "pretraining", "--compile-mode", "fast"], "--compile-mode: invalid choice"),
     (
         ["--task", "sequence_classification", "--demo", "--zero-1-memory-optimization", "--zero-3-memory-optimization"],
         "are exclusive: give one ZeRO stage",

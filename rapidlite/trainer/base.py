@@ -293,6 +293,12 @@ class BaseTrainer:
         self.consumed_samples += samples_this_step * self.engine.dp_size
         if self._progress is not None:
             self._progress.update(1)
+        if getattr(self, "_first_step_start", None) is not None:
+            # The first step compiles (--torch-compile): its time is reported on its own line.
+            if self.args.torch_compile and self.engine.is_main_process:
+                seconds = time.perf_counter() - self._first_step_start
+                self.logger.info(f"torch.compile: the first step took {seconds:.1f} s including compilation")
+            self._first_step_start = None
         if not self._state_bytes_logged:
             self.log_model_state_bytes()
         if self.iteration % self.args.log_interval == 0 or self.iteration == self.total_iters:
@@ -474,6 +480,7 @@ class BaseTrainer:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._progress = progress_bar(self.total_iters, self.iteration, self.engine.is_main_process)
+        self._first_step_start = time.perf_counter()
 
 
 def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:

@@ -1,0 +1,75 @@
+"""Graph optimisation: ``--torch-compile`` (``--compile-mode``) and Rapidformer's ``--onnx-runtime-training``.
+
+``torch.compile`` is applied per transformer block (``nn.Module.compile``, in place), as torchtitan does:
+each block compiles once and the compiled code is reused by every block of the same shape; parameter
+names stay those of the eager model (checkpoints do not change), activation checkpointing is inside the
+compiled block, and FSDP/tensor/pipeline parallelism wrap or call the compiled blocks as they would the
+eager ones. A model without a block stack is compiled whole. Inductor's cache is kept under
+``RAPIDLITE_CACHE`` (``TORCHINDUCTOR_CACHE_DIR``), so a second run starts in seconds.
+
+ONNX Runtime's ``ORTModule`` (``onnxruntime-training`` + ``torch-ort``) is used when it imports with the
+installed torch; on torch 2.13 it does not (``cannot import name 'jit_utils' from 'torch.onnx._internal'``),
+and the run says so in one line and compiles with ``torch.compile`` instead, so scripts written for
+Rapidformer keep running.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rapidlite.parallel.recompute import find_blocks
+
+
+def ort_import_error() -> str | None:
+    """None when ONNX Runtime's ORTModule imports, else why not (one line)."""
+    try:
+        from onnxruntime.training.ortmodule import ORTModule  # noqa: F401
+    except Exception as e:  # ImportError, or errors raised while the package initialises against this torch
+        text = str(e).strip().splitlines()
+        return text[0][:200] if text else type(e).__name__
+    return None
+
+
+def resolve_graph_flags(args: Any) -> str | None:
+    """``--onnx-runtime-training`` without a working ORTModule becomes ``--torch-compile``; returns the notice
+    to log (None when nothing changed)."""
+    args.use_ort = False
+    if not args.onnx_runtime_training:
+        return None
+    error = ort_import_error()
+    if error is None:
+        args.use_ort = True
+        return None
+    args.torch_compile = True
+    return f"--onnx-runtime-training: ONNX Runtime's ORTModule is not usable here ({error}); using torch.compile"
+
+
+def set_compile_cache() -> None:
+    """Inductor's compiled kernels under RAPIDLITE_CACHE unless the user chose a directory."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        root = os.environ.get("RAPIDLITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rapidlite")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+
+
+def compile_model(model: torch.nn.Module, mode: str | None = None) -> int:
+    """Compile each transformer block in place (or the whole model without blocks); returns how many
+    modules were compiled."""
+    set_compile_cache()
+    kwargs = {} if mode in (None, "default") else {"mode": mode}
+    blocks = find_blocks(model)
+    if not blocks:
+        model.compile(**kwargs)
+        return 1
+    for block in blocks:
+        block.compile(**kwargs)
+    return len(blocks)
+
+
+def wrap_ort(model: torch.nn.Module) -> torch.nn.Module:
+    """ONNX Runtime training (only where ``ort_import_error()`` is None)."""
+    from onnxruntime.training.ortmodule import ORTModule
+
+    return ORTModule(model)
