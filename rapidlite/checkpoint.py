@@ -331,9 +331,9 @@ def load_checkpoint(
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
         weights = deepspeed_weights(path, load_dir)
         stage = getattr(model, "_rapidlite_pipeline", None) is not None
-        _check_keys(load_dir, get_model_state_dict(model), weights.keys(), partial=stage)
-        if stage:
-            own = get_model_state_dict(model).keys()
+        own = get_model_state_dict(model).keys()
+        _check_keys(load_dir, own, weights.keys(), partial=stage)
+        if stage:  # the other stages' weights stay in the file
             weights = {k: v for k, v in weights.items() if k in own}
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         return iteration, None if weights_only else read_state(path, load_dir, optimizer_loaded=False)

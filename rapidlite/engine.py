@@ -137,10 +137,7 @@ class RapidliteEngine:
                 self.logger.warning(notice)
         from rapidlite.graph import resolve_graph_flags
 
-        notice = resolve_graph_flags(args)
-        if args.use_ort and distributed.launched_world_size():
-            args.use_ort, args.torch_compile = False, True
-            notice = "--onnx-runtime-training runs a single process here; with several ranks using torch.compile"
+        notice = resolve_graph_flags(args, self.world_size)
         if notice and self.is_main_process:
             self.logger.warning(notice)
         set_seed(args.seed)

@@ -33,18 +33,19 @@ def ort_import_error() -> str | None:
     return None
 
 
-def resolve_graph_flags(args: Any) -> str | None:
-    """``--onnx-runtime-training`` without a working ORTModule becomes ``--torch-compile``; returns the notice
-    to log (None when nothing changed)."""
+def resolve_graph_flags(args: Any, world_size: int) -> str | None:
+    """``--onnx-runtime-training`` becomes ``args.use_ort`` on a single process with a working ORTModule, and
+    ``--torch-compile`` otherwise; returns the notice to log (None when nothing changed)."""
     args.use_ort = False
     if not args.onnx_runtime_training:
         return None
     error = ort_import_error()
-    if error is None:
+    if error is None and world_size == 1:
         args.use_ort = True
         return None
     args.torch_compile = True
-    return f"--onnx-runtime-training: ONNX Runtime's ORTModule is not usable here ({error}); using torch.compile"
+    reason = f"ONNX Runtime's ORTModule is not usable here ({error})" if error else f"{world_size} ranks"
+    return f"--onnx-runtime-training: {reason}; using torch.compile"
 
 
 def set_compile_cache() -> None:

@@ -475,7 +475,6 @@ class PipelineRunner:
         self.loss_scale = 1.0
         self.sharded_logits = False
         self.stages: list[StageModule] = []
-        self._original_forward = model.forward
         model.forward = self._dispatch
         model._rapidlite_pipeline = self
 
@@ -539,8 +538,7 @@ class PipelineRunner:
             self._phase = None
         if self._recorded is None:
             raise ConfigError("under pipeline parallelism run_forward_step must call the model it is given")
-        call = self._recorded
-        return call
+        return self._recorded
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         from rapidlite.trainer.base import unpack_loss

@@ -119,6 +119,7 @@ class BaseTrainer:
         self.last_evaluation: dict[str, Any] = {}
         self._resume_rng: dict[str, Any] | None = None
         self._state_bytes_logged = False
+        self._first_step_start: float | None = None  # set when training begins; reports the compile step
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -210,13 +211,17 @@ class BaseTrainer:
                 optimizer.backward(loss)
             losses.append(loss.detach().float())
             num_items += items or 0
-        if mode == "sum":
-            # Data parallelism averages gradients over ranks: undo that, then divide by the global count.
-            total = self.engine.all_reduce_sum(torch.tensor(float(num_items), dtype=torch.float64))
-            divisor = max(float(total), 1.0) / self.engine.dp_size
-        else:
-            divisor = len(micro_steps)
+        divisor = self._grad_divisor(mode == "sum", num_items, len(micro_steps))
         return self._apply_step(torch.stack(losses).sum(), divisor)
+
+    def _grad_divisor(self, summed: bool, num_items: float, micro_batches: int) -> float:
+        """What the summed gradients are divided by: the micro-batch count for mean losses; for
+        ``(loss_sum, num_items)`` the items of the whole global batch, times the data-parallel size that
+        the replicas' averaging already divided by."""
+        if not summed:
+            return micro_batches
+        total = self.engine.all_reduce_sum(torch.tensor(float(num_items), dtype=torch.float64))
+        return max(float(total), 1.0) / self.engine.dp_size
 
     def _apply_step(self, loss_total: torch.Tensor, divisor: float) -> bool:
         applied = self.optimizer.step(grad_divisor=divisor)
@@ -250,12 +255,7 @@ class BaseTrainer:
             summary[1] = float(sum(items or 0 for _, items in results))
             summary[2] = 0.0 if modes == {True} else 1.0
         loss_total, num_items, summed = self.engine.dist.all_reduce_pipeline(summary).tolist()
-        if summed:
-            total = self.engine.all_reduce_sum(torch.tensor(num_items, dtype=torch.float64))
-            divisor = max(float(total), 1.0) / self.engine.dp_size
-        else:
-            divisor = len(micro_steps)
-        return self._apply_step(torch.tensor(loss_total), divisor)
+        return self._apply_step(torch.tensor(loss_total), self._grad_divisor(bool(summed), num_items, len(micro_steps)))
 
     def _warn_per_micro_mean(self) -> None:
         if not getattr(self, "_per_micro_mean_warned", False) and self.engine.is_main_process:
@@ -293,7 +293,7 @@ class BaseTrainer:
         self.consumed_samples += samples_this_step * self.engine.dp_size
         if self._progress is not None:
             self._progress.update(1)
-        if getattr(self, "_first_step_start", None) is not None:
+        if self._first_step_start is not None:
             # The first step compiles (--torch-compile): its time is reported on its own line.
             if self.args.torch_compile and self.engine.is_main_process:
                 seconds = time.perf_counter() - self._first_step_start
