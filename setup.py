@@ -40,6 +40,7 @@ setup(
         "console_scripts": [
             "rapidlite=rapidlite.cli:main",
             "rapidlite-preprocess=rapidlite.data.preprocess:main",
+            "rapidlite-bench=rapidlite.flops:bench_main",
         ]
     },
 )

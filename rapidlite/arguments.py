@@ -318,6 +318,14 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation (PreTrainer)")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        metavar="FLOP/S",
+        help="one device's peak, for the MFU in the logs (default: a known GPU's datasheet peak at the training "
+        "precision; measure a CPU's with rapidlite-bench peak)",
+    )
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -440,7 +448,7 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale"):
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")

@@ -25,6 +25,7 @@ from rapidlite import distributed
 from rapidlite.arguments import ExtraArgsProvider, parse_args
 from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.flops import ModelFlops, device_peak_flops
 from rapidlite.global_vars import set_global_args
 from rapidlite.logging import Timers, setup_logger
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
@@ -145,6 +146,8 @@ class RapidliteEngine:
         self._pipeline: Any = None
         self._pending_weights: dict[str, torch.Tensor] | None = None
         self._gather_trim = GatherTrim()
+        self.model_flops: ModelFlops | None = None  # set by compose, for the TFLOP/s and MFU in the logs
+        self.peak_flops = args.peak_flops or device_peak_flops(self.device, self.precision.dtype)
 
     @property
     def strategy(self) -> str:
@@ -180,6 +183,8 @@ class RapidliteEngine:
         model = model if model is not None else model_obj
         if model is None:
             raise TypeError("compose() needs a model")
+        if getattr(model, "_rapidlite_pipeline", None) is None:  # the whole model, before any split
+            self._count_flops(model)
         dp = self.data_parallel
         sharded = self.dist.initialized
         if sharded and dp.zero_stage > 0 and optimizer is not None and not isinstance(optimizer, RapidliteOptimizer):

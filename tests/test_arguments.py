@@ -21,7 +21,7 @@ FLAGS = """
 --max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --mmap-warmup --nnodes
 --no-binary-head --no-load-optim --no-load-rng --no-save-optim --node-rank --normalization --nproc-per-node
 --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-workers --onnx-runtime-training
---optimizer --per-rank-logs --pipeline-model-parallel-size --pipeline-schedule --pipeline-split
+--optimizer --peak-flops --per-rank-logs --pipeline-model-parallel-size --pipeline-schedule --pipeline-split
 --position-embedding-type --pretrained-model-name-or-path --recompute-granularity --recompute-num-layers
 --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length --sequence-parallel
 --sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys

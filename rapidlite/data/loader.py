@@ -35,6 +35,8 @@ def batch_stats(batch: Any) -> tuple[int, int | None]:
                 samples = value.shape[0]
                 if isinstance(mask, torch.Tensor) and mask.ndim == 2:
                     return samples, int(mask.sum())
+                if key == "text" and value.ndim == 2:  # Megatron's GPT samples: seq + 1 tokens, inputs and shift
+                    return samples, samples * (value.shape[1] - 1)
                 return samples, value.numel() if value.ndim >= 2 else None
         batch = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):

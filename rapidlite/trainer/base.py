@@ -354,6 +354,7 @@ class BaseTrainer:
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed if tokens >= 0 else None,
             "step_time_s": elapsed / interval["steps"],
+            **self._flops_rates(samples, tokens, elapsed),
             "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
         }
         record = {k: v for k, v in record.items() if v is not None}
@@ -361,6 +362,18 @@ class BaseTrainer:
         if self._metrics is not None:
             self._metrics.write(record, "train")
         self._interval = self._new_interval()
+
+    def _flops_rates(self, samples: float, tokens: float, elapsed: float) -> dict[str, float]:
+        """Model TFLOP/s per device and MFU, from the interval's tokens (summed over data-parallel ranks) and
+        their mean length per sequence (the attention term); every device shares the work."""
+        flops = self.engine.model_flops
+        if flops is None or tokens <= 0 or samples <= 0:
+            return {}
+        per_device = flops.per_token(tokens / samples) * tokens / elapsed / self.engine.world_size
+        rates = {"tflops_per_device": per_device / 1e12}
+        if self.engine.peak_flops:
+            rates["mfu"] = per_device / self.engine.peak_flops
+        return rates
 
     def log_evaluation(self, split: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
         record = {"split": split, "iteration": self.iteration, **extra}

@@ -1,0 +1,190 @@
+"""Model FLOPs per token, device peaks, and model FLOPs utilisation (MFU).
+
+Training FLOPs per token (forward + backward, as in Megatron-LM and PaLM's appendix B)::
+
+    6 N + 12 L d T
+
+- ``N``: the weights that take part in matrix multiplies: every parameter except embedding tables (a lookup
+  costs no FLOPs), but an embedding table that is also the output layer (tied, GPT-2/BERT) counts once.
+  Each weight costs 2 FLOPs per token forward and 4 backward.
+- ``12 L d T``: attention scores and weighted values (``L`` layers, hidden size ``d``, ``T`` tokens per
+  sequence); not halved for a causal mask, as Megatron and PaLM count it.
+
+The same formula holds for decoders (GPT-2, LLaMA-style: the SwiGLU MLP's three matrices are all in ``N``)
+and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). A model whose config
+names no layer count or hidden size (not a transformer) gets ``6 N``. Recomputation under activation
+checkpointing is not counted: MFU counts the model's FLOPs, not the hardware's, so checkpointing lowers it.
+
+MFU is the model FLOPs a device achieves per second over its peak. The peak is ``--peak-flops`` when given,
+else the datasheet dense peak of a known GPU at the training precision; on CPU there is no datasheet:
+``rapidlite-bench peak`` measures the matrix-multiply peak to pass as ``--peak-flops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense (no sparsity) datasheet peaks in FLOP/s: (16-bit tensor cores, fp32). Matched against
+# torch.cuda.get_device_name(), most specific name first ("A100" before "A10", "L40S" before "L4").
+GPU_PEAKS: list[tuple[str, float, float]] = [
+    ("H100 SXM", 989e12, 67e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),
+    ("H200", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("A800", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("A10", 125e12, 31.2e12),
+    ("L4", 121e12, 30.3e12),
+    ("V100", 125e12, 15.7e12),
+    ("T4", 65e12, 8.1e12),
+]
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """The terms of ``6 N + 12 L d T`` for one model."""
+
+    matmul_params: int
+    num_layers: int | None
+    hidden_size: int | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFlops:
+        layers, hidden = _layers_and_hidden(getattr(model, "config", None))
+        return cls(matmul_parameters(model), layers, hidden)
+
+    def per_token(self, seq_length: float) -> float:
+        """Training FLOPs per token for sequences of ``seq_length`` tokens."""
+        attention = (
+            12.0 * self.num_layers * self.hidden_size * seq_length if self.num_layers and self.hidden_size else 0
+        )
+        return 6.0 * self.matmul_params + attention
+
+    def describe(self) -> str:
+        n = f"N={self.matmul_params / 1e6:.2f}M"
+        if self.num_layers and self.hidden_size:
+            return f"6 N + 12 L d T ({n}, L={self.num_layers}, d={self.hidden_size})"
+        return f"6 N ({n}; no layer count or hidden size in the model's config)"
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """Parameters used in matrix multiplies: all but embedding tables; a tied output layer counts once.
+    Sharded parameters (DTensor) count whole."""
+    in_matmul: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for param in module.parameters(recurse=False):
+            in_matmul[id(param)] = param.numel()
+    return sum(in_matmul.values())
+
+
+def _layers_and_hidden(config: Any) -> tuple[int | None, int | None]:
+    """(layers, hidden size) from a Hugging Face config (GPT-2's n_layer/n_embd are aliased) or rapidlite's
+    GPTConfig."""
+    if config is None:
+        return None, None
+    layers = next((getattr(config, k) for k in ("num_hidden_layers", "num_layers", "n_layer") if _int(config, k)), None)
+    hidden = next((getattr(config, k) for k in ("hidden_size", "n_embd", "d_model") if _int(config, k)), None)
+    return layers, hidden
+
+
+def _int(config: Any, key: str) -> bool:
+    return isinstance(getattr(config, key, None), int)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype | None) -> float | None:
+    """The datasheet peak of a known GPU at ``dtype`` (None: fp32), else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, half, fp32 in GPU_PEAKS:
+        if key in name:
+            return half if dtype in (torch.bfloat16, torch.float16) else fp32
+    return None
+
+
+# ---------------------------------------------------------------------- measured matmul peak
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    sizes: tuple[int, ...] = (1024, 2048, 3072),
+    repeats: int = 5,
+) -> tuple[float, int]:
+    """The best FLOP/s of square matrix multiplies at ``dtype`` over ``sizes`` (median of ``repeats`` timed
+    runs each, after one warm-up); returns (FLOP/s, the size that reached it)."""
+    device = torch.device(device)
+    best = (0.0, sizes[0])
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        times = []
+        for i in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        flops = 2.0 * n**3 / statistics.median(times)
+        best = max(best, (flops, n))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rapidlite-bench peak",
+        description="Measure this machine's matrix-multiply peak (FLOP/s) per precision, to pass as --peak-flops.",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--sizes", default="1024,2048,3072", help="square matrix sizes tried (comma-separated)")
+    p.add_argument("--quick", action="store_true", help="small matrices, to check the command works")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = (128, 256) if args.quick else tuple(int(s) for s in args.sizes.split(","))
+    device = torch.device(args.device)
+    print(f"matrix-multiply peak on {device} ({torch.get_num_threads()} threads), sizes {list(sizes)}")
+    print(f"{'precision':<10} {'GFLOP/s':>10} {'at size':>8}")
+    results = {}
+    precisions = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
+    if device.type == "cuda":  # CPUs have no fast fp16 matmul (about 17x slower than bf16): not worth timing
+        precisions.append(("fp16", torch.float16))
+    for name, dtype in precisions:
+        flops, n = measure_matmul_peak(dtype, device, sizes, repeats=2 if args.quick else 5)
+        results[name] = flops
+        print(f"{name:<10} {flops / 1e9:>10.1f} {n:>8}")
+    print(f"pass --peak-flops {results['fp32']:.3g} for fp32 training, {results['bf16']:.3g} with --bf16")
+    return 0
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """``rapidlite-bench``: machine measurements for the speed reports (``peak``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"peak": _peak_main}
+    if not argv or argv[0] not in commands:
+        print(f"usage: rapidlite-bench {{{','.join(commands)}}} [options]: choose a command", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main())
