@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.errors import ConfigError
 from rapidlite.global_vars import get_args
+from rapidlite.models.hf import load_hf_model
 from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 from rapidlite.trainer.pretrainer import PreTrainer
 
@@ -109,17 +110,44 @@ def gpt_config_from_args(args: Any, vocab_size: int) -> Any:
 
 
 def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
-    """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request."""
+    """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request;
+    attention through SDPA where the model class has it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = args.pretrained_model_name_or_path
     if args.load_pretrained_weights:
-        return AutoModelForCausalLM.from_pretrained(name)
+        return load_hf_model(AutoModelForCausalLM.from_pretrained, name)
     config = AutoConfig.from_pretrained(name)
     _override_sizes(config, args)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
-    return AutoModelForCausalLM.from_config(config)
+    return load_hf_model(AutoModelForCausalLM.from_config, config)
+
+
+def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
+    """``BertForPreTraining`` (``BertForMaskedLM`` with ``--no-binary-head``) built from the named config
+    (layer sizes overridable, vocabulary and positions grown to the data's), weights on request; attention
+    through SDPA."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForMaskedLM,
+        AutoModelForPreTraining,
+        BertForMaskedLM,
+        BertForPreTraining,
+    )
+
+    name = args.pretrained_model_name_or_path
+    if args.load_pretrained_weights:
+        cls = BertForPreTraining if args.binary_head else BertForMaskedLM
+        return load_hf_model(cls.from_pretrained, name)
+    config = AutoConfig.from_pretrained(name)
+    _override_sizes(config, args)
+    config.vocab_size = max(config.vocab_size, vocab_size)
+    config.max_position_embeddings = max(config.max_position_embeddings, args.seq_length)
+    # The auto classes map a BERT config to BertForPreTraining / BertForMaskedLM; unlike the classes' own
+    # constructors, their from_config takes the attention implementation.
+    auto = AutoModelForPreTraining if args.binary_head else AutoModelForMaskedLM
+    return load_hf_model(auto.from_config, config)
 
 
 class GPTPretrainer(PreTrainer):
@@ -219,18 +247,7 @@ class BertPretrainer(PreTrainer):
         )
 
     def model_optimizer_lr_scheduler_provider(self):
-        from transformers import AutoConfig, BertForMaskedLM, BertForPreTraining
-
-        args = get_args()
-        cls = BertForPreTraining if args.binary_head else BertForMaskedLM
-        name = args.pretrained_model_name_or_path
-        if args.load_pretrained_weights:
-            return cls.from_pretrained(name), None, None
-        config = AutoConfig.from_pretrained(name)
-        _override_sizes(config, args)
-        config.vocab_size = max(config.vocab_size, self.data_tokenizer.vocab_size)
-        config.max_position_embeddings = max(config.max_position_embeddings, args.seq_length)
-        return cls(config), None, None
+        return hf_bert_pretraining(get_args(), self.data_tokenizer.vocab_size), None, None
 
     def run_forward_step(self, data_iterator, model):
         batch = dict(next(data_iterator))

@@ -12,6 +12,7 @@ from torchmetrics.functional.classification import binary_f1_score, multiclass_a
 
 from rapidlite.data.text_classification import build_text_classification_data, load_raw_datasets
 from rapidlite.errors import ConfigError
+from rapidlite.models.hf import load_hf_model
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
@@ -32,6 +33,24 @@ def load_tokenizer(name: str) -> Any:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise _load_error("tokenizer", name, e) from None
+
+
+def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> torch.nn.Module:
+    """``AutoModelForSequenceClassification`` from ``name`` with a fresh head for these labels; attention
+    through SDPA where the model class has it."""
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        return load_hf_model(
+            AutoModelForSequenceClassification.from_pretrained,
+            name,
+            num_labels=num_labels,
+            id2label=id2label,
+            label2id={v: k for k, v in id2label.items()},
+            ignore_mismatched_sizes=True,
+        )
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise _load_error("model", name, e) from None
 
 
 def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict[str, float]:
@@ -70,20 +89,8 @@ class SequenceClassificationFinetuner(Finetuner):
         return self.data.train, self.data.validation, test, self.data.collate_fn
 
     def model_optimizer_lr_scheduler_provider(self):
-        from transformers import AutoModelForSequenceClassification
-
-        name = self.args.pretrained_model_name_or_path
         id2label = {int(k): str(v) for k, v in self.data.id2label.items()}
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                name,
-                num_labels=self.data.num_labels,
-                id2label=id2label,
-                label2id={v: k for k, v in id2label.items()},
-                ignore_mismatched_sizes=True,
-            )
-        except Exception as e:
-            raise _load_error("model", name, e) from None
+        model = load_classifier(self.args.pretrained_model_name_or_path, self.data.num_labels, id2label)
         if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id  # GPT-style models need it to pool
         return model, None, None

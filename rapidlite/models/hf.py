@@ -1,0 +1,48 @@
+"""Building Hugging Face models the way rapidlite trains them: attention through PyTorch's SDPA.
+
+Every place rapidlite builds a Hugging Face model goes through ``load_hf_model``, which asks for
+``attn_implementation="sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``: flash or memory-efficient
+kernels on CUDA, no materialised attention matrix). A model class without an SDPA path keeps the library's
+default. Recent transformers releases already default to SDPA where a class supports it; asking explicitly
+makes the choice independent of the release and of how the model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from rapidlite.global_vars import get_logger
+
+ModelT = TypeVar("ModelT")
+
+SDPA = "sdpa"
+
+
+def _refuses_sdpa(error: Exception) -> bool:
+    """Whether transformers refused SDPA for the model class: a ValueError naming SDPA (4.x and 5.x), or an
+    ImportError when the installed torch is too old for it (4.x)."""
+    message = str(error)
+    return "scaled_dot_product_attention" in message or SDPA in message.lower()
+
+
+def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> ModelT:
+    """``load(source, **kwargs)`` with SDPA attention, where ``load`` is a Hugging Face ``from_pretrained``
+    (``source``: a name or directory) or an auto class's ``from_config`` (``source``: a config).
+
+    A class without SDPA support is loaded again without the request, with the library's default attention.
+    transformers fails that check before it reads any weights, so the retry costs no second load."""
+    # transformers 5 writes the request into the config it is given, also when it then refuses it: the first
+    # attempt gets a copy, so the fallback starts from the config as the caller built it.
+    named = isinstance(source, (str, os.PathLike))
+    first = source if named else copy.deepcopy(source)
+    try:
+        return load(first, attn_implementation=SDPA, **kwargs)
+    except (ValueError, ImportError) as error:
+        if not _refuses_sdpa(error):
+            raise
+        what = source if named else f"a {getattr(source, 'model_type', type(source).__name__)} config"
+        get_logger().info(f"{what}: the model class has no SDPA attention; using transformers' default")
+    return load(source, **kwargs)
