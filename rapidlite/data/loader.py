@@ -60,15 +60,66 @@ class GatherTrim:
         return tensor
 
 
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+
+
+class _Copier:
+    """Host-to-device copies issued ahead of use. On CUDA they run on a side stream, so batch i+1's copy
+    overlaps the step on batch i; ``ready`` makes the compute stream wait for a batch's own copy only."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def issue(self, batch: Any) -> tuple[Any, torch.cuda.Event | None]:
+        """``(moved batch, event its copy records)``; the copy is asynchronous from pinned memory."""
+        if self.stream is None:
+            return to_device(batch, self.device), None
+        with torch.cuda.stream(self.stream):
+            moved = to_device(batch, self.device)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return moved, copied
+
+    def ready(self, batch: Any, copied: torch.cuda.Event | None) -> Any:
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            # Memory allocated on the side stream and freed after use on the compute stream must not be reused
+            # before that use has run.
+            for tensor in _tensors(batch):
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(compute)
+        return batch
+
+
 class DeviceDataLoader:
     """Any batch iterable (usually a ``DataLoader``) whose batches arrive on ``device``. ``set_epoch``
     reshuffles and can skip ahead; ``padding_rows`` is the number of padding rows at the tail of the batch
-    last yielded (evaluation loaders over several ranks); other attributes are the wrapped loader's."""
+    last yielded (evaluation loaders over several ranks); other attributes are the wrapped loader's.
 
-    def __init__(self, loader: Any, device: torch.device, gather_trim: GatherTrim | None = None) -> None:
+    On CUDA batches come one ahead (``prefetch``, default: on for CUDA only): while the caller runs its step
+    on batch i, batch i+1 has been fetched and its host-to-device copy issued on a side stream. The CPU has
+    nothing to overlap, so there each batch is fetched when asked for; ``prefetch=True`` forces the
+    look-ahead anywhere (tests). Either way the batches, their order, ``padding_rows`` and errors are the same:
+    an error fetching batch i+1 is raised when the caller asks for it, after batch i."""
+
+    def __init__(
+        self, loader: Any, device: torch.device, gather_trim: GatherTrim | None = None, prefetch: bool | None = None
+    ) -> None:
         self.loader = loader
         self.device = device
         self.gather_trim = gather_trim
+        self.prefetch = device.type == "cuda" if prefetch is None else prefetch
         self.padding_rows = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -79,18 +130,42 @@ class DeviceDataLoader:
         if isinstance(sampler, EpochSampler):
             sampler.set_epoch(epoch, start=start_batch * (self.loader.batch_size or 1))
 
+    def _one_ahead(self) -> Iterator[Any]:
+        copier = _Copier(self.device)
+        batches = iter(self.loader)
+        try:
+            current = copier.issue(next(batches))
+        except StopIteration:
+            return
+        while True:
+            try:
+                upcoming = copier.issue(next(batches))
+            except StopIteration:
+                break
+            except Exception:
+                yield copier.ready(*current)  # the batch before the failing one first, then the error
+                raise
+            yield copier.ready(*current)
+            current = upcoming
+        yield copier.ready(*current)
+
+    def _batches(self) -> Iterator[Any]:
+        if self.prefetch:
+            return self._one_ahead()
+        return (to_device(batch, self.device) for batch in self.loader)
+
     def __iter__(self) -> Iterator[Any]:
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         if not isinstance(batch_sampler, EvalBatchSampler):  # training and one-rank loaders: nothing padded
-            for batch in self.loader:
-                yield to_device(batch, self.device)
+            yield from self._batches()
             return
         trim = self.gather_trim or GatherTrim()
         try:
-            for i, batch in enumerate(self.loader):
+            # Padding is that of the batch being handed out (the i-th yielded), not of the one fetched ahead.
+            for i, batch in enumerate(self._batches()):
                 trim.rows, trim.padding = batch_sampler.rows(i)
                 self.padding_rows = trim.padding
-                yield to_device(batch, self.device)
+                yield batch
         finally:
             self.padding_rows = trim.rows = trim.padding = 0
 
@@ -142,7 +217,9 @@ def build_data_loader(
         "num_workers": num_workers,
         "pin_memory": device.type == "cuda",
         "generator": generator,
-        "persistent_workers": False,
+        # A training loader is iterated once per epoch: its workers stay up instead of restarting each time.
+        # Reshuffling still works, as the sampler runs in this process and is re-iterated each epoch.
+        "persistent_workers": shuffle and num_workers > 0,
     }
     if not shuffle and pad is not False and world_size > 1:
         batches = EvalBatchSampler(len(dataset), micro_batch_size, rank=rank, world_size=world_size)
