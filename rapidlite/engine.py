@@ -261,6 +261,13 @@ class RapidliteEngine:
             model = wrap_ort(model)
         return self._compose_result(model, wrapped, scheduler, train_dataloader, eval_dataloader)
 
+    def _count_flops(self, model: torch.nn.Module) -> None:
+        self.model_flops = ModelFlops.of(model)
+        if self.is_main_process:
+            peak = f"{self.peak_flops / 1e12:.3g} TFLOP/s per device" if self.peak_flops else "unknown"
+            hint = "" if self.peak_flops else " (pass --peak-flops for MFU; rapidlite-bench peak measures it)"
+            self.logger.info(f"model FLOPs per token: {self.model_flops.describe()}; peak {peak}{hint}")
+
     def _maybe_compile(self, model: torch.nn.Module) -> None:
         """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
         before the data-parallel wrappers (as torchtitan orders them)."""
@@ -380,7 +387,9 @@ class RapidliteEngine:
         if self._pending_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
             model.load_state_dict(self._pending_weights)
             self._pending_weights = None
-        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args))
+        # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
+        # Apex's CUDA kernels may not run: torch's AdamW steps either.
+        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
         config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
         self.logger.info(f"starting DeepSpeed {dp.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)

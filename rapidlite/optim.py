@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import ConfigError
 from rapidlite.precision import LossScaler
 
@@ -56,16 +58,81 @@ def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
     return all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None) -> torch.optim.Optimizer:
-    """AdamW or SGD over decay groups, fused where the device has the kernels. With ``zero1_group`` the
-    optimizer state is sharded over that process group (ZeRO-1)."""
+@functools.cache
+def _apex_adamw(fused_adam: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """Apex's FusedAdam with torch AdamW's bookkeeping, so the rest of rapidlite sees no difference.
+
+    FusedAdam counts steps per parameter group, in a Python int, and takes no ``set_to_none`` in
+    ``zero_grad``. Checkpoints keep only tensors and torch's checkpoint helpers call
+    ``zero_grad(set_to_none=True)``; so the count is mirrored into a per-parameter ``step`` tensor (torch
+    AdamW's key: checkpoints of either optimizer load into the other) and ``zero_grad`` is torch's."""
+
+    class ApexAdamW(fused_adam):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            loss = super().step(closure)
+            for group in self.param_groups:
+                if "step" not in group:
+                    continue
+                count = float(group["step"])
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if not state:  # no gradient yet: no moments either
+                        continue
+                    if "step" in state:
+                        state["step"].fill_(count)
+                    else:
+                        state["step"] = torch.tensor(count)
+            return loss
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:
+                counts = [float(self.state[p]["step"]) for p in group["params"] if "step" in self.state.get(p, {})]
+                if counts:
+                    group["step"] = int(max(counts))
+
+    return ApexAdamW
+
+
+def apex_adamw_class(device_type: str, sharded: bool) -> type[torch.optim.Optimizer] | None:
+    """NVIDIA Apex's FusedAdam (adapted by ``_apex_adamw``) where it applies, else None for torch's AdamW.
+
+    It applies to parameters on CUDA that are plain tensors stepped by one optimizer: not ``sharded``
+    (DTensor parameters under FSDP or tensor parallelism, or ZeRO-1's partitioned optimizer, which torch's
+    own kernels handle), and only when Apex is installed."""
+    if device_type != "cuda" or sharded:
+        return None
+    apex = nvidia_apex()
+    return _apex_adamw(apex.fused_adam) if apex is not None else None
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None, *, allow_apex: bool = True
+) -> torch.optim.Optimizer:
+    """AdamW or SGD over decay groups, fused where the device has the kernels: Apex's FusedAdam for AdamW on
+    CUDA when Apex is installed (see ``apex_adamw_class``; ``allow_apex=False`` keeps torch's), else torch's
+    fused or foreach kernels. With ``zero1_group`` the optimizer state is sharded over that process group
+    (ZeRO-1)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
-    fused = _fused_supported(p for g in groups for p in g["params"])
+    params = [p for g in groups for p in g["params"]]
+    fused = _fused_supported(params)
     kernels = {"fused": fused or None, "foreach": None if fused else True}
     if cfg.name == "adamw":
         cls, defaults = torch.optim.AdamW, {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+        device_types = {p.device.type for p in params}
+        device_type = device_types.pop() if len(device_types) == 1 else "mixed"
+        sharded = zero1_group is not None or any(hasattr(p, "placements") for p in params)
+        apex_cls = apex_adamw_class(device_type, sharded) if allow_apex else None
+        if apex_cls is not None:
+            try:
+                return apex_cls(groups, lr=cfg.lr, **defaults, adam_w_mode=True)
+            except (RuntimeError, ImportError):  # an Apex built without its CUDA extensions: torch's AdamW
+                pass
     elif cfg.name == "sgd":
         cls, defaults = torch.optim.SGD, {"momentum": cfg.sgd_momentum}
     else:

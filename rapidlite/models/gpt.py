@@ -21,6 +21,9 @@ output projections (attention ``out_proj``, MLP ``down_proj``) from normal(0, st
 biases start at zero and norms at one. The MLP is GELU with ``ffn_hidden_size`` 4h by default, or SwiGLU
 with int(8h/3) rounded up to a multiple of 64 (LLaMA's rule, keeping the parameter count near the GELU MLP).
 
+LayerNorm is NVIDIA Apex's ``FusedLayerNorm`` when the model is built on CUDA with Apex installed; built on the
+CPU, as rapidlite builds it before moving it, it is torch's (see ``_apex_layer_norm``).
+
 With ``labels`` the forward returns ``(loss_sum, num_tokens)``: fp32 cross-entropy summed over the kept
 positions, so gradient accumulation can weight every token the same. ``save_pretrained`` and
 ``from_pretrained`` use ``config.json`` + ``model.safetensors``, storing a tied output weight once.
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 
@@ -139,7 +143,26 @@ class GPTConfig:
 def _norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, bias=config.bias)
+    return _apex_layer_norm(config) or nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, bias=config.bias)
+
+
+def _apex_layer_norm(config: GPTConfig) -> nn.Module | None:
+    """NVIDIA Apex's FusedLayerNorm for a model built on CUDA (under ``torch.device("cuda")``), when Apex is
+    installed and the norm has a bias (Apex's has no bias-free form); else None.
+
+    A model built on the CPU and moved later keeps torch's LayerNorm, and so do rapidlite's own runs, which
+    build on the CPU: torch's CUDA ``layer_norm`` is a fused kernel as well, and it also takes the DTensors of
+    sequence parallelism and compiles without graph breaks, which Apex's does not. Swapping modules when the
+    model moves would change its module types under whoever holds it, for no measurable gain."""
+    if torch.get_default_device().type != "cuda" or not config.bias:
+        return None
+    apex = nvidia_apex()
+    if apex is None:
+        return None
+    try:
+        return apex.fused_layer_norm(config.hidden_size, eps=config.layernorm_epsilon)
+    except (RuntimeError, ImportError):  # an Apex built without its CUDA extensions
+        return None
 
 
 def rope_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
@@ -266,7 +289,7 @@ class GPTModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
+            elif hasattr(module, "normalized_shape") and module.weight is not None:  # torch's norms or Apex's
                 nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

@@ -57,6 +57,14 @@ def gpt_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> N
     )
 
     _check_divisible(model, tp_mesh.size())
+    if sequence_parallel and any(
+        hasattr(m, "normalized_shape") and not isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+        for m in model.modules()
+    ):
+        raise ConfigError(
+            "--sequence-parallel: the built-in GPT was built on CUDA with NVIDIA Apex's FusedLayerNorm, which "
+            "cannot run on sequence shards; build the model on the CPU (rapidlite moves it to the GPU)"
+        )
     residual = Shard(1) if sequence_parallel else Replicate()
     # A pipeline stage holds only some of these (see parallel.pipeline): each part is split if present.
     root: dict[str, Any] = {}
