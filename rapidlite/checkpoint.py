@@ -459,7 +459,10 @@ def export_hf(
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+    from rapidlite.models.hf import saved_config
+
+    with saved_config(model):
+        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     old = out_dir.with_name(f".tmp_old_{out_dir.name}_{os.getpid()}")

@@ -28,6 +28,7 @@ from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.flops import ModelFlops, device_peak_flops
 from rapidlite.global_vars import set_global_args
 from rapidlite.logging import Timers, setup_logger
+from rapidlite.models.hf import disable_kv_cache
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
 from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel, gradient_averager
 from rapidlite.parallel.recompute import apply_activation_checkpointing
@@ -185,6 +186,7 @@ class RapidliteEngine:
             raise TypeError("compose() needs a model")
         if getattr(model, "_rapidlite_pipeline", None) is None:  # the whole model, before any split
             self._count_flops(model)
+        disable_kv_cache(model)
         dp = self.data_parallel
         sharded = self.dist.initialized
         if sharded and dp.zero_stage > 0 and optimizer is not None and not isinstance(optimizer, RapidliteOptimizer):

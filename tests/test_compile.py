@@ -71,3 +71,32 @@ def test_compiled_blocks_shard_with_fsdp_on_two_ranks(data, eager, tmp_path):
     proc = rapidlite(*argv, "--zero-2-memory-optimization", "--save", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_lists(train_losses(tmp_path), train_losses(eager), rtol=1e-4)
+
+
+def test_hf_blocks_compile_once_without_a_kv_cache(tmp_path):
+    """A Hugging Face model trains without its key/value cache: with it, every compiled block guards on its
+    own cache layer and recompiles, and past dynamo's limit of 8 the deeper blocks would run eagerly. The
+    exported config keeps the user's use_cache."""
+    import json
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers import engine
+    from rapidlite.checkpoint import export_hf
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = GPT2Config(n_layer=10, n_embd=32, n_head=2, n_positions=16, vocab_size=64, bos_token_id=None)
+    assert config.use_cache
+    model = GPT2LMHeadModel(config)
+    eng = engine("--torch-compile", "--micro-batch-size", "2", "--train-iters", "2")
+    model, optimizer, _ = eng.compose(model)
+    ids = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert model.config.use_cache is False
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(torch._dynamo.utils.counters["stats"])
+    export_hf(model, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from rapidlite.global_vars import get_logger
@@ -46,3 +47,28 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
         what = source if named else f"a {getattr(source, 'model_type', type(source).__name__)} config"
         get_logger().info(f"{what}: the model class has no SDPA attention; using transformers' default")
     return load(source, **kwargs)
+
+
+def disable_kv_cache(model: Any) -> None:
+    """Training needs no key/value cache. A Hugging Face model whose config says ``use_cache`` builds one in
+    every training forward: wasted work, and under ``torch.compile`` each block then guards on its own
+    cache layer, so compiled blocks recompile once per layer and, past dynamo's recompile limit (8), run
+    eagerly. The config's value is kept on the model and written back by ``saved_config``, so an exported
+    model generates with its cache as before."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is True:
+        config.use_cache = False
+        model._rapidlite_use_cache = True
+
+
+@contextmanager
+def saved_config(model: Any) -> Iterator[None]:
+    """The config as the user gave it (``use_cache`` restored) while ``model`` is saved."""
+    restore = getattr(model, "_rapidlite_use_cache", False)
+    if restore:
+        model.config.use_cache = True
+    try:
+        yield
+    finally:
+        if restore:
+            model.config.use_cache = False
