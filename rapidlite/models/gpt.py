@@ -43,6 +43,7 @@ from torch import nn
 
 from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import CheckpointError, ConfigError
+from rapidlite.flops import ModelFlops
 from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
@@ -359,15 +360,9 @@ class GPTModel(nn.Module):
         return sum(p.numel() for p in params.values())
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward): ``6 N + 12 L h s``.
-
-        N counts the weights used in matrix multiplies (all but the embedding tables, plus the output layer
-        even when tied); ``12 L h s`` are the attention scores and weighted values (Megatron / PaLM, without
-        halving for the causal mask).
-        """
-        c = self.config
-        n = self.num_parameters(exclude_embeddings=True) + (self.output.weight.numel() if self.tied else 0)
-        return 6.0 * n + 12.0 * c.num_layers * c.hidden_size * c.seq_length
+        """Training FLOPs per token (forward + backward) at ``seq_length``: ``6 N + 12 L h s``, rapidlite's
+        count for every model (``rapidlite.flops``)."""
+        return ModelFlops.of(self).per_token(self.config.seq_length)
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, **_: Any
