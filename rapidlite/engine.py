@@ -230,6 +230,7 @@ class RapidliteEngine:
             apply_data_parallel(model, self.dist.dp_mesh, dp, self.precision.dtype)
             model._rapidlite_parallel = True
 
+        users_optimizer = optimizer is not None and not isinstance(optimizer, RapidliteOptimizer)
         if isinstance(optimizer, RapidliteOptimizer):
             wrapped = optimizer
         else:
@@ -257,11 +258,42 @@ class RapidliteEngine:
         self._optimizer = wrapped
 
         scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
+        self._log_composition(wrapped, users_optimizer, lr_scheduler_fn is not None)
         if args.use_ort:
             from rapidlite.graph import wrap_ort
 
             model = wrap_ort(model)
         return self._compose_result(model, wrapped, scheduler, train_dataloader, eval_dataloader)
+
+    def _log_composition(self, optimizer: Any, users_optimizer: bool, users_scheduler: bool) -> None:
+        """One line saying what compose applied, so nothing it does to a user's own objects goes unseen."""
+        if not self.is_main_process:
+            return
+        args, precision = self.args, self.precision.name
+        if precision == "fp16":
+            scaler = optimizer.loss_scaler
+            kind = "dynamic" if scaler is None or scaler.dynamic else "static"
+            scale = f", {kind} loss scale {optimizer.loss_scale:g} (backward through engine.backward(loss))"
+        else:
+            scale = ""
+        base = optimizer.optimizer
+        kernel = next((k for k in ("fused", "foreach") if base.defaults.get(k)), None)
+        name = type(base).__name__ + (f" ({kernel})" if kernel else "")
+        clip = optimizer.clip_grad
+        parts = [
+            self.strategy,
+            f"precision {precision}{' autocast' if precision != 'fp32' else ''}{scale}",
+            f"optimizer {'yours: ' if users_optimizer else ''}{name}{'' if users_optimizer else ' from the flags'}",
+            f"gradient clipping at norm {clip:g} (--clip-grad; 0 turns it off)" if clip > 0 else "no gradient clipping",
+            "LR schedule yours" if users_scheduler else f"LR schedule {args.lr_decay_style} from the flags",
+            f"global batch {args.global_batch_size} = micro {args.micro_batch_size} x accumulation "
+            f"{args.gradient_accumulation_steps} x data-parallel {args.data_parallel_size}",
+        ]
+        if args.checkpoint_activations:
+            parts.append(f"activation checkpointing ({args.recompute_granularity})")
+        if args.torch_compile:
+            parts.append("torch.compile")
+        self.logger.info("compose: " + " | ".join(parts))
 
     def _count_flops(self, model: torch.nn.Module) -> None:
         self.model_flops = ModelFlops.of(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 
 from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import ConfigError
+from rapidlite.logging import LOGGER_NAME
 from rapidlite.precision import LossScaler
 
 
@@ -277,6 +279,12 @@ class RapidliteOptimizer:
     gradients by the loss scale and by ``grad_divisor`` (micro-batch count, or the token/item count
     of the whole global batch), skips the update if any gradient overflowed (fp16), clips to
     ``clip_grad`` by the global norm, and steps. Everything else is the wrapped optimizer's.
+
+    The optimizer knows whether the gradients it holds were scaled: only those that came through
+    ``backward`` (``engine.backward(loss)``) carry the loss scale. Gradients from a plain
+    ``loss.backward()`` in a user's own loop are stepped as they are (divided by ``grad_divisor`` only),
+    with one warning that fp16 then trains without loss scaling; dividing them by a scale they never
+    received would shrink every update by that factor.
     """
 
     def __init__(
@@ -299,6 +307,8 @@ class RapidliteOptimizer:
         # Pipeline parallelism: the squared norm summed over the stages, and a tied copy counted once.
         self.norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.norm_exclude: set[int] = set()
+        self._grads_scaled = False  # the gradients since the last step came through a scaled backward
+        self._unscaled_warned = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -313,10 +323,17 @@ class RapidliteOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._grads_scaled = False
+
+    def note_scaled_backward(self) -> None:
+        """The gradients now held were produced from a loss multiplied by ``loss_scale`` elsewhere (the
+        pipeline schedule scales its losses itself)."""
+        self._grads_scaled = self.loss_scaler is not None
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
+            self._grads_scaled = True
         if self.backward_context is not None:
             with self.backward_context():
                 loss.backward()
@@ -331,9 +348,9 @@ class RapidliteOptimizer:
         # Sharded (DTensor) gradients are scaled shard by shard.
         return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
 
-    def _unscale(self, grads: list[torch.Tensor], grad_divisor: float) -> bool:
-        """Divide gradients in place; return whether any is inf/nan (checked only when loss scaling)."""
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+    def _unscale(self, grads: list[torch.Tensor], grad_divisor: float, scale: float) -> bool:
+        """Divide gradients in place by ``scale * grad_divisor``; return whether any is inf/nan (checked only
+        when loss scaling)."""
         inv = 1.0 / (scale * grad_divisor)
         if self.loss_scaler is None:
             if inv != 1.0 and grads:
@@ -371,16 +388,31 @@ class RapidliteOptimizer:
         params = self._params()
         if self.grad_all_reduce is not None:
             self.grad_all_reduce(params)
-        if self._unscale(self._local_grads(params), grad_divisor):
+        scaled, self._grads_scaled = self._grads_scaled, False
+        if self.loss_scaler is not None and not scaled and params:
+            self._warn_unscaled()
+        scale = self.loss_scaler.scale if scaled else 1.0
+        if self._unscale(self._local_grads(params), grad_divisor, scale):
             self.skipped_steps += 1
-            self.loss_scaler.update(found_inf=True)
+            if scaled:  # an unscaled overflow says nothing about the scale
+                self.loss_scaler.update(found_inf=True)
             self.last_grad_norm = None
             return False
         self.last_grad_norm = self._clip(params)
         self.optimizer.step()
-        if self.loss_scaler is not None:
+        if scaled:
             self.loss_scaler.update(found_inf=False)
         return True
+
+    def _warn_unscaled(self) -> None:
+        if self._unscaled_warned:
+            return
+        self._unscaled_warned = True
+        logging.getLogger(LOGGER_NAME).warning(
+            "fp16: the gradients came from loss.backward(), not engine.backward(loss), so they carry no loss "
+            "scale; they are stepped as they are, without loss scaling (small fp16 gradients may underflow to "
+            "zero): call engine.backward(loss) for dynamic loss scaling"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

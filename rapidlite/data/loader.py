@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rapidlite.data.collate import PadCollator
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
 
@@ -207,7 +208,11 @@ def build_data_loader(
     wrapping around so ranks stay in step. Evaluation loaders keep the order (``EvalBatchSampler``):
     equal batch counts on every rank, padding only in the last batches, and ``gather_trim`` told which
     rows are padding. ``pad=False`` gives each rank its exact share instead (batch counts may differ).
+    Without ``collate_fn``, dict samples of token lists are padded to the longest in the batch
+    (``PadCollator``); anything else is collated as torch's ``default_collate`` does.
     """
+    if collate_fn is None:  # tokenized rows of different lengths are padded, not refused
+        collate_fn = PadCollator()
     # A private generator: creating an iterator must not draw from the global RNG (dropout), or a resumed
     # run would diverge from an uninterrupted one.
     generator = torch.Generator()

@@ -106,6 +106,7 @@ class DeepSpeedOptimizer:
         self.loss_scaler = None  # DeepSpeed's scaler lives in its optimizer and checkpoint
         self._fp16 = ds_engine.fp16_enabled()
         self.last_grad_norm: torch.Tensor | None = None
+        self._backward_calls = 0  # micro-batches that went through DeepSpeed's backward since the last step
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -129,9 +130,17 @@ class DeepSpeedOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
         self.engine.step()
+        self._backward_calls += 1
 
     def step(self, grad_divisor: float = 1.0) -> bool:
         """The update already ran in the last ``backward``; report whether it was applied."""
+        calls, self._backward_calls = self._backward_calls, 0
+        if calls == 0:
+            # A plain loss.backward() fills gradients DeepSpeed never reduces, scales or applies.
+            raise ConfigError(
+                "under --deepspeed the backward pass must go through engine.backward(loss) (DeepSpeed scales, "
+                "accumulates and applies the update there): replace loss.backward()"
+            )
         accumulation = self.engine.gradient_accumulation_steps()
         if self.engine.micro_steps % accumulation:
             raise RuntimeError(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
+from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
@@ -146,7 +147,11 @@ class BaseTrainer:
         collate_fn: Callable | None = None,
         pad: bool | None = None,
     ) -> DeviceDataLoader:
-        """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device."""
+        """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device. Without a
+        ``collate_fn``, tokenized rows are padded to the batch's longest (with ``self.tokenizer``'s pad id when
+        it is set, else 0) and given an attention mask if they have none."""
+        if collate_fn is None and self.tokenizer is not None:
+            collate_fn = PadCollator.for_tokenizer(self.tokenizer)
         return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -243,6 +248,7 @@ class BaseTrainer:
             raise TypeError("under pipeline parallelism train_step takes (record, replay) pairs per micro-batch")
         optimizer = self.optimizer
         results = self.engine.pipeline.run(micro_steps, train=True, loss_scale=optimizer.loss_scale or 1.0)
+        optimizer.note_scaled_backward()  # the schedule multiplied its losses by the scale
         modes = {items is None for _, items in results}
         if len(modes) > 1:
             raise TypeError(
