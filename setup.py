@@ -41,6 +41,8 @@ setup(
     entry_points={
         "console_scripts": [
             "rapidlite=rapidlite.cli:main",
+            # Rapidformer's command name, so launch scripts written for it run unchanged.
+            "rapidformer=rapidlite.cli:main",
             "rapidlite-preprocess=rapidlite.data.preprocess:main",
             "rapidlite-bench=rapidlite.flops:bench_main",
         ]

@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 # errors answer at once.
 _LAZY = {
     "RapidliteEngine": "rapidlite.engine",
+    "RapidformerEngine": "rapidlite.engine",  # Rapidformer's name, so its scripts run with the import renamed
     "Finetuner": "rapidlite.trainer",
     "PreTrainer": "rapidlite.trainer",
     "Pretrainer": "rapidlite.trainer",  # Rapidformer spells it so in places
@@ -22,18 +23,27 @@ _LAZY = {
     "get_tokenizer": "rapidlite.global_vars",
     "build_train_valid_test_datasets": "rapidlite.data.gpt_dataset",
     "get_ltor_masks_and_position_ids": "rapidlite.data.gpt_dataset",
+    "build_train_valid_test_datasets_for_huggingface": "rapidlite.data.bert_dataset",
+    "mpu": None,  # a module: rapidlite.mpu
 }
 
 if TYPE_CHECKING:
+    from rapidlite import mpu
+    from rapidlite.data.bert_dataset import build_train_valid_test_datasets_for_huggingface
     from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
-    from rapidlite.engine import RapidliteEngine
+    from rapidlite.engine import RapidformerEngine, RapidliteEngine
     from rapidlite.global_vars import get_args, get_logger, get_timers, get_tokenizer
     from rapidlite.trainer import Finetuner, PreTrainer, Pretrainer
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module = _LAZY[name]
+        value = (
+            importlib.import_module(f"rapidlite.{name}")
+            if module is None
+            else getattr(importlib.import_module(module), name)
+        )
         globals()[name] = value
         return value
     raise AttributeError(f"module 'rapidlite' has no attribute {name!r}")
@@ -41,6 +51,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "RapidliteEngine",
+    "RapidformerEngine",
+    "mpu",
+    "build_train_valid_test_datasets_for_huggingface",
     "Finetuner",
     "PreTrainer",
     "Pretrainer",

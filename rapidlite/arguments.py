@@ -159,10 +159,17 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mixed-precision",
         action="store_true",
-        help="bf16 autocast where the device supports it (CPU, Ampere+), else fp16 with loss scaling",
+        help="bf16 autocast where the device runs it fast (Ampere+ GPUs, CPUs with AVX-512 BF16/AMX); fp16 with "
+        "loss scaling on older GPUs; fp32 on other CPUs",
     )
     g.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    g.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fp32 matrix multiplies on TF32 tensor cores (CUDA; default: on for Ampere and newer GPUs)",
+    )
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -261,11 +268,18 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument(
         "--data-path",
+        "--dataset-path",
         nargs="+",
         default=None,
-        help="hub dataset name, local directory, or local file (one or more for pretraining)",
+        help="hub dataset name, local directory, or local file (one or more for pretraining); "
+        "args.dataset_path is the same as one string (Rapidformer's name)",
     )
-    g.add_argument("--data-name", default=None, help="hub dataset configuration, e.g. mrpc")
+    g.add_argument(
+        "--data-name",
+        "--dataset-name",
+        default=None,
+        help="hub dataset configuration, e.g. mrpc (also args.dataset_name)",
+    )
     g.add_argument("--data-dir", default=None, help="hub dataset data_dir")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights used to split a single data source")
     g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
@@ -460,6 +474,12 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         if value is not None and not 0 <= value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be in [0, 1)")
 
+    args.notices = []  # what validation adjusted, for the engine to log
+    # Rapidformer's page reads these names: load_dataset(args.dataset_path, args.dataset_name).
+    paths = args.data_path
+    args.dataset_path = paths[0] if paths and len(paths) == 1 else paths
+    args.dataset_name = args.data_name
+
     _validate_lr(args)
     _resolve_precision(args)
     _resolve_recompute(args)
@@ -467,6 +487,7 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _validate_data_parallel(args)
     _resolve_batch(args)
 
+    _resolve_load(args)
     if args.task == "sequence_classification" and args.user_script is None and not args.demo:
         missing = [
             flag
@@ -496,10 +517,6 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         raise ConfigError(f"--init-method-std {args.init_method_std}: must be positive")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-    if args.load is not None:
-        from rapidlite.checkpoint import latest_iteration  # a missing checkpoint fails before any loading
-
-        latest_iteration(args.load)
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.epochs is None:
@@ -508,6 +525,32 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         args.lr = 1e-4
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def _resolve_load(args: argparse.Namespace) -> None:
+    """``--load``: a checkpoint to resume (checked now, before any loading), or, as on Rapidformer's page, a
+    Hugging Face model directory that a fine-tuning job loads with ``from_pretrained(args.load)``
+    (``args.load_is_pretrained_model``: nothing is resumed)."""
+    args.load_is_pretrained_model = False
+    if args.load is None:
+        return
+    from rapidlite.checkpoint import is_pretrained_model_dir, latest_iteration
+
+    if not is_pretrained_model_dir(args.load):
+        latest_iteration(args.load)  # a missing or corrupt checkpoint fails here
+        return
+    args.load_is_pretrained_model = True
+    if args.user_script is not None:
+        return
+    model = args.pretrained_model_name_or_path
+    if args.task == "sequence_classification" and model in (None, args.load):
+        args.pretrained_model_name_or_path = args.load
+        return
+    hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if args.task == "pretraining" else "")
+    raise ConfigError(
+        f"--load {args.load} holds a Hugging Face model, not a rapidlite checkpoint (no 'latest'): start from it "
+        f"with {hint}; --load resumes a --save directory"
+    )
 
 
 def _validate_lr(args: argparse.Namespace) -> None:
@@ -523,6 +566,18 @@ def _validate_lr(args: argparse.Namespace) -> None:
         raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1]")
     if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
         raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters}: must be a positive integer")
+    # A warmup longer than the run warms up over the whole run, as the Hugging Face Trainer does, said in one
+    # line before anything loads when the run's length is on the command line (an epoch-based run learns its
+    # length from the data: optim.build_lr_scheduler clamps and says it then).
+    decay = args.lr_decay_iters or args.train_iters
+    warmup = args.lr_warmup_iters
+    if decay and warmup is not None and warmup > decay and args.lr_decay_style != "constant":
+        which = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        args.notices.append(
+            f"--lr-warmup-iters {warmup} is longer than {which} {decay}: warming up over all {decay} iterations "
+            f"(the learning rate reaches --lr only at the end); lower --lr-warmup-iters"
+        )
+        args.lr_warmup_iters = decay
 
 
 def _resolve_precision(args: argparse.Namespace) -> None:

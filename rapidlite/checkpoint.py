@@ -270,6 +270,17 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def is_pretrained_model_dir(load_dir: str | os.PathLike) -> bool:
+    """A directory holding a Hugging Face model (``config.json``) and no rapidlite checkpoint: what
+    Rapidformer's page passes as ``--load`` to load with ``from_pretrained(args.load)``."""
+    load_dir = Path(load_dir)
+    return (
+        (load_dir / "config.json").is_file()
+        and not (load_dir / LATEST_FILE).exists()
+        and not any(load_dir.glob("iter_*"))
+    )
+
+
 def latest_iteration(load_dir: str | os.PathLike) -> int:
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
@@ -278,7 +289,8 @@ def latest_iteration(load_dir: str | os.PathLike) -> int:
     if not latest.is_file():
         raise CheckpointError(
             f"--load {load_dir}: no '{LATEST_FILE}' file, so no complete checkpoint to resume "
-            "(point --load at a --save directory of an earlier run)"
+            "(point --load at a --save directory of an earlier run, or at a Hugging Face model directory for a "
+            "fine-tuning script that loads it with from_pretrained(args.load))"
         )
     text = latest.read_text().strip()
     if not text.isdigit():

@@ -26,13 +26,13 @@ from rapidlite.arguments import ExtraArgsProvider, parse_args
 from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.flops import ModelFlops, device_peak_flops
-from rapidlite.global_vars import set_global_args
+from rapidlite.global_vars import set_distributed_context, set_global_args
 from rapidlite.logging import Timers, setup_logger
 from rapidlite.models.hf import disable_kv_cache
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
 from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel, gradient_averager
 from rapidlite.parallel.recompute import apply_activation_checkpointing
-from rapidlite.precision import LossScaler, Precision, resolve_precision
+from rapidlite.precision import LossScaler, Precision, resolve_precision, set_tf32
 
 
 def set_seed(seed: int) -> None:
@@ -127,16 +127,19 @@ class RapidliteEngine:
             atexit.register(
                 distributed.shutdown if distributed.launched_world_size() else distributed.dist.destroy_process_group
             )
+        set_distributed_context(self.dist)
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.dp_rank, self.dp_size = self.dist.dp_rank, self.dist.dp_size
         self.is_main_process = self.dist.is_main_process
         self.device = self.dist.device
         log_file = os.path.join(args.save, "logs", f"rank{self.rank}.log") if args.per_rank_logs else None
         self.logger = setup_logger(self.rank, log_file)
-        self.precision = resolve_precision(args.precision, self.device)
+        self.precision, precision_notice = resolve_precision(args.precision, self.device)
         if self.is_main_process:
-            for notice in getattr(args, "deepspeed_notices", None) or ():
-                self.logger.warning(notice)
+            notices = [*getattr(args, "notices", ()), *(getattr(args, "deepspeed_notices", None) or ())]
+            for notice in [*notices, precision_notice]:
+                if notice:
+                    self.logger.warning(notice)
         from rapidlite.graph import resolve_graph_flags
 
         notice = resolve_graph_flags(args, self.world_size)
@@ -148,7 +151,10 @@ class RapidliteEngine:
         self._pending_weights: dict[str, torch.Tensor] | None = None
         self._gather_trim = GatherTrim()
         self.model_flops: ModelFlops | None = None  # set by compose, for the TFLOP/s and MFU in the logs
-        self.peak_flops = args.peak_flops or device_peak_flops(self.device, self.precision.dtype)
+        self.tf32 = set_tf32(args.tf32, self.device)
+        if self.tf32 is not None and self.is_main_process:
+            self.logger.info(f"TF32 matrix multiplies: {'on' if self.tf32 else 'off'} (--tf32/--no-tf32)")
+        self.peak_flops = args.peak_flops or device_peak_flops(self.device, self.precision.dtype, self.tf32)
 
     @property
     def strategy(self) -> str:
@@ -172,6 +178,7 @@ class RapidliteEngine:
         *,
         total_iters: int | None = None,
         model_obj: torch.nn.Module | None = None,
+        dynamic_shapes: bool | None = None,
     ) -> tuple:
         """Return ``(model, optimizer, lr_scheduler)`` with every flag applied, plus the data loaders
         (batches moved to the device) when given.
@@ -179,6 +186,9 @@ class RapidliteEngine:
         ``optimizer`` None: AdamW/SGD from the flags. ``lr_scheduler_fn``: None for Megatron's schedule
         from the flags over ``total_iters`` (default ``--train-iters``), a factory called with the
         optimizer (e.g. ``partial(get_linear_schedule_with_warmup, ...)``), or a built scheduler.
+        ``dynamic_shapes`` (``--torch-compile``): True compiles for any batch and sequence length at once
+        (variable-length fine-tuning data; the Finetuner passes it), None lets torch specialise on the first
+        shapes and generalise when they change (fixed-length pretraining).
         """
         args = self.args
         model = model if model is not None else model_obj
@@ -196,7 +206,7 @@ class RapidliteEngine:
             )
         if dp.deepspeed:
             loaders = (train_dataloader, eval_dataloader)
-            return self._compose_deepspeed(model, optimizer, lr_scheduler_fn, *loaders, total_iters)
+            return self._compose_deepspeed(model, optimizer, lr_scheduler_fn, *loaders, total_iters, dynamic_shapes)
         if not dp.cpu_offload:
             model.to(self.device)
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
@@ -211,7 +221,7 @@ class RapidliteEngine:
             model._rapidlite_tensor_parallel = True
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
-        self._maybe_compile(model)
+        self._maybe_compile(model, dynamic_shapes)
         fully_sharded = sharded and dp.fully_sharded
         if pipeline is not None:
             self._compose_pipeline_stages(pipeline, fully_sharded)
@@ -244,7 +254,11 @@ class RapidliteEngine:
             elif fully_sharded:
                 reduce_max = functools.partial(self.dist.all_reduce, op="max")
             wrapped = RapidliteOptimizer(
-                optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, all_reduce_max=reduce_max
+                optimizer,
+                clip_grad=args.clip_grad,
+                loss_scaler=scaler,
+                all_reduce_max=reduce_max,
+                warn=self.is_main_process,
             )
             if tp_mesh is not None:  # the parallel cross-entropy's backward runs under loss_parallel too
                 from rapidlite.parallel.tensor_parallel import backward_context
@@ -302,18 +316,19 @@ class RapidliteEngine:
             hint = "" if self.peak_flops else " (pass --peak-flops for MFU; rapidlite-bench peak measures it)"
             self.logger.info(f"model FLOPs per token: {self.model_flops.describe()}; peak {peak}{hint}")
 
-    def _maybe_compile(self, model: torch.nn.Module) -> None:
+    def _maybe_compile(self, model: torch.nn.Module, dynamic_shapes: bool | None) -> None:
         """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
         before the data-parallel wrappers (as torchtitan orders them)."""
         if not self.args.torch_compile or getattr(model, "_rapidlite_compiled", False):
             return
         from rapidlite.graph import compile_model
 
-        count = compile_model(model, self.args.compile_mode)
+        count = compile_model(model, self.args.compile_mode, dynamic_shapes)
         model._rapidlite_compiled = True
         if self.is_main_process:
+            shapes = "; any batch and sequence length" if dynamic_shapes else ""
             self.logger.info(
-                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {self.args.compile_mode}); "
+                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {self.args.compile_mode}{shapes}); "
                 "they compile during the first step"
             )
 
@@ -401,7 +416,9 @@ class RapidliteEngine:
                 out.append(loader if isinstance(loader, DeviceDataLoader) else DeviceDataLoader(loader, self.device))
         return tuple(out)
 
-    def _compose_deepspeed(self, model, optimizer, lr_scheduler_fn, train_dataloader, eval_dataloader, total_iters):
+    def _compose_deepspeed(
+        self, model, optimizer, lr_scheduler_fn, train_dataloader, eval_dataloader, total_iters, dynamic_shapes
+    ):
         """``--deepspeed``: dropout and activation checkpointing as usual, then DeepSpeed's engine takes the
         model and the optimizer built from the flags (it casts the weights for bf16/fp16 itself, so no
         autocast). The model handed back is the engine: forward through it, as DeepSpeed requires."""
@@ -417,7 +434,7 @@ class RapidliteEngine:
         _set_dropout(model, args.hidden_dropout, args.attention_dropout)
         if args.checkpoint_activations:
             apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
-        self._maybe_compile(model)
+        self._maybe_compile(model, dynamic_shapes)
         if self._pending_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
             model.load_state_dict(self._pending_weights)
             self._pending_weights = None
@@ -485,3 +502,7 @@ class RapidliteEngine:
             pad=pad,
             gather_trim=self._gather_trim,
         )
+
+
+# Rapidformer's name for the engine: ``from rapidformer import RapidformerEngine`` runs with the package renamed.
+RapidformerEngine = RapidliteEngine

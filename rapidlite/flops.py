@@ -34,19 +34,20 @@ from torch import nn
 
 # Dense (no sparsity) datasheet peaks in FLOP/s: (16-bit tensor cores, fp32). Matched against
 # torch.cuda.get_device_name(), most specific name first ("A100" before "A10", "L40S" before "L4").
-GPU_PEAKS: list[tuple[str, float, float]] = [
-    ("H100 SXM", 989e12, 67e12),
-    ("H100 NVL", 835e12, 60e12),
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100", 989e12, 67e12),
-    ("H200", 989e12, 67e12),
-    ("A100", 312e12, 19.5e12),
-    ("A800", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("A10", 125e12, 31.2e12),
-    ("L4", 121e12, 30.3e12),
-    ("V100", 125e12, 15.7e12),
-    ("T4", 65e12, 8.1e12),
+GPU_PEAKS: list[tuple[str, float, float | None, float]] = [
+    # (name contains, dense bf16/fp16, dense TF32 (None: no TF32 cores), fp32), FLOP/s from the datasheets
+    ("H100 SXM", 989e12, 494.5e12, 67e12),
+    ("H100 NVL", 835e12, 417.5e12, 60e12),
+    ("H100 PCIe", 756e12, 378e12, 51e12),
+    ("H100", 989e12, 494.5e12, 67e12),
+    ("H200", 989e12, 494.5e12, 67e12),
+    ("A100", 312e12, 156e12, 19.5e12),
+    ("A800", 312e12, 156e12, 19.5e12),
+    ("L40S", 362e12, 183e12, 91.6e12),
+    ("A10", 125e12, 62.5e12, 31.2e12),
+    ("L4", 121e12, 60e12, 30.3e12),
+    ("V100", 125e12, None, 15.7e12),
+    ("T4", 65e12, None, 8.1e12),
 ]
 
 
@@ -103,14 +104,16 @@ def _int(config: Any, key: str) -> bool:
     return isinstance(getattr(config, key, None), int)
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype | None) -> float | None:
-    """The datasheet peak of a known GPU at ``dtype`` (None: fp32), else None."""
+def device_peak_flops(device: torch.device, dtype: torch.dtype | None, tf32: bool | None = False) -> float | None:
+    """The datasheet peak of a known GPU at ``dtype`` (None: fp32, on TF32 cores when ``tf32``), else None."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, half, fp32 in GPU_PEAKS:
+    for key, half, tf32_peak, fp32 in GPU_PEAKS:
         if key in name:
-            return half if dtype in (torch.bfloat16, torch.float16) else fp32
+            if dtype in (torch.bfloat16, torch.float16):
+                return half
+            return tf32_peak if tf32 and tf32_peak is not None else fp32
     return None
 
 

@@ -8,17 +8,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from rapidlite.logging import LOGGER_NAME, Timers
 
 _ARGS: argparse.Namespace | None = None
 _TIMERS: Timers | None = None
 _TOKENIZER = None
+_DIST = None  # the engine's DistributedContext, for rapidlite.mpu
 
 
 def set_global_args(args: argparse.Namespace, timers: Timers) -> None:
     global _ARGS, _TIMERS, _TOKENIZER
     _ARGS, _TIMERS, _TOKENIZER = args, timers, None
+
+
+def set_distributed_context(context: Any) -> None:
+    global _DIST
+    _DIST = context
+
+
+def get_distributed_context() -> Any:
+    """The running engine's topology (``rapidlite.distributed.DistributedContext``)."""
+    if _DIST is None:
+        raise RuntimeError("rapidlite.mpu used before RapidliteEngine() was created")
+    return _DIST
 
 
 def get_args() -> argparse.Namespace:

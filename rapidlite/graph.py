@@ -55,11 +55,15 @@ def set_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
 
 
-def compile_model(model: torch.nn.Module, mode: str | None = None) -> int:
+def compile_model(model: torch.nn.Module, mode: str | None = None, dynamic: bool | None = None) -> int:
     """Compile each transformer block in place (or the whole model without blocks); returns how many
-    modules were compiled."""
+    modules were compiled. ``dynamic=True`` compiles shape-generic code from the start: variable-length
+    fine-tuning batches then compile once instead of once per new length (and again for the last, smaller
+    batch of an epoch); None specialises on the first shapes, best for fixed-length pretraining."""
     set_compile_cache()
-    kwargs = {} if mode in (None, "default") else {"mode": mode}
+    kwargs: dict[str, Any] = {} if mode in (None, "default") else {"mode": mode}
+    if dynamic is not None:
+        kwargs["dynamic"] = dynamic
     blocks = find_blocks(model)
     if not blocks:
         model.compile(**kwargs)
@@ -67,6 +71,13 @@ def compile_model(model: torch.nn.Module, mode: str | None = None) -> int:
     for block in blocks:
         block.compile(**kwargs)
     return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (each compile or recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def wrap_ort(model: torch.nn.Module) -> torch.nn.Module:

@@ -163,7 +163,7 @@ class LRScheduler:
         decay_steps: int,
         decay_style: str,
     ) -> None:
-        if decay_style != "constant" and decay_steps <= warmup_steps:
+        if decay_style != "constant" and decay_steps < warmup_steps:
             raise ConfigError(
                 f"learning-rate warmup ({warmup_steps} iterations) must be shorter than the decay "
                 f"({decay_steps} iterations): lower --lr-warmup-iters/--lr-warmup-fraction or "
@@ -240,11 +240,20 @@ def build_lr_scheduler(
     if lr_scheduler_fn is not None:
         return lr_scheduler_fn(optimizer)
     decay_steps = args.lr_decay_iters or total_iters
+    warmup_steps = warmup_steps_from_args(args, decay_steps)
+    if warmup_steps > decay_steps and args.lr_decay_style != "constant":
+        # Known only now for an epoch-based run (its length comes from the data): warm up over the whole run,
+        # as the Hugging Face Trainer does, and say so.
+        logging.getLogger(LOGGER_NAME).warning(
+            f"--lr-warmup-iters {warmup_steps} is longer than the run's {decay_steps} iterations: warming up over "
+            "the whole run (the learning rate reaches --lr only at its end); lower --lr-warmup-iters"
+        )
+        warmup_steps = decay_steps
     return LRScheduler(
         optimizer,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        warmup_steps=warmup_steps_from_args(args, decay_steps),
+        warmup_steps=warmup_steps,
         decay_steps=decay_steps,
         decay_style=args.lr_decay_style,
     )
@@ -293,8 +302,10 @@ class RapidliteOptimizer:
         clip_grad: float = 0.0,
         loss_scaler: LossScaler | None = None,
         all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        warn: bool = True,
     ) -> None:
         self.optimizer = optimizer
+        self.warn = warn  # warnings about the user's loop come from the main process only
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
         # Sharded gradients overflow on some ranks only: every rank must agree to skip the step.
@@ -405,7 +416,7 @@ class RapidliteOptimizer:
         return True
 
     def _warn_unscaled(self) -> None:
-        if self._unscaled_warned:
+        if self._unscaled_warned or not self.warn:
             return
         self._unscaled_warned = True
         logging.getLogger(LOGGER_NAME).warning(

@@ -8,6 +8,9 @@ representable; bf16 has fp32's exponent range and does not.
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,20 +34,78 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
-def resolve_precision(precision: str, device: torch.device) -> Precision:
-    """'auto' (``--mixed-precision``) takes bf16 where the device runs it natively, else fp16.
+@functools.cache
+def cpu_bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices faster than fp32 ones.
 
-    On CPU, bf16 is the fast path (AVX-512 bf16 / AMX); fp16 autocast on CPU works but was
-    measured ~17x slower than fp32, so it is never chosen automatically there.
+    x86 has a bf16 fast path only with AVX-512 BF16 or AMX; without them oneDNN emulates bf16, measured 40x
+    slower than fp32 (1.5 against 60 GFLOP/s on an AVX2-only EPYC), so the instruction sets decide there.
+    Elsewhere (ARM's BF16 extensions vary) a millisecond probe decides: bf16 must beat fp32 clearly."""
+    cpu = torch.cpu
+    if (
+        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+        or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    ):
+        return True
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    return _probe_matmul_seconds(torch.bfloat16) < 0.8 * _probe_matmul_seconds(torch.float32)
+
+
+def _probe_matmul_seconds(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return (time.perf_counter() - start) / repeats
+
+
+def resolve_precision(precision: str, device: torch.device) -> tuple[Precision, str | None]:
+    """The policy for ``args.precision`` on ``device``, and a notice to log (None when there is nothing to say).
+
+    'auto' (``--mixed-precision``) takes bf16 where the device runs it fast: Ampere and newer GPUs, CPUs
+    with a bf16 fast path (``cpu_bf16_is_fast``); fp16 with loss scaling on older GPUs; fp32 on other CPUs,
+    where bf16 would be many times slower (fp16 autocast on CPU is slower still, so never chosen there). An
+    explicit ``--bf16`` is obeyed, with a warning where it is slow.
     """
     device_type = device.type
+    notice = None
+    slow_bf16 = device_type == "cpu" and not cpu_bf16_is_fast()
     if precision == "auto":
         if device_type == "cuda":
             precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        elif slow_bf16:
+            precision = "fp32"
+            notice = (
+                "--mixed-precision: this CPU has no bf16 fast path (no AVX-512 BF16 or AMX), where bf16 runs many "
+                "times slower than fp32; training in fp32 (--bf16 forces bf16)"
+            )
         else:
             precision = "bf16"
+    elif precision == "bf16" and slow_bf16:
+        notice = (
+            "--bf16: this CPU has no bf16 fast path (no AVX-512 BF16 or AMX): bf16 matrix multiplies run many times "
+            "slower than fp32 here (--mixed-precision picks fp32 on such CPUs)"
+        )
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return Precision(dtype=dtype, device_type=device_type)
+    return Precision(dtype=dtype, device_type=device_type), notice
+
+
+def set_tf32(requested: bool | None, device: torch.device) -> bool | None:
+    """``--tf32``/``--no-tf32`` on a CUDA device: fp32 matrix multiplies and convolutions on TF32 tensor cores
+    (10-bit mantissa, fp32 range and accumulation), as Megatron and nanoGPT train. Default: on for Ampere and
+    newer (compute capability 8.0+), which have TF32 cores. Returns the setting in force (None off CUDA,
+    where TF32 does not exist)."""
+    if device.type != "cuda":
+        return None
+    enabled = torch.cuda.get_device_capability(device) >= (8, 0) if requested is None else requested
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):  # torch 2.9+: the new switches
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
 
 
 class LossScaler:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,3 +133,25 @@ def run_cli(*argv: str, cwd: str | None = None, timeout: float = 600) -> subproc
     return subprocess.run(
         [sys.executable, "-m", "rapidlite", *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
     )
+
+
+SUBJECTS = "the cat|a dog|my neighbour|the old farmer|our teacher|the small bird|a tired traveller|the river".split("|")
+VERBS = "sees|likes|follows|paints|carries|remembers|finds|watches|builds|keeps".split("|")
+OBJECTS = "the garden|a red house|the morning light|two apples|the long road|a quiet village|the blue boat".split("|")
+TAILS = "|today|before dinner|in the rain|with great care|every summer|near the mountains|after school".split("|")
+
+
+def english_corpus(num_docs: int, seed: int) -> list[str]:
+    """Documents of 1-7 sentences made from word templates (some one-sentence documents on purpose)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(num_docs):
+        sentences = []
+        for _ in range(int(rng.integers(1, 8))):
+            words = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(TAILS)]
+            if rng.random() < 0.5:
+                words += ["and", rng.choice(VERBS), rng.choice(OBJECTS)]
+            text = " ".join(w for w in words if w)
+            sentences.append(text[0].upper() + text[1:] + ".")
+        docs.append(" ".join(sentences))
+    return docs

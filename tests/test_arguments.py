@@ -12,7 +12,8 @@ from rapidlite.errors import ConfigError
 # Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
 FLAGS = """
 --adam-beta1 --adam-beta2 --adam-eps --attention-dropout --bf16 --binary-head --checkpoint-activations --clip-grad
---compile-mode --cpu-offload --data-dir --data-impl --data-name --data-path --deepspeed --deepspeed-config --demo
+--compile-mode --cpu-offload --data-dir --data-impl --data-name --data-path --dataset-name --dataset-path
+--deepspeed --deepspeed-config --demo
 --distributed-backend --distributed-timeout-minutes --eod-mask-loss --epochs --eval-interval --eval-iters
 --ffn-hidden-size --finetune --fp16 --fsdp-memory-optimization --global-batch-size --help --hidden-dropout
 --hidden-size --hysteresis --init-method-std --initial-loss-scale --label-key --load --load-pretrained-weights
@@ -25,7 +26,8 @@ FLAGS = """
 --position-embedding-type --pretrained-model-name-or-path --recompute-granularity --recompute-num-layers
 --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length --sequence-parallel
 --sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
---tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights --user-script
+--tf32 --no-tf32 --tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights
+--user-script
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization
 """.split()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import english_corpus
 from rapidlite.data.bert_dataset import (
     IGNORE_INDEX,
     BertDataset,
@@ -23,27 +24,7 @@ from rapidlite.data.preprocess import preprocess
 from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
 from rapidlite.errors import ConfigError, DataError
 
-SUBJECTS = "the cat|a dog|my neighbour|the old farmer|our teacher|the small bird|a tired traveller|the river".split("|")
-VERBS = "sees|likes|follows|paints|carries|remembers|finds|watches|builds|keeps".split("|")
-OBJECTS = "the garden|a red house|the morning light|two apples|the long road|a quiet village|the blue boat".split("|")
-TAILS = "|today|before dinner|in the rain|with great care|every summer|near the mountains|after school".split("|")
 SEQ = 48
-
-
-def english_corpus(num_docs: int, seed: int) -> list[str]:
-    """Documents of 1-7 sentences made from word templates (some one-sentence documents on purpose)."""
-    rng = np.random.default_rng(seed)
-    docs = []
-    for _ in range(num_docs):
-        sentences = []
-        for _ in range(int(rng.integers(1, 8))):
-            words = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(TAILS)]
-            if rng.random() < 0.5:
-                words += ["and", rng.choice(VERBS), rng.choice(OBJECTS)]
-            text = " ".join(w for w in words if w)
-            sentences.append(text[0].upper() + text[1:] + ".")
-        docs.append(" ".join(sentences))
-    return docs
 
 
 @pytest.fixture(scope="module")

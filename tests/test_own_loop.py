@@ -81,8 +81,16 @@ def test_compose_says_what_it_applies_to_a_users_optimizer(log_lines):
     model = MLP()
     eng.compose(model_obj=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), lr_scheduler_fn=lambda o: None)
     (line,) = [line for line in log_lines if line.startswith("compose: ")]
-    for part in ("single process", "precision fp16", "loss scale 1024", "optimizer yours: SGD", "clipping at norm 1",
-                 "--clip-grad", "LR schedule yours", "global batch 4"):
+    for part in (
+        "single process",
+        "precision fp16",
+        "loss scale 1024",
+        "optimizer yours: SGD",
+        "clipping at norm 1",
+        "--clip-grad",
+        "LR schedule yours",
+        "global batch 4",
+    ):
         assert part in line, (part, line)
 
     eng = engine("--clip-grad", "0", "--lr-decay-style", "cosine", "--train-iters", "5")
@@ -105,6 +113,10 @@ def test_build_data_loader_pads_tokenized_rows_without_a_collate_fn():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
     assert batch["token_type_ids"].shape == (3, 4) and batch["labels"].tolist() == [1, 0, 1]
     assert batch["input_ids"].dtype == torch.int64
+    # A tokenized dataset's "label" column reaches the model as "labels", as Hugging Face's collators pass it.
+    renamed = PadCollator()([{"input_ids": [1, 2], "label": 1}, {"input_ids": [3], "label": 0}])
+    assert renamed["labels"].tolist() == [1, 0] and "label" not in renamed
+    assert "label" in PadCollator()([{"x": [1.0], "label": 1}, {"x": [2.0], "label": 0}])  # not tokenized: kept
 
 
 def test_pad_collator_masks_what_it_pads_and_ignores_padded_labels():

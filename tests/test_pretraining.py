@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from helpers import read_metrics, run_cli
+from helpers import english_corpus, read_metrics, run_cli
 from rapidlite.data.indexed_dataset import IndexedDatasetBuilder
 from rapidlite.tasks import pretraining_demo
 
@@ -116,7 +116,6 @@ def test_bert_pretraining_from_a_config(tmp_path, binary_head):
 
     from rapidlite.data.preprocess import preprocess
     from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
-    from test_bert_dataset import english_corpus
 
     docs = english_corpus(300, seed=0)
     source = tmp_path / "corpus.jsonl"

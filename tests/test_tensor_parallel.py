@@ -223,11 +223,11 @@ def bert_run_args(root, num_layers=2):
     ``root``; returns the --task pretraining flags that train it."""
     import json
 
+    from test_bert_dataset import english_corpus
     from transformers import BertConfig
 
     from rapidlite.data.preprocess import preprocess
     from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
-    from test_bert_dataset import english_corpus
 
     root.mkdir(parents=True, exist_ok=True)
     docs = english_corpus(200, seed=0)

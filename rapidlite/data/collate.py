@@ -5,9 +5,11 @@ length ("each element in list of batch should be of equal size"). A Hugging Face
 tokenizer, as Rapidformer's page builds it, yields exactly such rows: dicts of token lists. ``PadCollator``
 pads them the way ``DataCollatorWithPadding`` does, without needing the tokenizer: ``input_ids`` with the pad
 id, sequence ``labels`` with -100 (ignored by the loss), every other sequence field with 0, and an
-``attention_mask`` added when the rows carry none, so padding is never attended to. Sequence fields of equal
-length are stacked into one tensor (``default_collate`` would transpose a list field into a list of
-per-position tensors); other fields, and samples that are not dicts, are ``default_collate``'s.
+``attention_mask`` added when the rows carry none, so padding is never attended to. In tokenized rows (with
+``input_ids``) a ``label`` or ``label_ids`` column arrives as ``labels``, the name models take, as Hugging Face's
+collators pass it. Sequence fields of equal length are stacked into one tensor (``default_collate`` would
+transpose a list field into a list of per-position tensors); other fields, and samples that are not dicts,
+are ``default_collate``'s.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class PadCollator:
     def pad_value(self, key: str) -> int:
         if key == "input_ids":
             return self.pad_token_id
-        if key in ("labels", "label"):
+        if key == "labels":
             return IGNORE_INDEX
         return 0
 
@@ -74,6 +76,11 @@ class PadCollator:
     def __call__(self, samples: list[Any]) -> Any:
         if not samples or not all(isinstance(s, Mapping) for s in samples):
             return default_collate(samples)
+        if "input_ids" in samples[0] and "labels" not in samples[0]:  # tokenized rows: Hugging Face's convention
+            for old in ("label", "label_ids"):
+                if old in samples[0]:
+                    samples = [{("labels" if k == old else k): v for k, v in s.items()} for s in samples]
+                    break
         keys = list(samples[0].keys())
         if any(set(s.keys()) != set(keys) for s in samples):
             raise ValueError(

@@ -262,6 +262,18 @@ class BlendedDataset(torch.utils.data.Dataset):
         return self.datasets[self.dataset_index[index]][int(self.dataset_sample_index[index])]
 
 
+def check_mmap_data(data_prefix: Sequence[str] | str, data_impl: str, skip_warmup: bool) -> None:
+    """Megatron's ``data_impl`` (only the mmap format exists here) and ``--mmap-warmup``: with
+    ``skip_warmup=False`` each ``.bin`` is read once, so the page cache holds it."""
+    if data_impl not in ("mmap", "infer"):
+        raise ConfigError(f"--data-impl {data_impl}: only the mmap format is supported (rapidlite-preprocess)")
+    if not skip_warmup:
+        for _, prefix in parse_data_path([data_prefix] if isinstance(data_prefix, str) else data_prefix):
+            with open(f"{prefix}.bin", "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
 def build_train_valid_test_datasets(
     data_prefix: Sequence[str],
     splits_string: str,
@@ -274,13 +286,7 @@ def build_train_valid_test_datasets(
     """Megatron's entry point: GPT train/valid/test datasets from one or more (weighted) prefixes.
 
     ``skip_warmup=False`` (``--mmap-warmup``) reads each ``.bin`` once first, so the page cache holds it."""
-    if data_impl not in ("mmap", "infer"):
-        raise ConfigError(f"--data-impl {data_impl}: only the mmap format is supported (rapidlite-preprocess)")
-    if not skip_warmup:
-        for _, prefix in parse_data_path(data_prefix):
-            with open(f"{prefix}.bin", "rb") as f:
-                while f.read(1 << 24):
-                    pass
+    check_mmap_data(data_prefix, data_impl, skip_warmup)
     blend = parse_data_path(data_prefix)
     names = ("train", "valid", "test")
     if len(blend) == 1:

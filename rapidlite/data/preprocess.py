@@ -426,7 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, metavar="TYPE", help=" | ".join(TOKENIZER_TYPES))
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model or Hugging Face directory")
-    group.add_argument("--vocab-file", default=None, help="vocab.json (GPT-2 BPE) or vocab.txt (BERT)")
+    group.add_argument(
+        "--vocab-file",
+        "--vocab",
+        default=None,
+        help="vocab.json (GPT-2 BPE) or vocab.txt (BERT); --vocab is Megatron's",
+    )
     group.add_argument("--merge-file", default=None, help="merges.txt (GPT-2 BPE)")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: number of token ids")
     group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")

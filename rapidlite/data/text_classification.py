@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be 
 EXTENSIONS: tuple[str, ...] = ("csv", "tsv", "json", "jsonl", "parquet")
 SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
     "train": ("train",),
-    "validation": ("validation", "dev", "valid"),
+    "validation": ("validation", "val", "dev", "valid"),
     "test": ("test",),
 }
 # Hub datasets name their splits less uniformly than local files (e.g. MNLI's "validation_matched").
@@ -184,7 +184,7 @@ def load_raw_datasets(
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
-    * Local directory: ``train.*``, ``validation.*`` (or ``dev.*``/``valid.*``) and optional ``test.*``
+    * Local directory: ``train.*``, ``validation.*`` (or ``val.*``/``dev.*``/``valid.*``) and optional ``test.*``
       with extension csv, tsv, json, jsonl or parquet. ``data_name`` and ``data_dir``, if given, are
       sub-directories to descend into (``--data-path glue --data-name sst2``). Without a validation
       file, validation is carved out of train (seeded shuffle) with the fraction
@@ -194,6 +194,8 @@ def load_raw_datasets(
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
       data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
+
+    Which file (or share of one) became which split is logged in one line.
     """
     import datasets
 
@@ -208,7 +210,7 @@ def load_raw_datasets(
                 path = os.path.join(path, sub)
                 if not os.path.isdir(path):
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
-        return _load_local_dir(path, weights, seed)
+        return _log_splits(*_load_local_dir(path, weights, seed))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -226,14 +228,39 @@ def load_raw_datasets(
         if len(ds) == 0:
             raise DataError(f"--data-path {data_path}: the file has no rows")
         parts = _split_dataset(ds, weights, _SPLIT_ORDER, seed, f"--data-path {data_path}")
-        return datasets.DatasetDict(parts)
+        name = os.path.basename(path)
+        sources = {k: f"{w:.0%} of {name} (--split)" for k, w in zip(_SPLIT_ORDER, weights, strict=True) if w > 0}
+        return _log_splits(datasets.DatasetDict(parts), sources)
 
     if _looks_like_path(data_path):
         raise DataError(f"--data-path {data_path}: no such file or directory")
-    return _load_hub(data_path, data_name, data_dir, weights, seed)
+    return _log_splits(*_load_hub(data_path, data_name, data_dir, weights, seed))
 
 
-def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> datasets.DatasetDict:
+def _log_splits(parts: datasets.DatasetDict, sources: dict[str, str]) -> datasets.DatasetDict:
+    """Say in one line which file (or share of one) became which split, so nothing is picked silently."""
+    import logging
+
+    from rapidlite.logging import LOGGER_NAME
+
+    described = [f"{name} = {sources.get(name, name)} ({len(parts[name])} rows)" for name in parts]
+    if "validation" not in parts:
+        described.append("no validation split (no validation/val/dev/valid file and --split gives it no weight)")
+    logging.getLogger(LOGGER_NAME).info("data: " + "; ".join(described))
+    return parts
+
+
+def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, Any]) -> dict[str, str]:
+    if "validation" not in parts:
+        return {}
+    share = weights[1] / (weights[0] + weights[1])
+    return {
+        "train": f"{1 - share:.0%} of {train_name}",
+        "validation": f"{share:.0%} of {train_name} (--split; no validation file)",
+    }
+
+
+def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
     files = {name: _find_split_file(directory, name) for name in _SPLIT_ORDER}
@@ -241,11 +268,13 @@ def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> data
         expected = ", ".join(f"train.{e}" for e in EXTENSIONS[:-1]) + f" or train.{EXTENSIONS[-1]}"
         raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
     parts = {name: _load_file(f) for name, f in files.items() if f is not None}
+    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
     if len(parts["train"]) == 0:
         raise DataError(f"{files['train']}: the train file has no rows")
     if "validation" not in parts:
         parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {directory}"))
-    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts})
+        sources.update(_carved_sources(sources["train"], weights, parts))
+    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts}), sources
 
 
 def _carve_validation(
@@ -264,7 +293,7 @@ def _carve_validation(
 
 def _load_hub(
     name: str, data_name: str | None, data_dir: str | None, weights: Sequence[float], seed: int
-) -> datasets.DatasetDict:
+) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
     try:
@@ -277,10 +306,12 @@ def _load_hub(
     if not isinstance(loaded, datasets.DatasetDict):  # defensive: load_dataset without split= is a dict
         loaded = datasets.DatasetDict({"train": loaded})
     parts: dict[str, datasets.Dataset] = {}
+    sources: dict[str, str] = {}
     for target, aliases in _HUB_SPLIT_ALIASES.items():
         hit = next((a for a in aliases if a in loaded), None)
         if hit is not None:
             parts[target] = loaded[hit]
+            sources[target] = f"hub split {hit}"
     if "train" not in parts:
         raise DataError(
             f"--data-path {name}: the hub dataset has no train split (it has: "
@@ -288,7 +319,8 @@ def _load_hub(
         )
     if "validation" not in parts:
         parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {name}"))
-    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts})
+        sources.update(_carved_sources("hub split train", weights, parts))
+    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts}), sources
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,8 +25,10 @@ LayerNorm is NVIDIA Apex's ``FusedLayerNorm`` when the model is built on CUDA wi
 CPU, as rapidlite builds it before moving it, it is torch's (see ``_apex_layer_norm``).
 
 With ``labels`` the forward returns ``(loss_sum, num_tokens)``: fp32 cross-entropy summed over the kept
-positions, so gradient accumulation can weight every token the same. ``save_pretrained`` and
-``from_pretrained`` use ``config.json`` + ``model.safetensors``, storing a tied output weight once.
+positions, so gradient accumulation can weight every token the same. A model built Megatron's way
+(``GPTModel()``, its architecture from the flags) returns Megatron's per-token losses ``[b, s]`` instead.
+``save_pretrained`` and ``from_pretrained`` use ``config.json`` + ``model.safetensors``, storing a tied output
+weight once.
 """
 
 from __future__ import annotations
@@ -133,6 +135,29 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_args(cls, args: Any, vocab_size: int) -> GPTConfig:
+        """The architecture the flags describe (``--num-layers``, ``--hidden-size``, ...), with rapidlite's
+        defaults for what they leave open."""
+        hidden = args.hidden_size or 256
+        return cls(
+            vocab_size=vocab_size,
+            num_layers=args.num_layers or 4,
+            hidden_size=hidden,
+            num_attention_heads=args.num_attention_heads or max(1, hidden // 64),
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            max_position_embeddings=args.max_position_embeddings or args.seq_length,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            init_method_std=args.init_method_std,
+            hidden_dropout=0.1 if args.hidden_dropout is None else args.hidden_dropout,
+            attention_dropout=0.1 if args.attention_dropout is None else args.attention_dropout,
+            normalization=args.normalization,
+            swiglu=args.swiglu,
+            position_embedding_type=args.position_embedding_type,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
@@ -266,11 +291,41 @@ class TransformerBlock(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """Decoder-only transformer: ``embedding`` → ``layers`` → ``final_norm`` → ``output``."""
+    """Decoder-only transformer: ``embedding`` → ``layers`` → ``final_norm`` → ``output``.
 
-    def __init__(self, config: GPTConfig) -> None:
+    ``GPTModel(config)``: with ``labels`` the forward returns ``(loss_sum, num_tokens)``, rapidlite's
+    token-exact loss. ``GPTModel()`` (optionally with Megatron's keyword arguments ``num_tokentypes=0,
+    parallel_output=True, pre_process=True, post_process=True``) is Megatron's construction: the
+    architecture comes from the running engine's flags (``get_args()``, the vocabulary from
+    ``get_tokenizer()``) and, as Megatron's GPT does, the forward with ``labels`` returns the per-token fp32
+    losses ``[b, s]``. ``per_token_loss`` chooses either convention explicitly.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | None = None,
+        *,
+        per_token_loss: bool | None = None,
+        num_tokentypes: int = 0,
+        parallel_output: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> None:
         super().__init__()
+        if num_tokentypes:
+            raise ConfigError("GPTModel: token types (num_tokentypes > 0) are not supported; pass 0")
+        if not (pre_process and post_process):
+            raise ConfigError(
+                "GPTModel: build the whole model (pre_process=True, post_process=True); with "
+                "--pipeline-model-parallel-size rapidlite splits it into stages itself"
+            )
+        if config is None:
+            from rapidlite.global_vars import get_args, get_tokenizer
+
+            config = GPTConfig.from_args(get_args(), get_tokenizer().vocab_size)
+            per_token_loss = True if per_token_loss is None else per_token_loss
         self.config = config
+        self.per_token_loss = bool(per_token_loss)
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.final_norm = _norm(config)
@@ -328,9 +383,29 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, attention_mask)
         logits = self.output(self.final_norm(x))
+        return self.head_output(logits, labels, loss_mask)
+
+    def head_output(
+        self, logits: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None
+    ) -> Any:
+        """What the forward returns for these logits: the logits without ``labels``; with them the per-token
+        losses (``per_token_loss``, Megatron's convention) or ``(loss_sum, num_tokens)``."""
         if labels is None:
             return logits
+        if self.per_token_loss:
+            return self.token_losses(logits, labels)
         return self.loss(logits, labels, loss_mask)
+
+    @staticmethod
+    def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 cross-entropy of every position, ``[b, s]`` (0 where the label is -100)."""
+        with maybe_loss_parallel(logits):
+            losses = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none"
+            )
+        if hasattr(losses, "full_tensor"):
+            losses = losses.full_tensor()
+        return losses.view(labels.shape)
 
     @staticmethod
     def loss(
@@ -388,8 +463,9 @@ class GPTModel(nn.Module):
             json.dump({"model_type": MODEL_TYPE, **self.config.to_dict()}, f, indent=2)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, **_: Any) -> GPTModel:
+    def from_pretrained(cls, directory: str | os.PathLike, per_token_loss: bool = False, **_: Any) -> GPTModel:
         """Load a model written by ``save_pretrained`` (weights in the config's fp32 parameters)."""
+        kwargs = {"per_token_loss": per_token_loss}
         from safetensors.torch import load_file
 
         config_path, weights_path = (os.path.join(directory, name) for name in (CONFIG_FILE, WEIGHTS_FILE))
@@ -397,7 +473,7 @@ class GPTModel(nn.Module):
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path}: not found; expected a directory written by GPTModel.save_pretrained")
         with open(config_path) as f:
-            model = cls(GPTConfig.from_dict(json.load(f)))
+            model = cls(GPTConfig.from_dict(json.load(f)), **kwargs)
         state = load_file(weights_path)
         if model.tied:
             state["output.weight"] = state["embedding.word_embeddings.weight"]

@@ -178,12 +178,7 @@ class GPTFamily:
         return x
 
     def finish(self, model: nn.Module, logits: torch.Tensor, call: Call) -> Any:
-        from rapidlite.models.gpt import GPTModel
-
-        labels = call.loss_kwargs["labels"]
-        if labels is None:
-            return logits
-        return GPTModel.loss(logits, labels, call.loss_kwargs["loss_mask"])
+        return model.head_output(logits, call.loss_kwargs["labels"], call.loss_kwargs["loss_mask"])
 
 
 class HFDecoderFamily:

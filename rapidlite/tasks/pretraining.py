@@ -86,29 +86,6 @@ def _override_sizes(config: Any, args: Any) -> None:
                     setattr(config, key, value)
 
 
-def gpt_config_from_args(args: Any, vocab_size: int) -> Any:
-    from rapidlite.models.gpt import GPTConfig
-
-    hidden = args.hidden_size or 256
-    return GPTConfig(
-        vocab_size=vocab_size,
-        num_layers=args.num_layers or 4,
-        hidden_size=hidden,
-        num_attention_heads=args.num_attention_heads or max(1, hidden // 64),
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        init_method_std=args.init_method_std,
-        hidden_dropout=0.1 if args.hidden_dropout is None else args.hidden_dropout,
-        attention_dropout=0.1 if args.attention_dropout is None else args.attention_dropout,
-        normalization=args.normalization,
-        swiglu=args.swiglu,
-        position_embedding_type=args.position_embedding_type,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-    )
-
-
 def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
     """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request;
     attention through SDPA where the model class has it."""
@@ -178,9 +155,9 @@ class GPTPretrainer(PreTrainer):
         vocab_size = self.data_tokenizer.vocab_size
         if self.hf:
             return hf_causal_lm(args, vocab_size), None, None
-        from rapidlite.models.gpt import GPTModel
+        from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        return GPTModel(gpt_config_from_args(args, vocab_size)), None, None
+        return GPTModel(GPTConfig.from_args(args, vocab_size)), None, None
 
     def run_forward_step(self, data_iterator, model):
         args = get_args()

@@ -20,6 +20,7 @@ from rapidlite import checkpoint as ckpt
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
+from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
 from rapidlite.parallel import deepspeed_backend
 from rapidlite.parallel.data_parallel import gradient_sync, model_state_bytes
@@ -101,6 +102,10 @@ class CountingIterator:
 class BaseTrainer:
     """The hooks a subclass implements, and the machinery both templates share."""
 
+    # Fine-tuning batches vary in length (--torch-compile then compiles shape-generic code); pretraining
+    # samples have one length.
+    variable_length_batches: bool | None = None
+
     def __init__(self, engine: RapidliteEngine | None = None) -> None:
         self.engine = engine if engine is not None else RapidliteEngine()
         self.args = self.engine.args
@@ -121,6 +126,7 @@ class BaseTrainer:
         self._resume_rng: dict[str, Any] | None = None
         self._state_bytes_logged = False
         self._first_step_start: float | None = None  # set when training begins; reports the compile step
+        self._graphs = 0  # graphs torch.compile had built after the first step (recompiles are logged)
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -161,13 +167,19 @@ class BaseTrainer:
     # ------------------------------------------------------------------ setup
     def setup_model(self, total_iters: int) -> None:
         self.total_iters = total_iters
-        if self.args.load is not None and self.engine.data_parallel.deepspeed:
+        resume = self.args.load is not None and not self.args.load_is_pretrained_model
+        if self.args.load_is_pretrained_model:
+            self.logger.info(
+                f"--load {self.args.load} holds a Hugging Face model, not a rapidlite checkpoint: the model provider "
+                "loads it (from_pretrained(args.load)); nothing is resumed"
+            )
+        if resume and self.engine.data_parallel.deepspeed:
             self._stage_foreign_weights()
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
-            model, optimizer, scheduler, total_iters=total_iters
+            model, optimizer, scheduler, total_iters=total_iters, dynamic_shapes=self.variable_length_batches
         )
-        if self.args.load is not None:
+        if resume:
             self.load_checkpoint()
         if self.engine.is_main_process:
             self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir)
@@ -304,7 +316,10 @@ class BaseTrainer:
             if self.args.torch_compile and self.engine.is_main_process:
                 seconds = time.perf_counter() - self._first_step_start
                 self.logger.info(f"torch.compile: the first step took {seconds:.1f} s including compilation")
+                self._graphs = compiled_graphs()
             self._first_step_start = None
+        elif self.args.torch_compile and self.engine.is_main_process:
+            self._log_recompiles()
         if not self._state_bytes_logged:
             self.log_model_state_bytes()
         if self.iteration % self.args.log_interval == 0 or self.iteration == self.total_iters:
@@ -313,6 +328,17 @@ class BaseTrainer:
             self.evaluate("validation")
         if self.args.save_interval and self.iteration % self.args.save_interval == 0:
             self.save_checkpoint()
+
+    def _log_recompiles(self) -> None:
+        """A graph built after the first step is a recompilation (new shapes or modes): said in one line, so
+        a run that keeps recompiling is seen, not just slow."""
+        graphs = compiled_graphs()
+        if graphs > self._graphs:
+            self.logger.info(
+                f"torch.compile: {graphs - self._graphs} more graph{'s' if graphs - self._graphs > 1 else ''} "
+                f"compiled by iteration {self.iteration} ({graphs} in all: new input shapes or modes)"
+            )
+            self._graphs = graphs
 
     def log_model_state_bytes(self) -> None:
         """Once, after the first step (optimizer state exists then): this rank's bytes of parameters,

@@ -27,6 +27,7 @@ class Finetuner(BaseTrainer):
     ``--train-iters`` bounds the run if it comes first.
     """
 
+    variable_length_batches = True
     train_dataloader = None
     valid_dataloader = None
     test_dataloader = None
