@@ -131,3 +131,42 @@ def test_pad_collator_masks_what_it_pads_and_ignores_padded_labels():
     # Anything else is torch's default collation.
     tensors = collate([(torch.ones(2), 1), (torch.zeros(2), 0)])
     assert tensors[0].shape == (2, 2) and tensors[1].tolist() == [1, 0]
+
+
+def test_deepspeed_step_without_its_backward_is_one_clear_error():
+    """Under --deepspeed only engine.backward(loss) reaches DeepSpeed's scaling, accumulation and update: a step
+    after a plain loss.backward() would report an update that never happened."""
+    from rapidlite.errors import ConfigError
+    from rapidlite.parallel.deepspeed_backend import DeepSpeedOptimizer
+
+    class FakeDeepSpeedEngine:  # the calls DeepSpeedOptimizer makes, nothing more
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        micro_steps = 0
+        skipped_steps = 0
+
+        def gradient_clipping(self):
+            return 1.0
+
+        def fp16_enabled(self):
+            return False
+
+        def gradient_accumulation_steps(self):
+            return 1
+
+        def backward(self, loss):
+            self.micro_steps += 1
+
+        def step(self):
+            pass
+
+        def was_step_applied(self):
+            return True
+
+        def get_global_grad_norm(self):
+            return 0.5
+
+    optimizer = DeepSpeedOptimizer(FakeDeepSpeedEngine())
+    with pytest.raises(ConfigError, match=r"engine.backward\(loss\)"):
+        optimizer.step()
+    optimizer.backward(torch.ones(()))
+    assert optimizer.step() and float(optimizer.last_grad_norm) == 0.5
