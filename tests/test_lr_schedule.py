@@ -46,9 +46,17 @@ def test_step_sets_optimizer_lr_and_resumes():
     assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.55)
 
 
-def test_warmup_must_be_shorter_than_decay():
+def test_warmup_may_not_outlast_decay():
     with pytest.raises(ConfigError, match="warmup"):
-        scheduler("linear", warmup=20, decay=20)
+        scheduler("linear", warmup=21, decay=20)
+    # As long as the decay: a warmup over the whole run (what a too-long --lr-warmup-iters is clamped to).
+    s = scheduler("linear", warmup=20, decay=20, max_lr=1.0, min_lr=0.1)
+    for _ in range(10):
+        s.step()
+    assert s.get_lr() == pytest.approx(0.5)
+    for _ in range(10):
+        s.step()
+    assert s.get_lr() == pytest.approx(1.0)
 
 
 def test_trainer_follows_schedule_with_warmup_fraction_and_min_lr(tmp_path):
