@@ -198,20 +198,18 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
     if world == 1 and not need_process_group:
         return ctx
     if not dist.is_initialized():
-        if world == 1:  # a private one-process group on a free local port
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
         backend = args.distributed_backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        if launched_world_size():
+            rendezvous = _attempt_store(rank, world, timeout)  # env:// as the launcher set it up
+        else:
+            # A private one-process group on a free local port, described explicitly: the environment keeps
+            # saying that no launcher started this process (teardown and exit codes depend on it).
+            rendezvous = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
         dist.init_process_group(
-            backend=backend,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-            **_attempt_store(rank, world, timeout),
+            backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None, **rendezvous
         )
     from torch.distributed.device_mesh import init_device_mesh
 

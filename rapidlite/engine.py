@@ -118,15 +118,19 @@ class RapidliteEngine:
         set_global_args(args, self.timers)
         self.data_parallel = DataParallelConfig.from_args(args)
         owned = not distributed.dist.is_initialized()
+        launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
         self.dist = distributed.init_distributed(
             args, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
         )
         if owned and self.dist.initialized:
-            # A script's worker ends through the clean teardown (see distributed.shutdown); a private
-            # one-process group is destroyed before the interpreter finalises.
-            atexit.register(
-                distributed.shutdown if distributed.launched_world_size() else distributed.dist.destroy_process_group
-            )
+            # A launched worker ends through the clean teardown (see distributed.shutdown; failures reach it
+            # through the excepthook with their exit code). A private one-process group is destroyed before the
+            # interpreter finalises, which then exits with the script's own code (1 after a crash, sys.exit's).
+            atexit.register(distributed.shutdown if launched else distributed.dist.destroy_process_group)
+        if not getattr(sys.excepthook, "rapidlite", False):
+            # init_process_group put torch's rank-prefixing hook in front of ours: ours goes first again, so a
+            # user error is still one line (torch's hook would buffer it past our os._exit).
+            sys.excepthook = _excepthook(sys.excepthook)
         set_distributed_context(self.dist)
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.dp_rank, self.dp_size = self.dist.dp_rank, self.dist.dp_size

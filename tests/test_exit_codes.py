@@ -1,0 +1,64 @@
+"""Exit codes are right on every layout: a crash in a user's script is non-zero (1 for a bug, 2 for a user error),
+also when rapidlite started a process group of its own (ZeRO or DeepSpeed on one process) and under torchrun,
+whether the script runs through ``rapidlite --user-script`` or ``python script.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import sys
+from rapidlite import RapidliteEngine, ConfigError
+
+engine = RapidliteEngine()
+what = sys.argv[sys.argv.index("--then") + 1] if "--then" in sys.argv else "{then}"
+if what == "crash":
+    raise RuntimeError("boom in user code")
+if what == "user-error":
+    raise ConfigError("a mistake the user can fix")
+if what == "exit-3":
+    sys.exit(3)
+print("finished")
+"""
+
+LAYOUTS = {
+    "one process": [],
+    "ZeRO-2 on one process": ["--zero-2-memory-optimization"],
+    "DeepSpeed on one process": ["--deepspeed", "--zero-2-memory-optimization"],
+    "2 ranks": ["--nproc-per-node", "2"],
+}
+
+
+def run(tmp_path, how: str, layout: list[str], then: str) -> subprocess.CompletedProcess:
+    script = tmp_path / f"script_{then}.py"
+    script.write_text(SCRIPT.replace("{then}", then))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    prefix = [sys.executable, "-m", "rapidlite", "--user-script"] if how == "rapidlite" else [sys.executable]
+    return subprocess.run([*prefix, str(script), *layout], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+@pytest.mark.parametrize("how", ["rapidlite", "python"])
+def test_a_crash_exits_non_zero_and_success_exits_zero(tmp_path, how, layout):
+    if "DeepSpeed" in layout:
+        pytest.importorskip("deepspeed")
+    argv = LAYOUTS[layout]
+    crash = run(tmp_path, how, argv, "crash")
+    assert crash.returncode == 1, (crash.returncode, crash.stderr[-2000:])
+    assert "boom in user code" in crash.stderr
+    user_error = run(tmp_path, how, argv, "user-error")
+    assert user_error.returncode == 2, (user_error.returncode, user_error.stderr[-2000:])
+    assert "a mistake the user can fix" in user_error.stderr and "Traceback" not in user_error.stderr
+    done = run(tmp_path, how, argv, "finish")
+    assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]
+    if "--nproc-per-node" not in argv:  # one process: the script's own exit code
+        exit3 = run(tmp_path, how, argv, "exit-3")
+        assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
