@@ -12,6 +12,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
+from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError
 
 TASKS = ("sequence_classification", "pretraining")
@@ -408,16 +409,6 @@ def mark_explicit(parser: argparse.ArgumentParser, argv: Sequence[str] | None, a
     probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
     parsed, _ = parser.parse_known_args(argv, probe)
     args.explicit_flags = frozenset(k for k, v in vars(parsed).items() if v is not unset)
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rapidlite.arguments import env_int
+from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError, RapidliteError
 
 

@@ -57,7 +57,7 @@ def get_tokenizer():
     ``--pretrained-model-name-or-path``), built once: Megatron's ``get_tokenizer()``."""
     global _TOKENIZER
     if _TOKENIZER is None:
-        from rapidlite.tasks.pretraining import build_task_tokenizer
+        from rapidlite.data.tokenizers import tokenizer_from_args
 
-        _TOKENIZER = build_task_tokenizer(get_args())
+        _TOKENIZER = tokenizer_from_args(get_args())
     return _TOKENIZER

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rapidlite.cache import cache_root
 from rapidlite.parallel.recompute import find_blocks
 
 
@@ -51,8 +52,7 @@ def resolve_graph_flags(args: Any, world_size: int) -> str | None:
 def set_compile_cache() -> None:
     """Inductor's compiled kernels under RAPIDLITE_CACHE unless the user chose a directory."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        root = os.environ.get("RAPIDLITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rapidlite")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), "inductor")
 
 
 def compile_model(model: torch.nn.Module, mode: str | None = None, dynamic: bool | None = None) -> int:

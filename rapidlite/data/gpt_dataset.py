@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rapidlite.cache import cache_root
 from rapidlite.data.indexed_dataset import IndexedDataset
 from rapidlite.errors import ConfigError, DataError
 
@@ -142,10 +143,8 @@ def _cache_dir(prefix: str) -> Path:
             return beside
     except OSError:
         pass
-    from rapidlite.tasks.demo import cache_dir
-
     digest = hashlib.sha1(os.path.abspath(prefix).encode()).hexdigest()[:12]
-    fallback = Path(cache_dir()) / "index_cache" / f"{Path(prefix).name}_{digest}"
+    fallback = Path(cache_root()) / "index_cache" / f"{Path(prefix).name}_{digest}"
     fallback.mkdir(parents=True, exist_ok=True)
     return fallback
 

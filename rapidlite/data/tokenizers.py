@@ -283,6 +283,25 @@ def build_tokenizer(
     raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
+def tokenizer_from_args(args: Any) -> Any:
+    """The tokenizer the flags name: ``--tokenizer-type`` with its files, else the tokenizer of
+    ``--pretrained-model-name-or-path`` (what Megatron's ``get_tokenizer()`` returns)."""
+    if args.tokenizer_type is None:
+        if args.pretrained_model_name_or_path is None:
+            raise ConfigError(
+                "--task pretraining needs the tokenizer the data was preprocessed with: --tokenizer-type with "
+                "--vocab-file/--merge-file/--tokenizer-model, or --pretrained-model-name-or-path"
+            )
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=args.pretrained_model_name_or_path)
+    return build_tokenizer(
+        args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
+
+
 # ----------------------------------------------------------------------------------------- training
 def train_byte_level_bpe(
     texts: Iterable[str], vocab_size: int, out_dir: str | os.PathLike, min_frequency: int = 2

@@ -46,7 +46,7 @@ from torch import nn
 from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.flops import ModelFlops
-from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
+from rapidlite.losses import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -10,12 +10,13 @@ makes the choice independent of the release and of how the model is built.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from rapidlite.global_vars import get_logger
+from rapidlite.logging import LOGGER_NAME
 
 ModelT = TypeVar("ModelT")
 
@@ -45,7 +46,9 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
         if not _refuses_sdpa(error):
             raise
         what = source if named else f"a {getattr(source, 'model_type', type(source).__name__)} config"
-        get_logger().info(f"{what}: the model class has no SDPA attention; using transformers' default")
+        logging.getLogger(LOGGER_NAME).info(
+            f"{what}: the model class has no SDPA attention; using transformers' default"
+        )
     return load(source, **kwargs)
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rapidlite.errors import ConfigError
-from rapidlite.parallel.tensor_parallel import loss_parallel_context
+from rapidlite.losses import loss_parallel_context, unpack_loss
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -536,8 +536,6 @@ class PipelineRunner:
         return self._recorded
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from rapidlite.trainer.base import unpack_loss
-
         index = int(target)
         if self.sharded_logits:  # the last stage's logits went out as local vocabulary shards
             from torch.distributed.tensor import DTensor, Shard

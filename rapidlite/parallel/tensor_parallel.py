@@ -20,12 +20,12 @@ process holds with dropout 0 (what the tests use); the training is statistically
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rapidlite.errors import ConfigError
+from rapidlite.losses import loss_parallel_context, maybe_loss_parallel  # noqa: F401 (re-exported)
 
 
 def _check_divisible(model: torch.nn.Module, tp: int) -> None:
@@ -379,43 +379,6 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_paralle
         f"--tensor-model-parallel-size: there is no tensor-parallel plan for {type(model).__name__}; the built-in "
         "GPT and Hugging Face models with a column/row-wise plan (LLaMA, Mistral, Qwen2, ...) have one"
     )
-
-
-_loss_parallel_depth = 0
-
-
-@contextlib.contextmanager
-def loss_parallel_context() -> Iterator[None]:
-    """``loss_parallel``, re-entrant: PyTorch's switches the parallel cross-entropy off on any exit, so a
-    nested use (the forward's inside a pipeline step's backward) would leave the backward without it."""
-    global _loss_parallel_depth
-    if _loss_parallel_depth:
-        _loss_parallel_depth += 1
-        try:
-            yield
-        finally:
-            _loss_parallel_depth -= 1
-        return
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    _loss_parallel_depth = 1
-    try:
-        with loss_parallel():
-            yield
-    finally:
-        _loss_parallel_depth = 0
-
-
-@contextlib.contextmanager
-def maybe_loss_parallel(logits: torch.Tensor) -> Iterator[None]:
-    """``loss_parallel`` when the logits are vocabulary-sharded DTensors (forward and backward need it)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(logits, DTensor):
-        with loss_parallel_context():
-            yield
-    else:
-        yield
 
 
 def backward_context() -> contextlib.AbstractContextManager:

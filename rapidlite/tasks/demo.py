@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from rapidlite.cache import cache_root
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -317,10 +319,8 @@ def write_demo_assets(
 
 
 def cache_dir() -> str:
-    """Where embedded demo assets are written once: ``$RAPIDLITE_CACHE``, else ``~/.cache/rapidlite``."""
-    return os.environ.get("RAPIDLITE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rapidlite"
-    )
+    """Where embedded demo assets are written once (``rapidlite.cache.cache_root``)."""
+    return cache_root()
 
 
 def prepare_demo(args) -> None:

@@ -24,30 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
+from rapidlite.data.tokenizers import tokenizer_from_args
 from rapidlite.errors import ConfigError
 from rapidlite.global_vars import get_args
+from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_hf_model
-from rapidlite.parallel.tensor_parallel import maybe_loss_parallel
 from rapidlite.trainer.pretrainer import PreTrainer
-
-
-def build_task_tokenizer(args: Any) -> Any:
-    from rapidlite.data.tokenizers import build_tokenizer
-
-    if args.tokenizer_type is None:
-        if args.pretrained_model_name_or_path is None:
-            raise ConfigError(
-                "--task pretraining needs the tokenizer the data was preprocessed with: --tokenizer-type with "
-                "--vocab-file/--merge-file/--tokenizer-model, or --pretrained-model-name-or-path"
-            )
-        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=args.pretrained_model_name_or_path)
-    return build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-    )
 
 
 def model_family(name: str | None) -> str:
@@ -134,7 +116,7 @@ class GPTPretrainer(PreTrainer):
         super().__init__(engine)
         args = self.args
         self.hf = args.pretrained_model_name_or_path is not None
-        self.data_tokenizer = build_task_tokenizer(args)
+        self.data_tokenizer = tokenizer_from_args(args)
         if args.seq_length is None:
             args.seq_length = 1024
 
@@ -198,7 +180,7 @@ class BertPretrainer(PreTrainer):
     def __init__(self, engine: Any = None) -> None:
         super().__init__(engine)
         args = self.args
-        self.data_tokenizer = build_task_tokenizer(args)
+        self.data_tokenizer = tokenizer_from_args(args)
         if getattr(self.data_tokenizer, "mask", None) is None or getattr(self.data_tokenizer, "cls", None) is None:
             raise ConfigError(
                 "BERT pretraining needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]: --tokenizer-type "

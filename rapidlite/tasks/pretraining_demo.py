@@ -23,7 +23,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterator
 
-from rapidlite.tasks.demo import cache_dir
+from rapidlite.cache import cache_root
 
 # Bump when the extraction, tokenizer or preprocessing changes, so cached assets are rebuilt.
 CORPUS_VERSION = 1
@@ -80,7 +80,7 @@ def write_corpus(path: pathlib.Path, seed: int = 1234) -> int:
 
 def demo_dir() -> pathlib.Path:
     version = f"v{CORPUS_VERSION}-vocab{VOCAB_SIZE}-py{sys.version_info.major}{sys.version_info.minor}"
-    return pathlib.Path(cache_dir()) / f"demo-pretraining-{version}"
+    return pathlib.Path(cache_root()) / f"demo-pretraining-{version}"
 
 
 def unigram_entropy(prefix: str) -> float:

@@ -22,26 +22,9 @@ from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+from rapidlite.losses import unpack_loss
 from rapidlite.parallel import deepspeed_backend
 from rapidlite.parallel.data_parallel import gradient_sync, model_state_bytes
-
-
-def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
-    """A forward step's result: ``loss`` (mean) or ``(loss_sum, num_items)``; HF outputs give ``.loss``."""
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss, items = output
-        return loss, int(items)
-    if isinstance(output, torch.Tensor):
-        return output, None
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss, None
-    raise TypeError(
-        "run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), "
-        f"got {type(output).__name__}"
-    )
 
 
 class CountingIterator:

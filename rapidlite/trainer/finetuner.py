@@ -11,7 +11,8 @@ import torch
 
 from rapidlite.data.loader import batch_stats, slice_batch
 from rapidlite.errors import ConfigError, DataError
-from rapidlite.trainer.base import BaseTrainer, split_datasets, unpack_loss
+from rapidlite.losses import unpack_loss
+from rapidlite.trainer.base import BaseTrainer, split_datasets
 
 
 class Finetuner(BaseTrainer):

@@ -10,7 +10,8 @@ import torch
 from rapidlite.data.loader import DeviceDataLoader
 from rapidlite.data.samplers import PretrainingBatchSampler
 from rapidlite.errors import ConfigError, DataError
-from rapidlite.trainer.base import BaseTrainer, CountingIterator, perplexity, split_datasets, unpack_loss
+from rapidlite.losses import unpack_loss
+from rapidlite.trainer.base import BaseTrainer, CountingIterator, perplexity, split_datasets
 
 
 class PreTrainer(BaseTrainer):

@@ -1,0 +1,122 @@
+"""The layering contract: a module imports only from its own layer or the ones below, and no import cycle
+exists, counting imports inside functions too. A new module must be given a layer here on purpose."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import REPO
+
+PACKAGE = REPO / "rapidlite"
+
+# Top to bottom. The package itself (rapidlite/__init__.py) is the public facade over every layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("api", ("rapidlite",)),
+    ("cli", ("rapidlite.cli", "rapidlite.__main__")),
+    ("tasks", ("rapidlite.tasks",)),
+    ("trainer", ("rapidlite.trainer",)),
+    ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
+    ("config", ("rapidlite.arguments",)),
+    (
+        "parallel and training machinery",
+        ("rapidlite.parallel", "rapidlite.graph", "rapidlite.optim", "rapidlite.precision", "rapidlite.checkpoint"),
+    ),
+    ("models", ("rapidlite.models", "rapidlite.flops")),
+    ("data", ("rapidlite.data", "rapidlite.global_vars")),
+    (
+        "base",
+        (
+            "rapidlite.errors",
+            "rapidlite.environ",
+            "rapidlite.logging",
+            "rapidlite.distributed",
+            "rapidlite.losses",
+            "rapidlite.cache",
+            "rapidlite.apex_kernels",
+        ),
+    ),
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module → the rapidlite modules it imports (module level, inside functions, under TYPE_CHECKING)."""
+    mods = modules()
+
+    def resolve(name: str) -> str:
+        while name not in mods and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(a.name) for a in node.names if a.name.startswith("rapidlite")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rapidlite"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in mods else resolve(node.module))
+        graph[name] = targets - {name, "rapidlite"}
+    return graph
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in modules() if layer_of(m) is None] == []
+
+
+def test_no_module_imports_from_a_higher_layer():
+    violations = [
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in import_graph().items()
+        for target in sorted(targets)
+        if layer_of(target) < layer_of(module)
+    ]
+    assert violations == []
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_contract_sees_a_violation():
+    """The checks above are not vacuous: the graph holds real edges, and an upward one would be caught."""
+    graph = import_graph()
+    assert "rapidlite.engine" in graph["rapidlite.trainer.base"]
+    assert layer_of("rapidlite.trainer.base") < layer_of("rapidlite.parallel.pipeline")  # upward if reversed
+    assert layer_of("rapidlite.models.gpt") > layer_of("rapidlite.parallel.tensor_parallel")
