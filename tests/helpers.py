@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidlite import Finetuner, RapidliteEngine
+from rapidlite.data.indexed_dataset import IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,3 +156,92 @@ def english_corpus(num_docs: int, seed: int) -> list[str]:
             sentences.append(text[0].upper() + text[1:] + ".")
         docs.append(" ".join(sentences))
     return docs
+
+
+# Data-parallel runs of examples/pretrain_custom_model.py: the same global batch (8) everywhere.
+PRETRAIN = str(REPO / "examples" / "pretrain_custom_model.py")
+# 1 process x micro 4 x 2 steps, or 2 ranks x micro 2 x 2 steps.
+DP_COMMON = ["--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--hidden-dropout", "0"]
+DP_COMMON += ["--seq-length", "16", "--hidden-size", "32", "--lr-decay-iters", "6"]
+DP_ONE = ["--micro-batch-size", "4"]
+DP_TWO = ["--micro-batch-size", "2", "--nproc-per-node", "2"]
+
+
+def rapidlite(*argv, env=None, timeout=300):
+    """One thread per rank (2 cores, 2 ranks), as a user on this machine would run it."""
+    saved = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        return run_cli(*argv, timeout=timeout)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def train_losses(save_dir, key="loss"):
+    return [r[key] for r in read_metrics(save_dir) if "split" not in r]
+
+
+def assert_close_lists(actual, expected, rtol):
+    assert len(actual) == len(expected), (actual, expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert abs(a - e) <= rtol * abs(e), (actual, expected)
+
+
+def layout_runs(root: Path, argv: list[str], layouts: dict[str, list[str]]):
+    """``get(name)``: the run of layout ``name`` (``argv`` + its flags, 6 iterations, checkpoints at 3 and 6),
+    trained once and shared by the tests of a module."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            save = root / name
+            proc = rapidlite(*argv, *layouts[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = save
+        return done[name]
+
+    return get
+
+
+def write_tiny_corpus(prefix, vocab=97, eod=96, docs=300, seed=0):
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(docs):
+        start = int(rng.integers(0, 90))
+        builder.add_item(np.append((np.arange(start, start + rng.integers(8, 40)) % 90), eod))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32"]
+TINY += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8"]
+TINY += ["--lr", "3e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2", "--hidden-dropout", "0.1"]
+
+
+def bert_run_args(root, num_layers=2):
+    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even) in
+    ``root``; returns the --task pretraining flags that train it."""
+    from transformers import BertConfig
+
+    from rapidlite.data.preprocess import preprocess
+    from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
+
+    root.mkdir(parents=True, exist_ok=True)
+    docs = english_corpus(200, seed=0)
+    source = root / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    vocab = write_wordpiece_vocab(docs, 200, root / "vocab")
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
+    prefix = preprocess(source, root / "corpus", tokenizer, split_sentences=True, log=None)["text"]
+    BertConfig(
+        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=num_layers,
+        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+    ).save_pretrained(root / "config")  # fmt: skip
+    return [
+        "--task", "pretraining", "--pretrained-model-name-or-path", str(root / "config"), "--data-path", prefix,
+        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab), "--seq-length", "48",
+        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--lr-decay-iters", "5",
+        "--eval-interval", "5", "--eval-iters", "1", "--split", "90,10,0", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--train-iters", "5",
+    ]  # fmt: skip

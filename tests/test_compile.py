@@ -4,11 +4,9 @@ run (here: it is not installed; on torch 2.13 it fails to import anyway)."""
 
 import pytest
 
-from helpers import read_metrics
+from helpers import assert_close_lists, rapidlite, read_metrics, train_losses, write_tiny_corpus
 from rapidlite.checkpoint import read_model_tensors
 from rapidlite.graph import ort_import_error
-from test_distributed import assert_close_lists, rapidlite, train_losses
-from test_pretraining import write_tiny_corpus
 
 pytestmark = pytest.mark.slow
 

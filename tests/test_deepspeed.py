@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from helpers import REPO, read_metrics
+from helpers import DP_COMMON as COMMON
+from helpers import DP_ONE as ONE
+from helpers import DP_TWO as TWO
+from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
 from rapidlite.checkpoint import read_model_tensors
-from test_distributed import COMMON, ONE, PRETRAIN, TWO, assert_close_lists, rapidlite, train_losses
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 

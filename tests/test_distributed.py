@@ -7,19 +7,16 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, read_metrics, run_cli
+from helpers import DP_COMMON as COMMON
+from helpers import DP_ONE as ONE
+from helpers import DP_TWO as TWO
+from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
 from rapidlite.checkpoint import read_model_tensors
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
 pytestmark = pytest.mark.distributed
 
-PRETRAIN = str(REPO / "examples" / "pretrain_custom_model.py")
 SCRIPTS = REPO / "tests" / "scripts"
-# Same global batch (8) everywhere: 1 process x micro 4 x 2 steps, or 2 ranks x micro 2 x 2 steps.
-COMMON = ["--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--hidden-dropout", "0"]
-COMMON += ["--seq-length", "16", "--hidden-size", "32", "--lr-decay-iters", "6"]
-ONE = ["--micro-batch-size", "4"]
-TWO = ["--micro-batch-size", "2", "--nproc-per-node", "2"]
 LAYOUTS = {
     "ddp": [],
     "zero1": ["--zero-1-memory-optimization"],
@@ -28,27 +25,6 @@ LAYOUTS = {
     "fsdp": ["--fsdp-memory-optimization"],
     "zero3_offload": ["--zero-3-memory-optimization", "--cpu-offload"],
 }
-
-
-def rapidlite(*argv, env=None, timeout=300):
-    """One thread per rank (2 cores, 2 ranks), as a user on this machine would run it."""
-    saved = dict(os.environ)
-    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    try:
-        return run_cli(*argv, timeout=timeout)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def train_losses(save_dir, key="loss"):
-    return [r[key] for r in read_metrics(save_dir) if "split" not in r]
-
-
-def assert_close_lists(actual, expected, rtol):
-    assert len(actual) == len(expected), (actual, expected)
-    for a, e in zip(actual, expected, strict=True):
-        assert abs(a - e) <= rtol * abs(e), (actual, expected)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from helpers import read_metrics, run_cli
+from helpers import TINY, read_metrics, run_cli, write_tiny_corpus
 from rapidlite.flops import ModelFlops, bench_main, device_peak_flops, matmul_parameters, measure_matmul_peak
 from rapidlite.models.gpt import GPTConfig, GPTModel
-from test_pretraining import TINY, write_tiny_corpus
 
 
 def unique_numel(params):

@@ -7,10 +7,16 @@ import shutil
 import pytest
 import torch
 
-from helpers import read_metrics
+from helpers import (
+    assert_close_lists,
+    bert_run_args,
+    layout_runs,
+    rapidlite,
+    read_metrics,
+    train_losses,
+    write_tiny_corpus,
+)
 from rapidlite.checkpoint import read_model_tensors
-from test_distributed import assert_close_lists, rapidlite, train_losses
-from test_pretraining import write_tiny_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -47,19 +53,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    root = tmp_path_factory.mktemp("pp_runs")
-    done = {}
-
-    def get(name):
-        if name not in done:
-            save = root / name
-            argv = [*COMMON, *data, *LAYOUTS[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save)]
-            proc = rapidlite(*argv)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            done[name] = save
-        return done[name]
-
-    return get
+    return layout_runs(tmp_path_factory.mktemp("pp_runs"), [*COMMON, *data], LAYOUTS)
 
 
 def state(save):
@@ -263,7 +257,6 @@ def test_bad_pipeline_layouts_are_one_line(data, tmp_path, argv, message):
 def test_bert_pretraining_trains_like_one_process_in_a_pipeline(tmp_path, layout):
     """BertForPreTraining: the pooler, masked-LM decoder (tied to the first stage's embedding) and
     next-sentence head on the last stage; the model's own loss computed there by the replayed step."""
-    from test_tensor_parallel import bert_run_args
 
     argv = bert_run_args(tmp_path / "data", num_layers=4)
     saves = {}

@@ -3,11 +3,9 @@
 import json
 import math
 
-import numpy as np
 import pytest
 
-from helpers import english_corpus, read_metrics, run_cli
-from rapidlite.data.indexed_dataset import IndexedDatasetBuilder
+from helpers import TINY, english_corpus, read_metrics, run_cli, write_tiny_corpus
 from rapidlite.tasks import pretraining_demo
 
 pytestmark = pytest.mark.slow
@@ -32,21 +30,6 @@ def test_embedded_corpus_pretraining_learns(tmp_path):
     assert "unigram" in proc.stderr
     assert (save / "latest").read_text().strip() == "150"
     assert train_records(save)[-1]["tokens_per_s"] > 0
-
-
-def write_tiny_corpus(prefix, vocab=97, eod=96, docs=300, seed=0):
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(docs):
-        start = int(rng.integers(0, 90))
-        builder.add_item(np.append((np.arange(start, start + rng.integers(8, 40)) % 90), eod))
-        builder.end_document()
-    builder.finalize(f"{prefix}.idx")
-
-
-TINY = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32"]
-TINY += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8"]
-TINY += ["--lr", "3e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2", "--hidden-dropout", "0.1"]
 
 
 def test_resume_continues_the_data_and_the_loss_curve(tmp_path):

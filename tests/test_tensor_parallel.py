@@ -4,10 +4,16 @@ GPT through ``rapidlite --task pretraining``, compared with one process."""
 import pytest
 import torch
 
-from helpers import read_metrics
+from helpers import (
+    assert_close_lists,
+    bert_run_args,
+    layout_runs,
+    rapidlite,
+    read_metrics,
+    train_losses,
+    write_tiny_corpus,
+)
 from rapidlite.checkpoint import read_model_tensors
-from test_distributed import assert_close_lists, rapidlite, train_losses
-from test_pretraining import write_tiny_corpus
 
 pytestmark = pytest.mark.distributed
 
@@ -35,19 +41,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    root = tmp_path_factory.mktemp("tp_runs")
-    done = {}
-
-    def get(name):
-        if name not in done:
-            save = root / name
-            argv = [*COMMON, *data, *LAYOUTS[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save)]
-            proc = rapidlite(*argv)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            done[name] = save
-        return done[name]
-
-    return get
+    return layout_runs(tmp_path_factory.mktemp("tp_runs"), [*COMMON, *data], LAYOUTS)
 
 
 def state(save):
@@ -216,37 +210,6 @@ def test_families_without_a_plan_are_one_line(data, tmp_path):
     proc = rapidlite(*argv, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "no tensor-parallel plan for" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def bert_run_args(root, num_layers=2):
-    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even) in
-    ``root``; returns the --task pretraining flags that train it."""
-    import json
-
-    from test_bert_dataset import english_corpus
-    from transformers import BertConfig
-
-    from rapidlite.data.preprocess import preprocess
-    from rapidlite.data.tokenizers import build_tokenizer, write_wordpiece_vocab
-
-    root.mkdir(parents=True, exist_ok=True)
-    docs = english_corpus(200, seed=0)
-    source = root / "corpus.jsonl"
-    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    vocab = write_wordpiece_vocab(docs, 200, root / "vocab")
-    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
-    prefix = preprocess(source, root / "corpus", tokenizer, split_sentences=True, log=None)["text"]
-    BertConfig(
-        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=num_layers,
-        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-    ).save_pretrained(root / "config")  # fmt: skip
-    return [
-        "--task", "pretraining", "--pretrained-model-name-or-path", str(root / "config"), "--data-path", prefix,
-        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab), "--seq-length", "48",
-        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--lr-decay-iters", "5",
-        "--eval-interval", "5", "--eval-iters", "1", "--split", "90,10,0", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--train-iters", "5",
-    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
