@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError
+from rapidlite.tasks.registry import get_task, task_names
 
-TASKS = ("sequence_classification", "pretraining")
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
@@ -45,7 +45,7 @@ def _int_list(text: str) -> list[int]:
 
 def _add_task_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("task and model")
-    g.add_argument("--task", default=None, help=f"black-box task: {', '.join(TASKS)}")
+    g.add_argument("--task", default=None, help=f"black-box task: {', '.join(task_names())}")
     g.add_argument(
         "--user-script",
         default=None,
@@ -414,9 +414,10 @@ def mark_explicit(parser: argparse.ArgumentParser, argv: Sequence[str] | None, a
 def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     """Check every flag and resolve derived values in place (see module docstring)."""
     if require_task and args.task is None and args.user_script is None:
-        raise ConfigError(f"no task given: pass --task {{{','.join(TASKS)}}} or --user-script PATH")
-    if args.task is not None and args.task not in TASKS:
-        raise ConfigError(f"--task {args.task}: unknown task; choose one of {', '.join(TASKS)}")
+        raise ConfigError(f"no task given: pass --task {{{','.join(task_names())}}} or --user-script PATH")
+    task = get_task(args.task) if args.task is not None else None
+    if args.user_script is not None:
+        task = None  # a script runs its own trainer; --task is accepted, as on Rapidformer's page
     if args.user_script is not None and not os.path.isfile(args.user_script):
         raise ConfigError(f"--user-script {args.user_script}: file not found")
 
@@ -479,28 +480,8 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
     _resolve_batch(args)
 
     _resolve_load(args)
-    if args.task == "sequence_classification" and args.user_script is None and not args.demo:
-        missing = [
-            flag
-            for flag, value in (
-                ("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
-                ("--data-path", args.data_path),
-            )
-            if value is None
-        ]
-        if missing:
-            raise ConfigError(
-                f"--task sequence_classification needs {' and '.join(missing)} "
-                "(or --demo for the embedded offline example)"
-            )
-    if args.task == "pretraining" and args.user_script is None:
-        if args.train_iters is None:
-            raise ConfigError("--task pretraining is iteration-based: pass --train-iters N")
-        if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
-            raise ConfigError(
-                "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
-                "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
-            )
+    if task is not None:
+        _validate_task(task, args)
     for name in ("mask_prob", "short_seq_prob"):
         if not 0 <= getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")
@@ -516,6 +497,19 @@ def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
         args.lr = 1e-4
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def _validate_task(task, args: argparse.Namespace) -> None:
+    """What the chosen black-box task needs (``rapidlite.tasks.registry``)."""
+    if not args.demo:
+        missing = [flag for flag in task.required if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
+        if missing:
+            hint = " (or --demo for the embedded offline example)" if task.demo else ""
+            raise ConfigError(f"--task {task.name} needs {' and '.join(missing)}{hint}")
+    if task.iteration_based and args.train_iters is None:
+        raise ConfigError(f"--task {task.name} is iteration-based: pass --train-iters N")
+    if task.check is not None:
+        task.check(args)
 
 
 def _resolve_load(args: argparse.Namespace) -> None:
@@ -534,7 +528,8 @@ def _resolve_load(args: argparse.Namespace) -> None:
     if args.user_script is not None:
         return
     model = args.pretrained_model_name_or_path
-    if args.task == "sequence_classification" and model in (None, args.load):
+    task = get_task(args.task) if args.task is not None else None
+    if task is not None and task.load_model_dir and model in (None, args.load):
         args.pretrained_model_name_or_path = args.load
         return
     hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if args.task == "pretraining" else "")
@@ -689,10 +684,10 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
             f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not {args.pipeline_schedule}: "
             "use --pipeline-schedule interleaved-1f1b"
         )
-    if args.task == "sequence_classification" and args.user_script is None:
+    if args.task is not None and args.user_script is None and not get_task(args.task).pipeline:
         raise ConfigError(
             f"--pipeline-model-parallel-size {pp} runs pretraining (fixed-length samples); fine-tune "
-            "--task sequence_classification with data, tensor or ZeRO parallelism instead"
+            f"--task {args.task} with data, tensor or ZeRO parallelism instead"
         )
     for on, flag, why in (
         (args.deepspeed, "--deepspeed", "rapidlite's pipeline runs on torch.distributed.pipelining"),

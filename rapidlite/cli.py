@@ -44,27 +44,27 @@ def _launch_if_needed(args: argparse.Namespace, argv: list[str]) -> int | None:
 
 
 def _embedded_default(argv: list[str]):
-    """``(flags, prepare)`` of the embedded offline run this command asks for, or None: ``--demo``, and
-    ``--task pretraining`` without ``--data-path``."""
+    """``(flags, prepare)`` of the embedded offline run this command asks for, or None: ``--task T --demo``,
+    or a task that runs its embedded default without ``--data-path``."""
+    from rapidlite.tasks.registry import get_task
+
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--task", default=None)
-    pre.add_argument("--data-path", nargs="+", default=None)
+    pre.add_argument("--data-path", "--dataset-path", nargs="+", default=None)
     pre.add_argument("--demo", action="store_true")
     known, _ = pre.parse_known_args(argv)
-    if known.task == "pretraining" and (known.demo or known.data_path is None):
-        from rapidlite.tasks import pretraining_demo
-
-        return pretraining_demo.DEMO_ARGS, pretraining_demo.prepare_pretraining_demo
-    if known.demo:
-        from rapidlite.tasks import demo
-
-        return demo.DEMO_ARGS, demo.prepare_demo
+    if known.task is None:
+        return None  # parse_args says what is missing
+    task = get_task(known.task)
+    if known.demo or (task.demo_without_data and known.data_path is None):
+        return task.demo_run()
     return None
 
 
 def run_task(argv: list[str]) -> int:
     # Flags are parsed (and --help answered) before the heavy task modules are imported.
     from rapidlite.arguments import parse_args
+    from rapidlite.tasks.registry import get_task
 
     embedded = _embedded_default(argv) if "--help" not in argv and "-h" not in argv else None
     if embedded is not None:
@@ -78,13 +78,8 @@ def run_task(argv: list[str]) -> int:
 
     from rapidlite.engine import RapidliteEngine
 
-    if args.task == "pretraining":
-        from rapidlite.tasks.pretraining import pretrainer_for
-
-        task = pretrainer_for(args)
-    else:
-        from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner as task
-    trainer = task(engine=RapidliteEngine(args=args))
+    trainer_class = get_task(args.task).trainer_class(args)
+    trainer = trainer_class(engine=RapidliteEngine(args=args))
     metrics = trainer.train()
     if metrics:
         shown = {k: v for k, v in metrics.items() if k != "split"}

@@ -115,3 +115,8 @@ class SequenceClassificationFinetuner(Finetuner):
         metrics = classification_metrics(preds_t[keep], labels_t[keep], self.data.num_labels)
         metrics["loss"] = float(losses_t[keep].double().mean()) if keep.any() else float("nan")
         return metrics
+
+
+def trainer_for(args: Any) -> type[SequenceClassificationFinetuner]:
+    """The task registry's entry point: the trainer class for these flags."""
+    return SequenceClassificationFinetuner
