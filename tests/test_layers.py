@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.logging",
             "rapidlite.distributed",
             "rapidlite.losses",
+            "rapidlite.metrics",
             "rapidlite.cache",
             "rapidlite.apex_kernels",
         ),

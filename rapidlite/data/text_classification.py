@@ -2,8 +2,9 @@
 
 Three steps, each usable on its own:
 
-* :func:`load_raw_datasets` turns ``--data-path`` (a local directory, a local file or a dataset hub
-  name) into a ``datasets.DatasetDict`` with splits among ``train``, ``validation`` and ``test``;
+* :func:`rapidlite.data.tabular.load_raw_datasets` (re-exported here) turns ``--data-path`` (a local directory,
+  a local file or a dataset hub name) into a ``datasets.DatasetDict`` with splits among ``train``, ``validation``
+  and ``test``;
 * :func:`detect_columns` finds the text column(s) and the label column;
 * :func:`build_text_classification_data` maps labels to ids, tokenizes and returns a
   :class:`TextClassificationData` with a padding ``collate_fn``.
@@ -14,32 +15,18 @@ the flag or file.
 
 from __future__ import annotations
 
-import csv
-import itertools
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets, parse_split  # noqa: F401 (re-exported)
 from rapidlite.errors import DataError
 
 if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be fast)
     import datasets
     import torch
 
-EXTENSIONS: tuple[str, ...] = ("csv", "tsv", "json", "jsonl", "parquet")
-SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
-    "train": ("train",),
-    "validation": ("validation", "val", "dev", "valid"),
-    "test": ("test",),
-}
-# Hub datasets name their splits less uniformly than local files (e.g. MNLI's "validation_matched").
-_HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
-    "train": ("train",),
-    "validation": ("validation", "dev", "valid", "validation_matched"),
-    "test": ("test", "test_matched"),
-}
 TEXT_LAYOUTS: tuple[tuple[str, ...], ...] = (
     ("sentence1", "sentence2"),
     ("question1", "question2"),
@@ -54,273 +41,6 @@ TEXT_LAYOUTS: tuple[tuple[str, ...], ...] = (
 )
 LABEL_NAMES: tuple[str, ...] = ("label", "labels", "class", "target", "category", "sentiment")
 _STRING_DTYPES = ("string", "large_string")
-_SPLIT_ORDER = ("train", "validation", "test")
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_split(split: str) -> tuple[float, float, float]:
-    """Parse a Megatron-style ``--split`` ("969,30,1", "98,2", "0.9,0.1") into 3 normalized weights."""
-    parts = [p.strip() for p in str(split).split(",")]
-    fix = 'use 1 to 3 comma-separated non-negative numbers, e.g. "969,30,1" or "0.9,0.1"'
-    if not 1 <= len(parts) <= 3 or any(not p for p in parts):
-        raise DataError(f"--split {split!r}: malformed; {fix}")
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise DataError(f"--split {split!r}: not a number; {fix}") from None
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--split {split!r}: weights must be non-negative and not all zero; {fix}")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return weights[0] / total, weights[1] / total, weights[2] / total
-
-
-def _split_sizes(num_rows: int, weights: Sequence[float]) -> list[int]:
-    """Row counts per weight, from rounded cumulative boundaries (as Megatron does)."""
-    bounds = [0]
-    cumulative = 0.0
-    for w in weights:
-        cumulative += w
-        bounds.append(round(cumulative * num_rows))
-    bounds[-1] = num_rows
-    sizes = [b - a for a, b in itertools.pairwise(bounds)]
-    # A split the user asked for must not silently vanish through rounding on small data.
-    for i, w in enumerate(weights):
-        if w > 0 and sizes[i] == 0:
-            donor = max(range(len(sizes)), key=lambda j: sizes[j])
-            if sizes[donor] > 1:
-                sizes[donor] -= 1
-                sizes[i] = 1
-    return sizes
-
-
-def _split_dataset(
-    ds: datasets.Dataset, weights: Sequence[float], names: Sequence[str], seed: int, what: str
-) -> dict[str, datasets.Dataset]:
-    """Seeded shuffle of ``ds``, then cut into ``names`` by ``weights``; zero-weight names are omitted."""
-    import numpy as np
-
-    sizes = _split_sizes(len(ds), weights)
-    order = np.random.default_rng(seed).permutation(len(ds))
-    out: dict[str, datasets.Dataset] = {}
-    start = 0
-    for name, weight, size in zip(names, weights, sizes, strict=True):
-        if weight > 0:
-            if size == 0:
-                raise DataError(f"{what}: only {len(ds)} rows, too few to carve out a {name} split; add rows")
-            out[name] = ds.select(order[start : start + size], keep_in_memory=True)
-        start += size
-    return out
-
-
-def _builder_for(path: str) -> tuple[str, dict[str, Any]]:
-    ext = path.rsplit(".", 1)[-1].lower()
-    if ext == "tsv":
-        # TSV files (GLUE and friends) do not quote fields; a stray '"' must not swallow the next lines.
-        return "csv", {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
-    if ext in ("json", "jsonl"):
-        return "json", {}
-    return ext, {}
-
-
-def _load_file(path: str) -> datasets.Dataset:
-    """Load one local data file as a single ``Dataset``; any failure is a DataError naming the file."""
-    import datasets
-
-    builder, kwargs = _builder_for(path)
-    try:
-        ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
-    except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
-        raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
-    return ds
-
-
-def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str:
-    """``Type: message`` of ``e`` on one line; ``root`` follows the chain to the innermost exception."""
-    # datasets wraps parser errors in a generic DatasetGenerationError; the root cause says what is wrong.
-    seen = {id(e)}
-    while root and (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        e = inner
-    text = " ".join(str(e).split()) or type(e).__name__
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}"
-
-
-def _find_split_file(directory: str, split: str) -> str | None:
-    found = [
-        os.path.join(directory, f"{stem}.{ext}")
-        for stem in SPLIT_FILE_STEMS[split]
-        for ext in EXTENSIONS
-        if os.path.isfile(os.path.join(directory, f"{stem}.{ext}"))
-    ]
-    if len(found) > 1:
-        names = ", ".join(os.path.basename(f) for f in found)
-        raise DataError(f"--data-path {directory}: several {split} files ({names}); keep only one")
-    return found[0] if found else None
-
-
-def _looks_like_path(name: str) -> bool:
-    # A hub name is "name" or "owner/name"; anything else cannot be on the hub, so skip the hub lookup.
-    return (
-        os.path.isabs(name)
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or name.rsplit(".", 1)[-1].lower() in EXTENSIONS
-    )
-
-
-def load_raw_datasets(
-    data_path: str,
-    data_name: str | None = None,
-    data_dir: str | None = None,
-    split: str = "969,30,1",
-    seed: int = 1234,
-) -> datasets.DatasetDict:
-    """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
-
-    * Local directory: ``train.*``, ``validation.*`` (or ``val.*``/``dev.*``/``valid.*``) and optional ``test.*``
-      with extension csv, tsv, json, jsonl or parquet. ``data_name`` and ``data_dir``, if given, are
-      sub-directories to descend into (``--data-path glue --data-name sst2``). Without a validation
-      file, validation is carved out of train (seeded shuffle) with the fraction
-      ``w_validation / (w_train + w_validation)`` of the ``--split`` weights; the test weight is not
-      used because test comes only from a ``test.*`` file.
-    * Local file: shuffled with ``seed`` and cut into train/validation/test by ``--split``; splits with
-      zero weight are left out.
-    * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
-      data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
-
-    Which file (or share of one) became which split is logged in one line.
-    """
-    import datasets
-
-    if not data_path:
-        raise DataError("--data-path: empty; pass a local directory, a data file or a dataset hub name")
-    weights = parse_split(split)  # validate early, even if a validation file makes it unused
-    path = os.path.expanduser(data_path)
-
-    if os.path.isdir(path):
-        for flag, sub in (("--data-name", data_name), ("--data-dir", data_dir)):
-            if sub:
-                path = os.path.join(path, sub)
-                if not os.path.isdir(path):
-                    raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
-        return _log_splits(*_load_local_dir(path, weights, seed))
-
-    if os.path.isfile(path):
-        if data_name or data_dir:
-            flag = "--data-name" if data_name else "--data-dir"
-            raise DataError(
-                f"{flag}: only applies to a directory or hub dataset, but --data-path {data_path} "
-                "is a file; drop the flag"
-            )
-        ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
-        if ext not in EXTENSIONS:
-            raise DataError(
-                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in EXTENSIONS)}"
-            )
-        ds = _load_file(path)
-        if len(ds) == 0:
-            raise DataError(f"--data-path {data_path}: the file has no rows")
-        parts = _split_dataset(ds, weights, _SPLIT_ORDER, seed, f"--data-path {data_path}")
-        name = os.path.basename(path)
-        sources = {k: f"{w:.0%} of {name} (--split)" for k, w in zip(_SPLIT_ORDER, weights, strict=True) if w > 0}
-        return _log_splits(datasets.DatasetDict(parts), sources)
-
-    if _looks_like_path(data_path):
-        raise DataError(f"--data-path {data_path}: no such file or directory")
-    return _log_splits(*_load_hub(data_path, data_name, data_dir, weights, seed))
-
-
-def _log_splits(parts: datasets.DatasetDict, sources: dict[str, str]) -> datasets.DatasetDict:
-    """Say in one line which file (or share of one) became which split, so nothing is picked silently."""
-    import logging
-
-    from rapidlite.logging import LOGGER_NAME
-
-    described = [f"{name} = {sources.get(name, name)} ({len(parts[name])} rows)" for name in parts]
-    if "validation" not in parts:
-        described.append("no validation split (no validation/val/dev/valid file and --split gives it no weight)")
-    logging.getLogger(LOGGER_NAME).info("data: " + "; ".join(described))
-    return parts
-
-
-def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, Any]) -> dict[str, str]:
-    if "validation" not in parts:
-        return {}
-    share = weights[1] / (weights[0] + weights[1])
-    return {
-        "train": f"{1 - share:.0%} of {train_name}",
-        "validation": f"{share:.0%} of {train_name} (--split; no validation file)",
-    }
-
-
-def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> tuple[datasets.DatasetDict, dict[str, str]]:
-    import datasets
-
-    files = {name: _find_split_file(directory, name) for name in _SPLIT_ORDER}
-    if files["train"] is None:
-        expected = ", ".join(f"train.{e}" for e in EXTENSIONS[:-1]) + f" or train.{EXTENSIONS[-1]}"
-        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
-    parts = {name: _load_file(f) for name, f in files.items() if f is not None}
-    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
-    if len(parts["train"]) == 0:
-        raise DataError(f"{files['train']}: the train file has no rows")
-    if "validation" not in parts:
-        parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {directory}"))
-        sources.update(_carved_sources(sources["train"], weights, parts))
-    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts}), sources
-
-
-def _carve_validation(
-    train: datasets.Dataset, weights: Sequence[float], seed: int, what: str
-) -> dict[str, datasets.Dataset]:
-    w_train, w_valid = weights[0], weights[1]
-    if w_valid == 0:
-        return {"train": train}
-    if w_train == 0:
-        raise DataError(
-            f"--split: gives train no weight, but validation must be carved out of {what}'s "
-            "train split; give train a positive weight"
-        )
-    return _split_dataset(train, (w_train, w_valid), ("train", "validation"), seed, what)
-
-
-def _load_hub(
-    name: str, data_name: str | None, data_dir: str | None, weights: Sequence[float], seed: int
-) -> tuple[datasets.DatasetDict, dict[str, str]]:
-    import datasets
-
-    try:
-        loaded = datasets.load_dataset(name, data_name, data_dir=data_dir)
-    except Exception as e:  # offline, unknown name, bad config: all mean "the hub could not provide it"
-        raise DataError(
-            f"--data-path {name}: not a local file or directory, and the dataset hub could not provide it "
-            f"({_short_reason(e)}); pass a local directory with train/validation files"
-        ) from e
-    if not isinstance(loaded, datasets.DatasetDict):  # defensive: load_dataset without split= is a dict
-        loaded = datasets.DatasetDict({"train": loaded})
-    parts: dict[str, datasets.Dataset] = {}
-    sources: dict[str, str] = {}
-    for target, aliases in _HUB_SPLIT_ALIASES.items():
-        hit = next((a for a in aliases if a in loaded), None)
-        if hit is not None:
-            parts[target] = loaded[hit]
-            sources[target] = f"hub split {hit}"
-    if "train" not in parts:
-        raise DataError(
-            f"--data-path {name}: the hub dataset has no train split (it has: "
-            f"{', '.join(loaded.keys())}); pass a local directory with train/validation files"
-        )
-    if "validation" not in parts:
-        parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {name}"))
-        sources.update(_carved_sources("hub split train", weights, parts))
-    return datasets.DatasetDict({k: parts[k] for k in _SPLIT_ORDER if k in parts}), sources
 
 
 # --------------------------------------------------------------------------------------------------
@@ -547,7 +267,7 @@ def build_text_classification_data(
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
     if seq_length < 2:
         raise DataError(f"--seq-length {seq_length}: too short; use at least 2 (room for [CLS] and [SEP])")
-    splits = {name: raw[name] for name in _SPLIT_ORDER if name in raw}
+    splits = {name: raw[name] for name in SPLIT_ORDER if name in raw}
     keys, label = detect_columns(splits["train"], text_keys, label_key)
     for name, ds in splits.items():
         missing = [k for k in keys if k not in ds.column_names]

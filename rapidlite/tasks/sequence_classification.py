@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchmetrics.functional.classification import binary_f1_score, multiclass_accuracy, multiclass_f1_score
 
-from rapidlite.data.text_classification import build_text_classification_data, load_raw_datasets
+from rapidlite.data.tabular import load_raw_datasets
+from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.errors import ConfigError
+from rapidlite.metrics import classification_metrics
 from rapidlite.models.hf import load_hf_model
 from rapidlite.trainer import Finetuner
 
@@ -51,17 +52,6 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> tor
         )
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise _load_error("model", name, e) from None
-
-
-def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict[str, float]:
-    """Accuracy and F1 (positive class for two labels, macro average for more), from torchmetrics."""
-    preds, target = logits_argmax.cpu(), labels.cpu()
-    if num_labels == 2:
-        f1 = binary_f1_score(preds, target)
-    else:
-        f1 = multiclass_f1_score(preds, target, num_classes=num_labels, average="macro")
-    accuracy = multiclass_accuracy(preds, target, num_classes=max(num_labels, 2), average="micro")
-    return {"accuracy": float(accuracy), "f1": float(f1)}
 
 
 class SequenceClassificationFinetuner(Finetuner):
