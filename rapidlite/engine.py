@@ -29,6 +29,7 @@ from rapidlite.flops import ModelFlops, device_peak_flops
 from rapidlite.global_vars import set_distributed_context, set_global_args
 from rapidlite.logging import Timers, setup_logger
 from rapidlite.models.hf import disable_kv_cache
+from rapidlite.models.spec import spec_of
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, build_lr_scheduler, build_optimizer
 from rapidlite.parallel.data_parallel import DataParallelConfig, apply_data_parallel, gradient_averager
 from rapidlite.parallel.recompute import apply_activation_checkpointing
@@ -69,18 +70,19 @@ def _autocast_forward(forward: Callable, precision: Precision) -> Callable:
 
 
 def _set_dropout(model: torch.nn.Module, hidden: float | None, attention: float | None) -> None:
-    """``--hidden-dropout``/``--attention-dropout`` on a built model: Hugging Face configs by their
-    field names, and every ``nn.Dropout`` for hidden dropout."""
+    """``--hidden-dropout``/``--attention-dropout`` on a built model: the config keys its family's spec names,
+    and every ``nn.Dropout`` for hidden dropout."""
     config = getattr(model, "config", None)
+    spec = spec_of(model)
     if hidden is not None:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = hidden
-        for key in ("hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+        for key in spec.hidden_dropout_keys:
             if config is not None and hasattr(config, key):
                 setattr(config, key, hidden)
     if attention is not None:
-        for key in ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop"):
+        for key in spec.attention_dropout_keys:
             if config is not None and hasattr(config, key):
                 setattr(config, key, attention)
         for module in model.modules():  # attention modules (HF, built-in GPT) read their rate from an attribute

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rapidlite.cache import cache_root
-from rapidlite.parallel.recompute import find_blocks
+from rapidlite.models.spec import find_blocks
 
 
 def ort_import_error() -> str | None:

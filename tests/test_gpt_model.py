@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.models.gpt import GPTConfig, GPTModel
-from rapidlite.parallel.recompute import apply_activation_checkpointing, find_blocks
+from rapidlite.models.spec import find_blocks
+from rapidlite.parallel.recompute import apply_activation_checkpointing
 
 TINY = dict(vocab_size=100, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")

@@ -121,3 +121,8 @@ def test_the_contract_sees_a_violation():
     assert "rapidlite.engine" in graph["rapidlite.trainer.base"]
     assert layer_of("rapidlite.trainer.base") < layer_of("rapidlite.parallel.pipeline")  # upward if reversed
     assert layer_of("rapidlite.models.gpt") > layer_of("rapidlite.parallel.tensor_parallel")
+
+
+def test_model_files_import_nothing_from_parallel():
+    graph = import_graph()
+    assert [(m, t) for m, ts in graph.items() if m.startswith("rapidlite.models") for t in ts if ".parallel" in t] == []

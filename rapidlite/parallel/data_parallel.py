@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.parallel.recompute import find_blocks
+from rapidlite.models.spec import find_blocks
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from torch import nn
 
 from rapidlite.errors import ConfigError
 from rapidlite.losses import loss_parallel_context, unpack_loss
+from rapidlite.models.spec import spec_of
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -113,9 +114,7 @@ class GPTFamily:
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
-        from rapidlite.models.gpt import GPTModel
-
-        return isinstance(model, GPTModel)
+        return spec_of(model).family == "gpt"
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
@@ -298,7 +297,8 @@ class BertFamily:
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
-        return type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM") and hasattr(model, "cls")
+        # Pretraining and masked-LM heads (``cls``) over ``bert`` (RoBERTa-style models name theirs otherwise).
+        return spec_of(model).family == "bert" and hasattr(model, "cls") and hasattr(model, "bert")
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         layers = model.bert.encoder.layer

@@ -1,9 +1,10 @@
 """Activation checkpointing (``--checkpoint-activations``): trade recomputation for activation memory.
 
 Hugging Face models use their own switch (``activation_checkpointing_enable``), which checkpoints each
-``GradientCheckpointingLayer``. Other modules get their transformer blocks (the largest ``ModuleList``)
-checkpointed with ``torch.utils.checkpoint``. The block's ``forward`` is wrapped on the instance rather
-than the module replaced by a wrapper, so parameter names and checkpoints stay unchanged.
+``GradientCheckpointingLayer``. Other modules get their transformer blocks (as their model spec declares them;
+the largest ``ModuleList`` for a model no family claims) checkpointed with ``torch.utils.checkpoint``. The
+block's ``forward`` is wrapped on the instance rather than the module replaced by a wrapper, so parameter names
+and checkpoints stay unchanged.
 
 Granularity ``full`` recomputes whole blocks; ``selective`` keeps the outputs of matrix multiplies and
 attention and recomputes only the cheap elementwise ops, norms and dropout.
@@ -17,6 +18,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rapidlite.errors import ConfigError
+from rapidlite.models.spec import find_blocks
 
 _aten = torch.ops.aten
 # Outputs worth keeping: the expensive ops. Everything else is recomputed in the backward pass.
@@ -41,20 +43,6 @@ def _checkpoint_kwargs(granularity: str) -> dict:
     if granularity == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     return kwargs
-
-
-def find_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | list[torch.nn.Module] | None:
-    """The model's stack of transformer blocks: its largest ``ModuleList`` (by parameter count), or the
-    blocks of a pipeline stage's ``ModuleDict`` keyed by layer index."""
-    best, best_size = None, 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleDict) and len(module) > 0 and all(k.isdigit() for k in module):
-            module = list(module.values())
-        if isinstance(module, (torch.nn.ModuleList, list)) and len(module) > 0:
-            size = sum(p.numel() for block in module for p in block.parameters())
-            if size > best_size:
-                best, best_size = module, size
-    return best
 
 
 def _checkpointed_forward(forward, kwargs):

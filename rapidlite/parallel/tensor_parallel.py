@@ -26,6 +26,7 @@ import torch
 
 from rapidlite.errors import ConfigError
 from rapidlite.losses import loss_parallel_context, maybe_loss_parallel  # noqa: F401 (re-exported)
+from rapidlite.models.spec import spec_of
 
 
 def _check_divisible(model: torch.nn.Module, tp: int) -> None:
@@ -360,17 +361,19 @@ def bert_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> 
         head.bias = head.decoder.bias
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
-    from rapidlite.models.gpt import GPTModel
+# A plan per model family (``rapidlite.models.spec``), with the head it needs; a Hugging Face model of any other
+# family (or head) takes the column/row-wise plan its config declares.
+_FAMILY_PLANS: dict[str, tuple[Any, str | None]] = {
+    "gpt": (gpt_plan, None),
+    "gpt2": (gpt2_plan, "lm_head"),  # the causal LM: c_attn/c_fc/c_proj and a vocabulary-parallel lm_head
+    "bert": (bert_plan, "cls"),  # pretraining and masked LM: the MLM decoder sharded with the embedding
+}
 
-    if isinstance(model, GPTModel):
-        gpt_plan(model, tp_mesh, sequence_parallel)
-        return model
-    if type(model).__name__ == "GPT2LMHeadModel":
-        gpt2_plan(model, tp_mesh, sequence_parallel)
-        return model
-    if type(model).__name__ in ("BertForPreTraining", "BertForMaskedLM"):
-        bert_plan(model, tp_mesh, sequence_parallel)
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
+    plan, head = _FAMILY_PLANS.get(spec_of(model).family, (None, None))
+    if plan is not None and (head is None or hasattr(model, head)):
+        plan(model, tp_mesh, sequence_parallel)
         return model
     if hasattr(model, "config") and hasattr(model, "get_input_embeddings"):
         hf_plan(model, tp_mesh, sequence_parallel)

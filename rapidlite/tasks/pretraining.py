@@ -29,6 +29,7 @@ from rapidlite.errors import ConfigError
 from rapidlite.global_vars import get_args
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_hf_model
+from rapidlite.models.spec import spec_for_config
 from rapidlite.trainer.pretrainer import PreTrainer
 
 
@@ -55,12 +56,8 @@ def model_family(name: str | None) -> str:
 
 
 def _override_sizes(config: Any, args: Any) -> None:
-    for flag, keys in (
-        ("num_layers", ("num_hidden_layers", "n_layer")),
-        ("hidden_size", ("hidden_size", "n_embd")),
-        ("num_attention_heads", ("num_attention_heads", "n_head")),
-        ("ffn_hidden_size", ("intermediate_size", "n_inner")),
-    ):
+    """The size flags given, onto the config keys the model family's spec names."""
+    for flag, keys in spec_for_config(config).size_keys.items():
         value = getattr(args, flag)
         if value is not None:
             for key in keys:
