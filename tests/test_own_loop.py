@@ -3,8 +3,6 @@ precision, what compose applies is said in one line, and ``build_data_loader`` p
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,25 +10,6 @@ import torch.nn.functional as F
 from helpers import MLP, ToyRegressionData, engine
 from rapidlite import Finetuner
 from rapidlite.data.collate import PadCollator
-from rapidlite.logging import LOGGER_NAME
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines():
-    handler = _Records()
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    yield handler.lines
-    logger.removeHandler(handler)
 
 
 def _own_loop(precision: list[str], backward: str, steps: int = 3) -> dict[str, torch.Tensor]:

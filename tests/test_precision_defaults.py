@@ -3,8 +3,6 @@ a warmup longer than the run caught before anything loads (or, when the length c
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -12,25 +10,6 @@ from helpers import ToyFinetuner, engine
 from rapidlite import precision
 from rapidlite.arguments import parse_args
 from rapidlite.flops import device_peak_flops
-from rapidlite.logging import LOGGER_NAME
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines():
-    handler = _Records()
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    yield handler.lines
-    logger.removeHandler(handler)
 
 
 @pytest.fixture

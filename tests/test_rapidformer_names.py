@@ -4,7 +4,6 @@ Megatron convention, --load of a Hugging Face model, val.* files, and torch.comp
 from __future__ import annotations
 
 import csv
-import logging
 
 import pytest
 import torch
@@ -15,26 +14,7 @@ from rapidlite import mpu
 from rapidlite.arguments import parse_args
 from rapidlite.data.text_classification import load_raw_datasets
 from rapidlite.errors import ConfigError
-from rapidlite.logging import LOGGER_NAME
 from rapidlite.models.gpt import GPTConfig, GPTModel
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines():
-    handler = _Records()
-    logger = logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    yield handler.lines
-    logger.removeHandler(handler)
 
 
 def test_rapidformer_names_are_exported():
