@@ -39,6 +39,7 @@ import pickle
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,13 +182,13 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: Any | None,
     state: dict[str, Any],
-    ds_engine: Any = None,
+    write_tensors: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``DIR/iter_N`` atomically from every rank and point ``DIR/latest`` at it (a collective).
 
     ``state`` holds what is not a tensor of the model or optimizer (trainer position, scheduler, scaler):
-    rank 0 writes it. ``optimizer`` None saves the weights only. With ``ds_engine`` DeepSpeed writes the
-    model and optimizer in its own format."""
+    rank 0 writes it. ``optimizer`` None saves the weights only. ``write_tensors(directory)`` writes the
+    model and optimizer in a backend's own format instead of DCP's (DeepSpeed's ``save_checkpoint``)."""
     save_dir = Path(save_dir)
     final = save_dir / checkpoint_name(iteration)
     tmp = save_dir / f".tmp_{final.name}"
@@ -198,8 +199,8 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
-    if ds_engine is not None:
-        ds_engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    if write_tensors is not None:
+        write_tensors(tmp)
     else:
         tensors = _flatten(
             get_model_state_dict(model), _optimizer_tensors(model, optimizer, False) if optimizer else None
@@ -330,22 +331,26 @@ def cross_backend_optimizer_error(load_dir: Any, saved_by_deepspeed: bool) -> Ch
 
 
 def load_checkpoint(
-    load_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any | None = None, weights_only: bool = False
+    load_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any | None = None,
+    weights_only: bool = False,
+    partial: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """Load ``latest`` into ``model`` (and ``optimizer`` unless None), whatever the layout that saved it.
 
-    Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this rank's ``rng``;
-    None with ``weights_only``. A collective: every rank calls it."""
+    ``partial``: ``model`` holds part of the saved one (a pipeline stage), so the checkpoint's other weights
+    are expected. Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this rank's
+    ``rng``; None with ``weights_only``. A collective: every rank calls it."""
     iteration = latest_iteration(load_dir)
     path = Path(load_dir) / checkpoint_name(iteration)
     if is_deepspeed_checkpoint(path):
         if optimizer is not None:
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
         weights = deepspeed_weights(path, load_dir)
-        stage = getattr(model, "_rapidlite_pipeline", None) is not None
         own = get_model_state_dict(model).keys()
-        _check_keys(load_dir, own, weights.keys(), partial=stage)
-        if stage:  # the other stages' weights stay in the file
+        _check_keys(load_dir, own, weights.keys(), partial=partial)
+        if partial:  # the other stages' weights stay in the file
             weights = {k: v for k, v in weights.items() if k in own}
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         return iteration, None if weights_only else read_state(path, load_dir, optimizer_loaded=False)
@@ -359,9 +364,7 @@ def load_checkpoint(
         raise CheckpointError(f"--load {load_dir}: cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
 
     model_sd = get_model_state_dict(model)
-    # A pipeline stage holds part of the model: the checkpoint's other weights belong to other stages.
-    stage = getattr(model, "_rapidlite_pipeline", None) is not None
-    _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)], partial=stage)
+    _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)], partial=partial)
     optim_state = None
     if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
         optim_state = _optimizer_tensors(model, optimizer, materialize=True)
@@ -456,14 +459,12 @@ def export_hf(
 ) -> Path | None:
     """Save a Hugging Face model (and tokenizer) with ``save_pretrained`` in safetensors, atomically, from
     the full weights gathered on rank 0 (a collective). Returns None for models that are not Hugging Face
-    models, and on ranks other than 0. ``state_dict``: the full weights gathered already (DeepSpeed)."""
+    models, and on ranks other than 0. ``state_dict``: the full weights, gathered already by a backend that
+    holds them elsewhere (a pipeline's stages, DeepSpeed's partitions)."""
     if not hasattr(model, "save_pretrained"):
         return None
-    pipeline = getattr(model, "_rapidlite_pipeline", None)
     if state_dict is not None:
         full = state_dict
-    elif pipeline is not None:  # each stage's weights, whole, gathered to rank 0
-        full = pipeline.full_state_dict()
     else:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:

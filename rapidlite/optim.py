@@ -6,7 +6,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -281,6 +281,25 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
+@dataclass(frozen=True)
+class StepHooks:
+    """What a parallel layout adds around the optimizer step; its strategy builds them once, at setup.
+
+    ``backward_context``: entered around every backward (the parallel cross-entropy's ``loss_parallel``).
+    ``sync_grads``: called with the parameters that hold gradients before they are unscaled (averaging over
+    replicas where no wrapper does it, summing a pipeline's tied embedding over its stages).
+    ``reduce_norm_sq``: makes this rank's squared gradient norm the whole model's (pipeline stages).
+    ``norm_exclude``: ids of parameters left out of the norm (a tied copy counted on another stage).
+    ``reduce_found_inf``: the max over the ranks whose gradients may overflow independently, so every rank
+    agrees to skip an fp16 step."""
+
+    backward_context: Callable[[], Any] | None = None
+    sync_grads: Callable[[list[torch.Tensor]], None] | None = None
+    reduce_norm_sq: Callable[[torch.Tensor], torch.Tensor] | None = None
+    norm_exclude: frozenset[int] = field(default_factory=frozenset)
+    reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class RapidliteOptimizer:
     """A torch optimizer with the step the flags ask for.
 
@@ -301,23 +320,16 @@ class RapidliteOptimizer:
         optimizer: torch.optim.Optimizer,
         clip_grad: float = 0.0,
         loss_scaler: LossScaler | None = None,
-        all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        hooks: StepHooks | None = None,
         warn: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.warn = warn  # warnings about the user's loop come from the main process only
         self.clip_grad = clip_grad
         self.loss_scaler = loss_scaler
-        # Sharded gradients overflow on some ranks only: every rank must agree to skip the step.
-        self.all_reduce_max = all_reduce_max
+        self.hooks = hooks or StepHooks()
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
-        self.backward_context: Callable[[], Any] | None = None  # e.g. loss_parallel under tensor parallelism
-        # Averages gradients over data-parallel ranks before the step, where no wrapper does it (tensor parallel).
-        self.grad_all_reduce: Callable[[list[torch.Tensor]], None] | None = None
-        # Pipeline parallelism: the squared norm summed over the stages, and a tied copy counted once.
-        self.norm_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.norm_exclude: set[int] = set()
         self._grads_scaled = False  # the gradients since the last step came through a scaled backward
         self._unscaled_warned = False
 
@@ -345,8 +357,8 @@ class RapidliteOptimizer:
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
             self._grads_scaled = True
-        if self.backward_context is not None:
-            with self.backward_context():
+        if self.hooks.backward_context is not None:
+            with self.hooks.backward_context():
                 loss.backward()
         else:
             loss.backward()
@@ -377,18 +389,18 @@ class RapidliteOptimizer:
                 device_grads, found_inf, torch.full((), inv, device=device)
             )
             found += found_inf.cpu()
-        if self.all_reduce_max is not None:
-            found = self.all_reduce_max(found)
+        if self.hooks.reduce_found_inf is not None:
+            found = self.hooks.reduce_found_inf(found)
         return bool(found.item())
 
     def _clip(self, params: list[torch.Tensor]) -> torch.Tensor | None:
         """The global gradient norm (over every shard of every rank), clipping to ``clip_grad`` if set."""
-        grads = [p.grad for p in params if id(p) not in self.norm_exclude]
+        grads = [p.grad for p in params if id(p) not in self.hooks.norm_exclude]
         if not params:
             return None
         norm = _global_norm(grads) if grads else torch.zeros((), device=params[0].grad.device)
-        if self.norm_reduce is not None:
-            norm = self.norm_reduce(norm.float() ** 2).sqrt()
+        if self.hooks.reduce_norm_sq is not None:
+            norm = self.hooks.reduce_norm_sq(norm.float() ** 2).sqrt()
         if self.clip_grad > 0:
             for group in _by_layout(params, lambda p: p.grad).values():
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, norm, foreach=True)
@@ -397,8 +409,8 @@ class RapidliteOptimizer:
     def step(self, grad_divisor: float = 1.0) -> bool:
         """Returns False when the step was skipped because the gradients overflowed."""
         params = self._params()
-        if self.grad_all_reduce is not None:
-            self.grad_all_reduce(params)
+        if self.hooks.sync_grads is not None:
+            self.hooks.sync_grads(params)
         scaled, self._grads_scaled = self._grads_scaled, False
         if self.loss_scaler is not None and not scaled and params:
             self._warn_unscaled()

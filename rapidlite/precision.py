@@ -33,6 +33,24 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
+    def apply(self, module: torch.nn.Module) -> None:
+        """Run ``module``'s forward under this autocast, through forward hooks: the module, its class and its
+        ``forward`` stay the user's own. The closing hook runs even when the forward raises."""
+        if self.dtype is None:
+            return
+        open_contexts: list[contextlib.AbstractContextManager] = []
+
+        def enter(_module: torch.nn.Module, _args: Any) -> None:
+            context = self.autocast()
+            context.__enter__()
+            open_contexts.append(context)
+
+        def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+            open_contexts.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+
 
 @functools.cache
 def cpu_bf16_is_fast() -> bool:

@@ -228,8 +228,8 @@ def test_rope_allows_longer_sequences_than_learned_positions():
 
 def test_dropout_flags_reach_the_attention_of_a_model_built_by_the_user():
     """A white-box GPTModel built from its own config: --hidden-dropout/--attention-dropout still apply."""
-    from rapidlite.engine import _set_dropout
     from rapidlite.models.gpt import GPTConfig, GPTModel
+    from rapidlite.strategies.base import set_dropout as _set_dropout
 
     model = GPTModel(GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16))
     assert model.layers[0].attention.dropout > 0  # the config's default

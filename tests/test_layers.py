@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
+    ("strategies", ("rapidlite.strategies",)),
     ("config", ("rapidlite.arguments", "rapidlite.tasks.registry")),
     (
         "parallel and training machinery",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -56,18 +57,22 @@ def disable_kv_cache(model: Any) -> None:
     """Training needs no key/value cache. A Hugging Face model whose config says ``use_cache`` builds one in
     every training forward: wasted work, and under ``torch.compile`` each block then guards on its own
     cache layer, so compiled blocks recompile once per layer and, past dynamo's recompile limit (8), run
-    eagerly. The config's value is kept on the model and written back by ``saved_config``, so an exported
-    model generates with its cache as before."""
+    eagerly. ``saved_config`` writes the value back while the model is saved, so an exported model generates
+    with its cache as before."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None) is True:
         config.use_cache = False
-        model._rapidlite_use_cache = True
+        _CACHE_TURNED_OFF.add(model)
+
+
+# The models whose cache disable_kv_cache turned off: remembered beside them, not on them.
+_CACHE_TURNED_OFF: weakref.WeakSet = weakref.WeakSet()
 
 
 @contextmanager
 def saved_config(model: Any) -> Iterator[None]:
     """The config as the user gave it (``use_cache`` restored) while ``model`` is saved."""
-    restore = getattr(model, "_rapidlite_use_cache", False)
+    restore = model in _CACHE_TURNED_OFF
     if restore:
         model.config.use_cache = True
     try:

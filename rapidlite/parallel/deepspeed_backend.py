@@ -18,6 +18,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -45,12 +46,10 @@ def import_deepspeed() -> Any:
 
 
 def is_deepspeed_engine(model: Any) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine" and hasattr(model, "module")
-
-
-def unwrap(model: Any) -> torch.nn.Module:
-    """The user's module inside a DeepSpeed engine (the model itself otherwise)."""
-    return model.module if is_deepspeed_engine(model) else model
+    """Whether ``model`` is a DeepSpeed engine (without importing DeepSpeed where nothing has)."""
+    deepspeed = sys.modules.get("deepspeed")
+    engine_class = getattr(deepspeed, "DeepSpeedEngine", None)
+    return engine_class is not None and isinstance(model, engine_class)
 
 
 def base_optimizer(ds_engine: Any) -> torch.optim.Optimizer:

@@ -470,8 +470,7 @@ class PipelineRunner:
         self.loss_scale = 1.0
         self.sharded_logits = False
         self.stages: list[StageModule] = []
-        model.forward = self._dispatch
-        model._rapidlite_pipeline = self
+        model.forward = self._dispatch  # the forward step's call is recorded, then replayed by the schedule
 
     # ---------------------------------------------------------------- building
     def build_stages(self) -> list[StageModule]:

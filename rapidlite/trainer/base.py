@@ -22,9 +22,6 @@ from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
-from rapidlite.losses import unpack_loss
-from rapidlite.parallel import deepspeed_backend
-from rapidlite.parallel.data_parallel import gradient_sync, model_state_bytes
 
 
 class CountingIterator:
@@ -156,8 +153,8 @@ class BaseTrainer:
                 f"--load {self.args.load} holds a Hugging Face model, not a rapidlite checkpoint: the model provider "
                 "loads it (from_pretrained(args.load)); nothing is resumed"
             )
-        if resume and self.engine.data_parallel.deepspeed:
-            self._stage_foreign_weights()
+        if resume:
+            self.engine.strategy.prepare_resume(self.args.load)
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=total_iters, dynamic_shapes=self.variable_length_batches
@@ -166,10 +163,11 @@ class BaseTrainer:
             self.load_checkpoint()
         if self.engine.is_main_process:
             self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir)
-        n_params = deepspeed_backend.parameter_count(deepspeed_backend.unwrap(self.model))
+        strategy = self.engine.strategy
+        n_params = strategy.parameter_count(self.model)
         a = self.args
         self.logger.info(
-            f"model: {type(deepspeed_backend.unwrap(self.model)).__name__}, {n_params / 1e6:.2f}M parameters | "
+            f"model: {type(strategy.module(self.model)).__name__}, {n_params / 1e6:.2f}M parameters | "
             f"device: {self.engine.device} | "
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
@@ -185,43 +183,10 @@ class BaseTrainer:
         Gradients are reduced over data-parallel ranks only with the last micro-batch. A mean loss is
         averaged over micro-batches (and ranks); ``(loss_sum, num_items)`` gradients are divided by the
         items of the whole global batch, counted over all ranks."""
-        model, optimizer = self.model, self.optimizer
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        micro_steps = list(micro_steps)
-        if self.engine.pipeline is not None:
-            return self._pipeline_train_step(micro_steps)
-        losses, num_items, mode = [], 0, None
-        # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is
-        # turned into its micro-batch mean (exact when micro-batches hold equal item counts).
-        per_micro_mean = getattr(optimizer, "averages_micro_batches", False)
-        for i, forward in enumerate(micro_steps):
-            with gradient_sync(model, enabled=i == len(micro_steps) - 1):
-                loss, items = unpack_loss(forward())
-                if per_micro_mean and items is not None:
-                    self._warn_per_micro_mean()
-                    loss, items = loss / max(items, 1), None
-                step_mode = "mean" if items is None else "sum"
-                if mode is not None and step_mode != mode:
-                    raise TypeError(
-                        "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) "
-                        "in another; return one kind"
-                    )
-                mode = step_mode
-                optimizer.backward(loss)
-            losses.append(loss.detach().float())
-            num_items += items or 0
-        divisor = self._grad_divisor(mode == "sum", num_items, len(micro_steps))
-        return self._apply_step(torch.stack(losses).sum(), divisor)
-
-    def _grad_divisor(self, summed: bool, num_items: float, micro_batches: int) -> float:
-        """What the summed gradients are divided by: the micro-batch count for mean losses; for
-        ``(loss_sum, num_items)`` the items of the whole global batch, times the data-parallel size that
-        the replicas' averaging already divided by."""
-        if not summed:
-            return micro_batches
-        total = self.engine.all_reduce_sum(torch.tensor(float(num_items), dtype=torch.float64))
-        return max(float(total), 1.0) / self.engine.dp_size
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, divisor = self.engine.strategy.forward_backward(self.model, self.optimizer, list(micro_steps))
+        return self._apply_step(loss_total, divisor)
 
     def _apply_step(self, loss_total: torch.Tensor, divisor: float) -> bool:
         applied = self.optimizer.step(grad_divisor=divisor)
@@ -234,38 +199,6 @@ class BaseTrainer:
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
-
-    def _pipeline_train_step(self, micro_steps: list[Any]) -> bool:
-        """Pipeline parallelism: each micro step is a ``(record, replay)`` pair (``CountingIterator.replayable``);
-        the schedule runs them all, and the last stage's losses and item counts are shared with the other
-        stages so every rank divides its gradients alike."""
-        if not all(isinstance(step, tuple) for step in micro_steps):
-            raise TypeError("under pipeline parallelism train_step takes (record, replay) pairs per micro-batch")
-        optimizer = self.optimizer
-        results = self.engine.pipeline.run(micro_steps, train=True, loss_scale=optimizer.loss_scale or 1.0)
-        optimizer.note_scaled_backward()  # the schedule multiplied its losses by the scale
-        modes = {items is None for _, items in results}
-        if len(modes) > 1:
-            raise TypeError(
-                "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) in another; "
-                "return one kind"
-            )
-        summary = torch.zeros(3, dtype=torch.float64)
-        if results:
-            summary[0] = float(sum(loss for loss, _ in results))
-            summary[1] = float(sum(items or 0 for _, items in results))
-            summary[2] = 0.0 if modes == {True} else 1.0
-        loss_total, num_items, summed = self.engine.dist.all_reduce_pipeline(summary).tolist()
-        return self._apply_step(torch.tensor(loss_total), self._grad_divisor(bool(summed), num_items, len(micro_steps)))
-
-    def _warn_per_micro_mean(self) -> None:
-        if not getattr(self, "_per_micro_mean_warned", False) and self.engine.is_main_process:
-            self._per_micro_mean_warned = True
-            self.logger.warning(
-                "under --deepspeed a (loss_sum, num_items) forward step is averaged per micro-batch (DeepSpeed "
-                "scales each micro-batch's loss itself): equal to the global-batch average when micro-batches "
-                "hold the same number of items"
-            )
 
     # ------------------------------------------------------------------ logging
     @staticmethod
@@ -327,13 +260,11 @@ class BaseTrainer:
         """Once, after the first step (optimizer state exists then): this rank's bytes of parameters,
         gradients and optimizer state, so what ZeRO/FSDP shards is visible."""
         self._state_bytes_logged = True
-        if deepspeed_backend.is_deepspeed_engine(self.model):
-            sizes = deepspeed_backend.model_state_bytes(self.model)
-        else:
-            sizes = model_state_bytes(self.model, self.optimizer.optimizer)
-        record = {"split": "model_state", "iteration": self.iteration, "strategy": self.engine.strategy, **sizes}
+        strategy = self.engine.strategy
+        sizes = strategy.model_state_bytes(self.model, self.optimizer)
+        record = {"split": "model_state", "iteration": self.iteration, "strategy": strategy.name, **sizes}
         self.logger.info(
-            f"model state on rank {self.engine.rank} ({self.engine.strategy}): "
+            f"model state on rank {self.engine.rank} ({strategy.name}): "
             + ", ".join(f"{k.replace('_bytes', '')} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         )
         if self._metrics is not None:
@@ -417,53 +348,21 @@ class BaseTrainer:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.optimizer.loss_scaler is not None:
             state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
-        optimizer = None if self.args.no_save_optim else self.optimizer.optimizer
-        ds_engine = self.model if deepspeed_backend.is_deepspeed_engine(self.model) else None
-        path = ckpt.save_checkpoint(self.args.save, self.iteration, self.model, optimizer, state, ds_engine)
+        path = self.engine.strategy.save_checkpoint(
+            self.args.save, self.iteration, self.model, self.optimizer, state, not self.args.no_save_optim
+        )
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
 
-    def _stage_foreign_weights(self) -> None:
-        """Under DeepSpeed, a checkpoint written without it: its weights go into the model before DeepSpeed
-        builds its fp32 copies from them (the optimizer state does not carry over)."""
-        args = self.args
-        path = ckpt.checkpoint_path(args.load)
-        if ckpt.is_deepspeed_checkpoint(path):
-            return
-        if not (args.finetune or args.no_load_optim):
-            raise ckpt.cross_backend_optimizer_error(args.load, saved_by_deepspeed=False)
-        self.engine._pending_weights = ckpt.read_model_tensors(path)
-
-    def _load_deepspeed_checkpoint(self) -> tuple[int, dict[str, Any] | None]:
-        args = self.args
-        skip_optimizer = args.finetune or args.no_load_optim
-        iteration = ckpt.latest_iteration(args.load)
-        path = ckpt.checkpoint_path(args.load)
-        if ckpt.is_deepspeed_checkpoint(path):
-            loaded, _ = self.model.load_checkpoint(
-                str(path),
-                tag=ckpt.DEEPSPEED_TAG,
-                load_optimizer_states=not skip_optimizer,
-                load_lr_scheduler_states=False,
-                load_module_only=args.finetune,
-            )
-            if loaded is None:
-                raise ckpt.CheckpointError(f"--load {args.load}: DeepSpeed could not read the checkpoint in {path}")
-        # else: the weights were loaded before deepspeed.initialize (_stage_foreign_weights)
-        if args.finetune:
-            return iteration, None
-        loaded_optimizer = ckpt.is_deepspeed_checkpoint(path) and not skip_optimizer
-        return iteration, ckpt.read_state(path, args.load, optimizer_loaded=loaded_optimizer)
-
     def load_checkpoint(self) -> None:
         args = self.args
-        skip_optimizer = args.finetune or args.no_load_optim
-        if deepspeed_backend.is_deepspeed_engine(self.model):
-            iteration, state = self._load_deepspeed_checkpoint()
-        else:
-            iteration, state = ckpt.load_checkpoint(
-                args.load, self.model, None if skip_optimizer else self.optimizer.optimizer, weights_only=args.finetune
-            )
+        iteration, state = self.engine.strategy.load_checkpoint(
+            args.load,
+            self.model,
+            self.optimizer,
+            with_optimizer=not (args.finetune or args.no_load_optim),
+            weights_only=args.finetune,
+        )
         if args.finetune:
             self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
             return
@@ -490,12 +389,7 @@ class BaseTrainer:
             self._progress.close()
         if self.args.save is not None:
             self.save_checkpoint()
-            if deepspeed_backend.is_deepspeed_engine(self.model):
-                module = self.model.module
-                full = deepspeed_backend.full_state_dict(self.model) if hasattr(module, "save_pretrained") else None
-                out = ckpt.export_hf(module, f"{self.args.save}/hf", self.tokenizer, full) if full else None
-            else:
-                out = ckpt.export_hf(self.model, f"{self.args.save}/hf", self.tokenizer)
+            out = self.engine.strategy.export(self.model, f"{self.args.save}/hf", self.tokenizer)
             if out is not None:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:

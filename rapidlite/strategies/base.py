@@ -1,0 +1,197 @@
+"""The strategy interface: how one backend sets a model up, runs a step's backward passes, steps, saves,
+loads and exports. The engine picks one strategy per run; the trainer loop and the checkpoint code call it
+and hold no backend branches (the shape of Lightning Fabric's strategies).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapidlite import checkpoint as ckpt
+from rapidlite.distributed import DistributedContext
+from rapidlite.errors import ConfigError
+from rapidlite.losses import unpack_loss
+from rapidlite.models.spec import spec_of
+from rapidlite.parallel.data_parallel import DataParallelConfig, gradient_sync
+from rapidlite.parallel.recompute import apply_activation_checkpointing
+from rapidlite.precision import Precision
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    """What every strategy is built from: the run's settings, topology, precision and logger."""
+
+    args: Any
+    dist: DistributedContext
+    data_parallel: DataParallelConfig
+    precision: Precision
+    logger: logging.Logger
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.dist.is_main_process
+
+
+def set_dropout(model: torch.nn.Module, hidden: float | None, attention: float | None) -> None:
+    """``--hidden-dropout``/``--attention-dropout`` on a built model: the config keys its family's spec names,
+    and every ``nn.Dropout`` for hidden dropout."""
+    config = getattr(model, "config", None)
+    spec = spec_of(model)
+    if hidden is not None:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = hidden
+        for key in spec.hidden_dropout_keys:
+            if config is not None and hasattr(config, key):
+                setattr(config, key, hidden)
+    if attention is not None:
+        for key in spec.attention_dropout_keys:
+            if config is not None and hasattr(config, key):
+                setattr(config, key, attention)
+        for module in model.modules():  # attention modules (HF, built-in GPT) read their rate from an attribute
+            for key in ("dropout_prob", "attention_dropout", "dropout"):
+                if isinstance(getattr(module, key, None), float):
+                    setattr(module, key, attention)
+            if isinstance(getattr(module, "attn_dropout", None), torch.nn.Dropout):
+                module.attn_dropout.p = attention
+
+
+def inconsistent_losses() -> TypeError:
+    return TypeError(
+        "run_forward_step returned a loss in one micro-batch and (loss_sum, num_items) in another; return one kind"
+    )
+
+
+class Strategy:
+    """One backend. ``setup`` applies every flag to a model and returns it with the optimizer the trainer
+    drives (``backward``, ``step(grad_divisor)``, ``zero_grad``, ``param_groups``, ``loss_scale``,
+    ``skipped_steps``, ``last_grad_norm``); the rest serves the trainer's loop and its checkpoints."""
+
+    # The pipeline runner under pipeline parallelism (the trainer then hands forward steps as record/replay
+    # pairs); None for every other backend.
+    pipeline: Any = None
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.args, self.dist, self.data_parallel = ctx.args, ctx.dist, ctx.data_parallel
+        self.precision, self.logger = ctx.precision, ctx.logger
+        self.device = ctx.dist.device
+
+    @property
+    def name(self) -> str:
+        """What trains the model, for the logs: "single process", "DDP", "ZeRO-3 (FSDP2) + CPU offload", ..."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
+        """``(model, optimizer)`` with every flag applied; ``optimizer`` None: built from the flags."""
+        raise NotImplementedError
+
+    def _prepare_module(self, model: torch.nn.Module, dynamic_shapes: bool | None, split: Callable | None) -> None:
+        """What every backend applies to the plain module, in torchtitan's order: dropout, this rank's pipeline
+        stages (``split``), tensor parallelism, activation checkpointing, compile."""
+        args = self.args
+        set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        if split is not None:
+            split(model)
+        if self.dist.tp_mesh is not None:
+            from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.dist.tp_mesh, args.sequence_parallel)
+        if args.checkpoint_activations:
+            apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
+        if args.torch_compile:
+            self._compile(model, dynamic_shapes)
+
+    def _compile(self, model: torch.nn.Module, dynamic_shapes: bool | None) -> None:
+        """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
+        before the data-parallel wrappers (as torchtitan orders them)."""
+        from rapidlite.graph import compile_model
+
+        count = compile_model(model, self.args.compile_mode, dynamic_shapes)
+        if self.ctx.is_main_process:
+            shapes = "; any batch and sequence length" if dynamic_shapes else ""
+            self.logger.info(
+                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {self.args.compile_mode}{shapes}); "
+                "they compile during the first step"
+            )
+
+    def prepare_resume(self, load_dir: str) -> None:
+        """Called before ``setup`` when the run resumes from ``load_dir``."""
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, model: Any, optimizer: Any, micro_steps: Sequence[Any]) -> tuple[torch.Tensor, float]:
+        """Run the forward and backward pass of each micro-batch of one global batch. Returns the sum of the
+        micro-batch losses and what the summed gradients are to be divided by (see ``grad_divisor``).
+
+        Gradients are reduced over data-parallel ranks only with the last micro-batch."""
+        losses, num_items, mode = [], 0, None
+        for i, forward in enumerate(micro_steps):
+            with gradient_sync(model, enabled=i == len(micro_steps) - 1):
+                loss, items = self._micro_loss(forward())
+                step_mode = "mean" if items is None else "sum"
+                if mode is not None and step_mode != mode:
+                    raise inconsistent_losses()
+                mode = step_mode
+                optimizer.backward(loss)
+            losses.append(loss.detach().float())
+            num_items += items or 0
+        return torch.stack(losses).sum(), self.grad_divisor(mode == "sum", num_items, len(micro_steps))
+
+    def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
+        return unpack_loss(result)
+
+    def grad_divisor(self, summed: bool, num_items: float, micro_batches: int) -> float:
+        """What the summed gradients are divided by: the micro-batch count for mean losses; for
+        ``(loss_sum, num_items)`` the items of the whole global batch, times the data-parallel size that the
+        replicas' averaging already divided by."""
+        if not summed:
+            return micro_batches
+        total = self.dist.all_reduce(torch.tensor(float(num_items), dtype=torch.float64), "sum")
+        return max(float(total), 1.0) / self.dist.dp_size
+
+    # ------------------------------------------------------------------ checkpoints and export
+    def module(self, model: Any) -> torch.nn.Module:
+        """The user's module inside what ``setup`` returned."""
+        return model
+
+    def parameter_count(self, model: Any) -> int:
+        return sum(p.numel() for p in self.module(model).parameters())
+
+    def model_state_bytes(self, model: Any, optimizer: Any) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state."""
+        raise NotImplementedError
+
+    def save_checkpoint(
+        self, save_dir: str, iteration: int, model: Any, optimizer: Any, state: dict[str, Any], with_optimizer: bool
+    ) -> Path:
+        return ckpt.save_checkpoint(save_dir, iteration, model, optimizer.optimizer if with_optimizer else None, state)
+
+    def load_checkpoint(
+        self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
+    ) -> tuple[int, dict[str, Any] | None]:
+        """``(iteration, state)`` of ``load_dir``'s latest checkpoint, loaded into ``model`` (and the optimizer)."""
+        inner = optimizer.optimizer if with_optimizer else None
+        return ckpt.load_checkpoint(load_dir, model, inner, weights_only=weights_only)
+
+    def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
+        """The whole model in Hugging Face format on rank 0 (a collective); None for other models and ranks."""
+        return ckpt.export_hf(model, out_dir, tokenizer)
+
+
+def refuse_foreign_optimizer(strategy: Strategy, optimizer: Any, builds_it: bool) -> None:
+    """A strategy that shards the optimizer must build it itself."""
+    if builds_it and optimizer is not None:
+        raise ConfigError(
+            f"{strategy.data_parallel.name} shards the optimizer, so it must build it: return None for the optimizer "
+            "from model_optimizer_lr_scheduler_provider (or pass none to compose) and set it with the flags"
+        )

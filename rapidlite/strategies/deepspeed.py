@@ -1,0 +1,122 @@
+"""DeepSpeed as a strategy (``--deepspeed``): its engine owns the step (accumulation, gradient average, ZeRO
+partitions and offload, clipping, bf16/fp16 with fp32 master weights) and its checkpoint format; rapidlite
+keeps the flags, the data, the optimizer it builds, the LR schedule and the checkpoint layout around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapidlite import checkpoint as ckpt
+from rapidlite.optim import OptimizerConfig, build_optimizer
+from rapidlite.parallel import deepspeed_backend
+from rapidlite.strategies.base import Strategy
+
+
+class DeepSpeed(Strategy):
+    """The model handed back by ``setup`` is DeepSpeed's engine: forward through it, as DeepSpeed requires."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._resume_weights: dict[str, torch.Tensor] | None = None
+        self._per_micro_mean_warned = False
+
+    @property
+    def name(self) -> str:
+        return self.data_parallel.name
+
+    def prepare_resume(self, load_dir: str) -> None:
+        """A checkpoint written without DeepSpeed: its weights go into the model before DeepSpeed builds its
+        fp32 copies from them (the optimizer state does not carry over)."""
+        args = self.args
+        path = ckpt.checkpoint_path(load_dir)
+        if ckpt.is_deepspeed_checkpoint(path):
+            return
+        if not (args.finetune or args.no_load_optim):
+            raise ckpt.cross_backend_optimizer_error(load_dir, saved_by_deepspeed=False)
+        self._resume_weights = ckpt.read_model_tensors(path)
+
+    def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
+        """Dropout and activation checkpointing as usual, then DeepSpeed's engine takes the model and the
+        optimizer (it casts the weights for bf16/fp16 itself, so no autocast)."""
+        from rapidlite.parallel.deepspeed_config import build_config
+
+        if deepspeed_backend.is_deepspeed_engine(model):
+            raise TypeError("compose() was given a DeepSpeed engine: pass the plain model")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("under --deepspeed, compose() takes a torch.optim.Optimizer (or None: built from flags)")
+        args, dp = self.args, self.data_parallel
+        model.to(self.device)
+        self._prepare_module(model, dynamic_shapes, split=None)
+        if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
+            model.load_state_dict(self._resume_weights)
+            self._resume_weights = None
+        # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
+        # Apex's CUDA kernels may not run: torch's AdamW steps either.
+        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
+        config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
+        self.logger.info(f"starting DeepSpeed {dp.name} (its ops are compiled on first use: that can take minutes)")
+        ds_engine = deepspeed_backend.initialize(model, optimizer, config)
+        return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
+
+    def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
+        # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is turned
+        # into its micro-batch mean (exact when micro-batches hold equal item counts).
+        loss, items = super()._micro_loss(result)
+        if items is None:
+            return loss, None
+        if not self._per_micro_mean_warned and self.ctx.is_main_process:
+            self._per_micro_mean_warned = True
+            self.logger.warning(
+                "under --deepspeed a (loss_sum, num_items) forward step is averaged per micro-batch (DeepSpeed "
+                "scales each micro-batch's loss itself): equal to the global-batch average when micro-batches "
+                "hold the same number of items"
+            )
+        return loss / max(items, 1), None
+
+    def module(self, model: Any) -> torch.nn.Module:
+        return model.module
+
+    def parameter_count(self, model: Any) -> int:
+        return deepspeed_backend.parameter_count(model.module)
+
+    def model_state_bytes(self, model: Any, optimizer: Any) -> dict[str, int]:
+        return deepspeed_backend.model_state_bytes(model)
+
+    def save_checkpoint(
+        self, save_dir: str, iteration: int, model: Any, optimizer: Any, state: dict[str, Any], with_optimizer: bool
+    ) -> Path:
+        def write(directory: Path) -> None:
+            model.save_checkpoint(str(directory), tag=ckpt.DEEPSPEED_TAG, save_latest=False)
+
+        return ckpt.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write)
+
+    def load_checkpoint(
+        self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
+    ) -> tuple[int, dict[str, Any] | None]:
+        iteration = ckpt.latest_iteration(load_dir)
+        path = ckpt.checkpoint_path(load_dir)
+        native = ckpt.is_deepspeed_checkpoint(path)
+        if native:
+            loaded, _ = model.load_checkpoint(
+                str(path),
+                tag=ckpt.DEEPSPEED_TAG,
+                load_optimizer_states=with_optimizer,
+                load_lr_scheduler_states=False,
+                load_module_only=weights_only,
+            )
+            if loaded is None:
+                raise ckpt.CheckpointError(f"--load {load_dir}: DeepSpeed could not read the checkpoint in {path}")
+        # else: the weights were loaded before deepspeed.initialize (prepare_resume)
+        if weights_only:
+            return iteration, None
+        return iteration, ckpt.read_state(path, load_dir, optimizer_loaded=native and with_optimizer)
+
+    def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
+        module = model.module
+        if not hasattr(module, "save_pretrained"):
+            return None
+        full = deepspeed_backend.full_state_dict(model)  # a collective under ZeRO-3; None off rank 0
+        return ckpt.export_hf(module, out_dir, tokenizer, full) if full is not None else None

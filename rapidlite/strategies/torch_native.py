@@ -1,0 +1,99 @@
+"""PyTorch's own backends: one process, DDP and ZeRO-1 (``DataParallel``), and FSDP2 for ZeRO-2/3 with CPU
+offload (``FullySharded``); tensor parallelism composes with both."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from rapidlite import distributed
+from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, StepHooks, build_optimizer
+from rapidlite.parallel.data_parallel import apply_data_parallel, gradient_averager, model_state_bytes
+from rapidlite.precision import LossScaler
+from rapidlite.strategies.base import Strategy, refuse_foreign_optimizer
+
+
+class DataParallel(Strategy):
+    """One process, DDP (composable ``replicate``) or ZeRO-1 (``ZeroRedundancyOptimizer``), under ``autocast``.
+
+    DDP's ``replicate`` takes no DTensor parameters: with tensor parallelism (and no ZeRO) the replicas'
+    gradients are averaged in the optimizer step instead."""
+
+    _split = None  # pipeline parallelism prunes the model to this rank's stages (strategies.pipeline)
+
+    @property
+    def name(self) -> str:
+        if not self.dist.initialized:
+            return "single process"
+        tp = self.dist.dims.tp
+        return self.data_parallel.name + (f" x tensor parallel {tp}" if tp > 1 else "")
+
+    @property
+    def model_parallel(self) -> bool:
+        """The model's weights are split over ranks (tensor or pipeline parallelism)."""
+        return self.dist.tp_mesh is not None or self.dist.dims.pp > 1
+
+    def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
+        refuse_foreign_optimizer(self, optimizer, self.dist.initialized and self.data_parallel.zero_stage > 0)
+        if not self.data_parallel.cpu_offload:  # offloaded shards are placed by FSDP
+            model.to(self.device)
+        self._prepare_module(model, dynamic_shapes, self._split)
+        self._wrap(model)
+        optimizer = self._optimizer(model, optimizer)
+        if self.args.use_ort:
+            from rapidlite.graph import wrap_ort
+
+            model = wrap_ort(model)
+        return model, optimizer
+
+    def _wrap(self, model: torch.nn.Module) -> None:
+        """Precision and data parallelism over the prepared model."""
+        self.precision.apply(model)
+        if self.dist.initialized and (self.data_parallel.zero_stage > 0 or self.dist.tp_mesh is None):
+            apply_data_parallel(model, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
+
+    def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
+        args = self.args
+        zero1_group = self.dist.dp_group if self.dist.initialized and self.data_parallel.zero_stage == 1 else None
+        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), zero1_group)
+        scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
+        hooks, warn = self.step_hooks(), self.ctx.is_main_process
+        return RapidliteOptimizer(optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, hooks=hooks, warn=warn)
+
+    def step_hooks(self) -> StepHooks:
+        tp = self.dist.tp_mesh is not None
+        backward_context = None
+        if tp:  # the parallel cross-entropy's backward runs under loss_parallel too
+            from rapidlite.parallel.tensor_parallel import backward_context
+        return StepHooks(
+            backward_context=backward_context,
+            sync_grads=self._replica_averager(),
+            # Split weights overflow on some ranks only: every rank must agree to skip the step.
+            reduce_found_inf=functools.partial(distributed.all_reduce_world, op="max") if self.model_parallel else None,
+        )
+
+    def _replica_averager(self) -> Any:
+        """The gradient average over data-parallel replicas where no wrapper does it (model parallelism)."""
+        if self.model_parallel and not self.data_parallel.fully_sharded and self.dist.dp_size > 1:
+            return gradient_averager(self.dist.dp_group, self.dist.dp_size)
+        return None
+
+    def model_state_bytes(self, model: Any, optimizer: Any) -> dict[str, int]:
+        return model_state_bytes(model, optimizer.optimizer)
+
+
+class FullySharded(DataParallel):
+    """ZeRO-2/3 on FSDP2 (``fully_shard`` per block, then the root), optionally with CPU offload. The compute
+    dtype is FSDP's mixed-precision policy, as in torchtitan, not autocast."""
+
+    def _wrap(self, model: torch.nn.Module) -> None:
+        apply_data_parallel(model, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
+
+    def step_hooks(self) -> StepHooks:
+        hooks = super().step_hooks()
+        if hooks.reduce_found_inf is None:  # sharded gradients overflow on some ranks only
+            hooks = dataclasses.replace(hooks, reduce_found_inf=functools.partial(self.dist.all_reduce, op="max"))
+        return hooks
