@@ -1,0 +1,144 @@
+"""The built-in GPT in Hugging Face's own layouts, so ``transformers`` loads what rapidlite pretrains.
+
+A ``GPTModel`` whose blocks are GPT-2's (LayerNorm with biases, GELU MLP, learned absolute positions) is
+written as ``GPT2LMHeadModel``; one whose blocks are LLaMA's (RMSNorm, SwiGLU, rotary positions, no biases)
+as ``LlamaForCausalLM``. Both compute what the built-in model computes: the same weights (q/k/v fused and
+transposed into GPT-2's ``Conv1D`` layout), exact GELU, the same rotary angles (channel pairs ``(i, i + d/2)``,
+LLaMA's ``rotate_half``), the padded vocabulary kept (its rows get logits in both). Other combinations have
+no Hugging Face counterpart: ``hf_layout`` says which, and ``hf_model`` refuses them in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rapidlite.errors import ConfigError
+
+GPT2, LLAMA = "gpt2", "llama"
+
+
+def hf_layout(config: Any) -> str | None:
+    """``"gpt2"``, ``"llama"`` or None: the Hugging Face architecture that computes what ``config`` builds."""
+    learned = config.position_embedding_type == "learned_absolute"
+    if config.normalization == "LayerNorm" and not config.swiglu and learned and config.bias:
+        return GPT2
+    if config.normalization == "RMSNorm" and config.swiglu and not learned and not config.bias:
+        return LLAMA
+    return None
+
+
+def _why_not(config: Any) -> str:
+    return (
+        f"the built-in GPT with --normalization {config.normalization}, "
+        f"{'--swiglu' if config.swiglu else 'a GELU MLP'}, --position-embedding-type "
+        f"{config.position_embedding_type} and {'biases' if config.bias else 'no biases'} has no Hugging Face "
+        "layout: GPT-2's is LayerNorm + GELU + learned_absolute + biases, LLaMA's is RMSNorm + --swiglu + rope "
+        "without biases"
+    )
+
+
+def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
+    """The ``transformers`` config of the matching architecture (see ``hf_layout``)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    layout = hf_layout(config)
+    # GPT2Config's defaults name GPT-2's own <|endoftext|> (50256): the tokenizer's ids or none.
+    tokens = {"bos_token_id": None, "eos_token_id": None, **(special_tokens or {})}
+    tied = not config.untie_embeddings_and_output_weights
+    if layout == GPT2:
+        return GPT2Config(
+            vocab_size=config.padded_vocab_size,
+            n_positions=config.max_position_embeddings,
+            n_embd=config.hidden_size,
+            n_layer=config.num_layers,
+            n_head=config.num_attention_heads,
+            n_inner=config.ffn_hidden_size,
+            activation_function="gelu",  # exact GELU, as F.gelu
+            resid_pdrop=config.hidden_dropout,
+            embd_pdrop=config.hidden_dropout,
+            attn_pdrop=config.attention_dropout,
+            layer_norm_epsilon=config.layernorm_epsilon,
+            initializer_range=config.init_method_std,
+            tie_word_embeddings=tied,
+            **tokens,
+        )
+    if layout == LLAMA:
+        return LlamaConfig(
+            vocab_size=config.padded_vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.ffn_hidden_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_attention_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.layernorm_epsilon,
+            rope_theta=config.rotary_base,
+            attention_dropout=config.attention_dropout,
+            attention_bias=False,
+            mlp_bias=False,
+            hidden_act="silu",
+            initializer_range=config.init_method_std,
+            tie_word_embeddings=tied,
+            **tokens,
+        )
+    raise ConfigError(_why_not(config))
+
+
+def hf_state_dict(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The built-in model's full weights renamed (and for GPT-2 fused and transposed) into the layout's keys.
+    A tied output weight is left to the embedding, as ``transformers`` stores it."""
+    layout = hf_layout(config)
+    if layout is None:
+        raise ConfigError(_why_not(config))
+    out: dict[str, torch.Tensor] = {}
+    tied = not config.untie_embeddings_and_output_weights
+    if layout == GPT2:
+        out["transformer.wte.weight"] = state["embedding.word_embeddings.weight"]
+        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"layers.{i}.", f"transformer.h.{i}."
+            for norm, hf_norm in (("input_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    out[f"{dst}{hf_norm}.{kind}"] = state[f"{src}{norm}.{kind}"]
+            qkv = [f"{src}attention.{p}_proj" for p in "qkv"]
+            # Conv1D keeps [in, out]; q, k and v side by side along out.
+            out[f"{dst}attn.c_attn.weight"] = torch.cat([state[f"{p}.weight"] for p in qkv]).t().contiguous()
+            out[f"{dst}attn.c_attn.bias"] = torch.cat([state[f"{p}.bias"] for p in qkv])
+            for mine, theirs in (("attention.out_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc")):
+                out[f"{dst}{theirs}.weight"] = state[f"{src}{mine}.weight"].t().contiguous()
+                out[f"{dst}{theirs}.bias"] = state[f"{src}{mine}.bias"]
+            out[f"{dst}mlp.c_proj.weight"] = state[f"{src}mlp.down_proj.weight"].t().contiguous()
+            out[f"{dst}mlp.c_proj.bias"] = state[f"{src}mlp.down_proj.bias"]
+        out["transformer.ln_f.weight"] = state["final_norm.weight"]
+        out["transformer.ln_f.bias"] = state["final_norm.bias"]
+    else:
+        out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"layers.{i}.", f"model.layers.{i}."
+            for p in ("q", "k", "v"):
+                out[f"{dst}self_attn.{p}_proj.weight"] = state[f"{src}attention.{p}_proj.weight"]
+            out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}attention.out_proj.weight"]
+            for p in ("gate", "up", "down"):
+                out[f"{dst}mlp.{p}_proj.weight"] = state[f"{src}mlp.{p}_proj.weight"]
+            out[f"{dst}input_layernorm.weight"] = state[f"{src}input_norm.weight"]
+            out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}mlp_norm.weight"]
+        out["model.norm.weight"] = state["final_norm.weight"]
+    if not tied:
+        out["lm_head.weight"] = state["output.weight"]
+    return out
+
+
+def hf_model(model: Any, special_tokens: dict[str, int] | None = None) -> Any:
+    """A ``transformers`` causal LM of the matching architecture holding ``model``'s weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(hf_config(model.config, special_tokens))
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model.config, state), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set()):
+        raise RuntimeError(f"built-in GPT → {type(hf).__name__}: missing {missing}, unexpected {unexpected}")
+    if hf.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()

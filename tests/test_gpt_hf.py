@@ -1,0 +1,51 @@
+"""The built-in GPT in Hugging Face's layouts: GPT-2's for the default blocks, LLaMA's for RMSNorm + SwiGLU +
+rope; ``transformers`` loads the saved model and its logits equal the built-in model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidlite.errors import ConfigError
+from rapidlite.models.gpt import GPTConfig, GPTModel
+from rapidlite.models.gpt_hf import hf_layout, hf_model
+
+LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "bias": False}
+
+
+def _model(**kw) -> GPTModel:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=100, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+        hidden_dropout=0.0, attention_dropout=0.0, **kw,
+    )  # fmt: skip
+    return GPTModel(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("kw", "layout", "cls"),
+    [
+        ({}, "gpt2", "GPT2LMHeadModel"),
+        ({"untie_embeddings_and_output_weights": True}, "gpt2", "GPT2LMHeadModel"),
+        ({**LLAMA, "rotary_base": 500.0}, "llama", "LlamaForCausalLM"),
+        ({**LLAMA, "untie_embeddings_and_output_weights": True}, "llama", "LlamaForCausalLM"),
+    ],
+)
+def test_transformers_loads_the_built_in_gpt_with_equal_logits(tmp_path, kw, layout, cls):
+    from transformers import AutoModelForCausalLM
+
+    model = _model(**kw)
+    assert hf_layout(model.config) == layout
+    hf_model(model, {"eos_token_id": 3}).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded).__name__ == cls and loaded.config.eos_token_id == 3
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_layout_is_refused_in_one_line():
+    model = _model(normalization="RMSNorm")  # RMSNorm with a GELU MLP and learned positions
+    assert hf_layout(model.config) is None
+    with pytest.raises(ConfigError, match="has no Hugging Face layout"):
+        hf_model(model)
