@@ -49,3 +49,26 @@ def test_a_mixed_layout_is_refused_in_one_line():
     assert hf_layout(model.config) is None
     with pytest.raises(ConfigError, match="has no Hugging Face layout"):
         hf_model(model)
+
+
+def test_megatron_tokenizers_export_as_transformers_tokenizers(tmp_path):
+    """What pretraining tokenized with, AutoTokenizer loads from the export: same ids, same special tokens."""
+    from transformers import AutoTokenizer
+
+    from rapidlite.data.tokenizers import (
+        BertWordPieceTokenizer,
+        GPT2BPETokenizer,
+        train_byte_level_bpe,
+        write_wordpiece_vocab,
+    )
+
+    texts = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"] * 20
+    text = "the lazy fox packs five jugs"
+    gpt2 = GPT2BPETokenizer(*train_byte_level_bpe(texts, 300, tmp_path / "bpe"))
+    bert = BertWordPieceTokenizer(write_wordpiece_vocab(texts, 120, tmp_path / "wp"))
+    for name, tok in (("gpt2", gpt2), ("bert", bert)):
+        tok.hf_tokenizer().save_pretrained(tmp_path / name)
+        loaded = AutoTokenizer.from_pretrained(tmp_path / name)
+        assert loaded.encode(text, add_special_tokens=False) == tok.tokenize(text), name
+    assert AutoTokenizer.from_pretrained(tmp_path / "gpt2").eos_token_id == gpt2.eod
+    assert AutoTokenizer.from_pretrained(tmp_path / "bert").mask_token_id == bert.mask

@@ -80,6 +80,11 @@ class AbstractTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def hf_tokenizer(self) -> Any:
+        """A ``transformers`` tokenizer with the same vocabulary and ids, exported beside a Hugging Face model;
+        None where there is none (the export then says so)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
@@ -95,11 +100,21 @@ class _BackendTokenizer(AbstractTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    _special_tokens: dict[str, str] = {}
+
+    def hf_tokenizer(self) -> Any:
+        import copy
+
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(self._backend), **self._special_tokens)
+
 
 class GPT2BPETokenizer(_BackendTokenizer):
     """GPT-2 byte-level BPE from ``vocab.json`` and ``merges.txt``; ``eod`` = ``<|endoftext|>``."""
 
     name = "GPT2BPETokenizer"
+    _special_tokens = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "unk_token": EOD_TOKEN}
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -124,6 +139,14 @@ class GPT2BPETokenizer(_BackendTokenizer):
 
 class BertWordPieceTokenizer(_BackendTokenizer):
     """BERT WordPiece from ``vocab.txt``; ``tokenize`` adds no ``[CLS]``/``[SEP]``; ``eod`` = ``[SEP]``."""
+
+    _special_tokens = {
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+    }
 
     def __init__(self, vocab_file: str, lower_case: bool = True) -> None:
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -183,6 +206,9 @@ class HuggingFaceTokenizer(AbstractTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
+
+    def hf_tokenizer(self) -> Any:
+        return self._tokenizer
 
 
 class SentencePieceTokenizer(AbstractTokenizer):
