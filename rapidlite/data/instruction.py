@@ -1,0 +1,244 @@
+"""Causal-LM fine-tuning data: rows in the formats people have, turned into token ids whose labels train the
+response only, optionally packed into full sequences.
+
+Formats (``detect_format``): Alpaca (``instruction``/``input``/``output``), prompt/response pairs
+(``prompt``/``completion``, ``prompt``/``response``, ``question``/``answer``, or the keys given), chat
+(``messages`` or ``conversations``: lists of ``{"role", "content"}``, rendered with the tokenizer's chat
+template) and plain ``text`` (continued pretraining: every token trains).
+
+A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
+concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
+labels a token by the segment its first character falls in, through the fast tokenizer's offsets. The EOS
+token closes every row and is trained with the response. Packing (``pack``) concatenates encoded rows into
+sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention is kept
+inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
+no attention mask and no key/value cache so; the built-in GPT takes the block-diagonal mask that
+``packed_attention_mask`` builds).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rapidlite.errors import DataError
+
+ALPACA, PROMPT_RESPONSE, CHAT, TEXT = "alpaca", "prompt_response", "chat", "text"
+
+# Stanford Alpaca's prompts, word for word: models tuned on them expect exactly these.
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+CHATML_PROMPT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TEMPLATES = ("auto", "alpaca", "chatml", "none")
+_PAIRS = (("prompt", "completion"), ("prompt", "response"), ("question", "answer"), ("input", "output"))
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Which columns hold what: ``kind`` is one of alpaca, prompt_response, chat, text."""
+
+    kind: str
+    prompt_key: str | None = None
+    response_key: str | None = None
+
+
+def detect_format(columns: Sequence[str], prompt_key: str | None = None, response_key: str | None = None) -> RowFormat:
+    """The row format of a data set with ``columns``; ``prompt_key``/``response_key`` (``--prompt-key``,
+    ``--response-key``) name a prompt/response pair explicitly."""
+    cols = set(columns)
+    if prompt_key or response_key:
+        missing = [k for k in (prompt_key, response_key) if k and k not in cols]
+        if missing or not (prompt_key and response_key):
+            raise DataError(
+                f"--prompt-key/--response-key: the data has no column {missing[0] if missing else '(both needed)'}; "
+                f"its columns are {', '.join(sorted(cols))}"
+            )
+        return RowFormat(PROMPT_RESPONSE, prompt_key, response_key)
+    for key in ("messages", "conversations"):
+        if key in cols:
+            return RowFormat(CHAT, prompt_key=key)
+    if {"instruction", "output"} <= cols:
+        return RowFormat(ALPACA)
+    for prompt, response in _PAIRS:
+        if {prompt, response} <= cols:
+            return RowFormat(PROMPT_RESPONSE, prompt, response)
+    if "text" in cols:
+        return RowFormat(TEXT)
+    raise DataError(
+        f"the data's columns ({', '.join(sorted(cols))}) are in no known format: give instruction/input/output "
+        "(Alpaca), prompt/completion (or --prompt-key/--response-key), messages (chat) or text"
+    )
+
+
+def load_template(template: str) -> str:
+    """``--prompt-template``: a known name, or a file whose text has ``{instruction}``/``{input}``/``{prompt}``
+    (or any column) in braces."""
+    if template in TEMPLATES:
+        return template
+    if not os.path.isfile(template):
+        raise DataError(f"--prompt-template {template}: not one of {', '.join(TEMPLATES)} and no such file")
+    with open(template, encoding="utf-8") as f:
+        return f.read()
+
+
+def _fill(template: str, row: dict[str, Any], flag: str = "--prompt-template") -> str:
+    try:
+        return template.format(**{k: "" if v is None else v for k, v in row.items()})
+    except (KeyError, IndexError, ValueError) as e:
+        raise DataError(f"{flag}: the template names {e}, which the data has no column for") from None
+
+
+def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
+    """The prompt of an Alpaca or prompt/response row under ``template`` (a name or a template's text)."""
+    if fmt.kind == ALPACA:
+        instruction, extra = str(row.get("instruction") or ""), str(row.get("input") or "")
+        if template in ("auto", "alpaca"):
+            return (ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    else:
+        prompt = str(row.get(fmt.prompt_key) or "")
+    if template in ("auto", "none"):
+        return prompt
+    if template == "chatml":
+        return CHATML_PROMPT.format(prompt=prompt)
+    if template == "alpaca":
+        return ALPACA_PROMPT_NO_INPUT.format(instruction=prompt)
+    return _fill(template, {**row, "prompt": prompt})
+
+
+def _response_key(fmt: RowFormat) -> str:
+    return "output" if fmt.kind == ALPACA else fmt.response_key
+
+
+def render(row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any) -> list[tuple[str, bool]]:
+    """The row as ``(text, trained)`` segments: a prompt and its response, a chat with its assistant turns
+    trained, or a text trained whole."""
+    if fmt.kind == TEXT:
+        return [(str(row.get("text") or ""), True)]
+    if fmt.kind == CHAT:
+        return _render_chat(row[fmt.prompt_key], tokenizer)
+    response = str(row.get(_response_key(fmt)) or "")
+    if template == "chatml":
+        response += "<|im_end|>"
+    return [(_prompt_text(row, fmt, template), False), (response, True)]
+
+
+def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tuple[str, bool]]:
+    """Each assistant turn is what rendering the conversation up to it adds to the rendering up to the turn
+    before it with the generation prompt; everything else is prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "chat data (messages) needs a chat template: the tokenizer has none; pass --chat-template chatml or "
+            "a Jinja template file"
+        )
+    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (before.startswith(done) and through.startswith(before)):
+            raise DataError(
+                "the chat template renders a conversation differently as it grows: its turns cannot be told apart"
+            )
+        segments += [(before[len(done) :], False), (through[len(before) :], True)]
+        done = through
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    if whole[len(done) :]:
+        segments.append((whole[len(done) :], False))
+    return [s for s in segments if s[0]]
+
+
+def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:
+    """``--chat-template chatml|FILE``: the Jinja template the tokenizer renders chats with."""
+    if chat_template is None:
+        return
+    if chat_template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
+        return
+    if not os.path.isfile(chat_template):
+        raise DataError(f"--chat-template {chat_template}: not chatml and no such file")
+    with open(chat_template, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+
+
+def encode(
+    segments: Sequence[tuple[str, bool]], tokenizer: Any, seq_length: int, train_on_prompt: bool = False
+) -> Encoded:
+    """Token ids of the segments' text (with the tokenizer's own special tokens, e.g. LLaMA's BOS) and EOS;
+    labels are the ids where a token's text is trained (everywhere with ``train_on_prompt``), else -100.
+    Longer than ``seq_length``: cut at the end."""
+    text, spans, start = "", [], 0
+    for piece, trained in segments:
+        text += piece
+        if trained or train_on_prompt:
+            spans.append((start, start + len(piece)))
+        start += len(piece)
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    # A token trains when its text starts inside a trained span; special tokens (empty offsets) do not.
+    labels = [
+        token if end > begin and any(lo <= begin < hi for lo, hi in spans) else -100
+        for token, (begin, end) in zip(ids, offsets, strict=True)
+    ]
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        closing = eos if segments and (segments[-1][1] or train_on_prompt) else -100  # EOS ends the response
+        if ids and ids[-1] == eos and offsets[-1][0] == offsets[-1][1]:  # the tokenizer added it already
+            labels[-1] = closing
+        else:
+            ids.append(eos)
+            labels.append(closing)
+    return Encoded(ids[:seq_length], labels[:seq_length], truncated=len(ids) > seq_length)
+
+
+def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
+    """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
+    position ids restarting at each row; the per-token loss over the packs equals the rows' own."""
+    packs: list[dict[str, list[int]]] = []
+    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        if current["input_ids"] and len(current["input_ids"]) + len(row.input_ids) > seq_length:
+            packs.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += row.input_ids
+        # A row's first token is no target within the row; packed, the previous row's last token would learn it.
+        current["labels"] += [-100, *row.labels[1:]]
+        current["position_ids"] += list(range(len(row.input_ids)))
+    if current["input_ids"]:
+        packs.append(current)
+    return packs
+
+
+def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask ``[b, 1, s, s]`` (True = attend) of rows packed with restarting position
+    ids: a token attends to the earlier tokens of its own row only."""
+    starts = (position_ids == 0).long().cumsum(-1)  # the row each token belongs to
+    same_row = starts[:, :, None] == starts[:, None, :]
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_row & causal)[:, None]

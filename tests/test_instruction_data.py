@@ -1,0 +1,144 @@
+"""Causal-LM fine-tuning data: formats are detected, prompts are masked so exactly the response (and EOS)
+trains, chats train their assistant turns, and packed rows give the same per-token loss as unpacked ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidlite.data import instruction as ins
+from rapidlite.errors import DataError
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs", "sort: b a c"] * 30
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
+
+    out = tmp_path_factory.mktemp("bpe")
+    return GPT2BPETokenizer(*train_byte_level_bpe(TEXTS, 400, out)).hf_tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("columns", "keys", "kind", "pair"),
+    [
+        (["instruction", "input", "output"], (None, None), "alpaca", (None, None)),
+        (["instruction", "output"], (None, None), "alpaca", (None, None)),
+        (["prompt", "completion"], (None, None), "prompt_response", ("prompt", "completion")),
+        (["question", "answer", "id"], (None, None), "prompt_response", ("question", "answer")),
+        (["q", "a"], ("q", "a"), "prompt_response", ("q", "a")),
+        (["messages"], (None, None), "chat", ("messages", None)),
+        (["text", "meta"], (None, None), "text", (None, None)),
+    ],
+)
+def test_formats_are_detected(columns, keys, kind, pair):
+    fmt = ins.detect_format(columns, *keys)
+    assert (fmt.kind, fmt.prompt_key, fmt.response_key) == (kind, *pair)
+
+
+def test_unknown_columns_are_one_line_naming_the_formats():
+    with pytest.raises(DataError, match=r"columns \(body, title\) are in no known format.*--prompt-key"):
+        ins.detect_format(["title", "body"])
+    with pytest.raises(DataError, match="no column answer"):
+        ins.detect_format(["q", "a"], "q", "answer")
+
+
+def _trained_text(tok, encoded):
+    return tok.decode([t for t in encoded.labels if t != -100])
+
+
+def test_only_the_response_and_eos_train(tok):
+    row = {"instruction": "sort the words", "input": "b a c", "output": "a b c"}
+    fmt = ins.detect_format(list(row))
+    segments = ins.render(row, fmt, "auto", tok)
+    assert segments[0][0] == ins.ALPACA_PROMPT.format(instruction="sort the words", input="b a c")
+    enc = ins.encode(segments, tok, seq_length=512)
+    assert _trained_text(tok, enc) == "a b c" + tok.eos_token
+    assert enc.input_ids[-1] == tok.eos_token_id and not enc.truncated
+    everything = ins.encode(segments, tok, seq_length=512, train_on_prompt=True)
+    assert everything.labels == everything.input_ids
+    cut = ins.encode(segments, tok, seq_length=8)
+    assert cut.truncated and len(cut.input_ids) == 8
+
+
+def test_prompt_templates(tok, tmp_path):
+    row = {"prompt": "reverse: x y", "completion": "y x"}
+    fmt = ins.detect_format(list(row))
+    assert ins.render(row, fmt, "none", tok) == [("reverse: x y", False), ("y x", True)]
+    assert (
+        ins.render(row, fmt, "chatml", tok)[0][0] == "<|im_start|>user\nreverse: x y<|im_end|>\n<|im_start|>assistant\n"
+    )
+    template = tmp_path / "t.txt"
+    template.write_text("Q: {prompt}\nA: ")
+    assert ins.render(row, fmt, ins.load_template(str(template)), tok)[0] == ("Q: reverse: x y\nA: ", False)
+    template.write_text("Q: {question}\nA: ")
+    with pytest.raises(DataError, match="names 'question'"):
+        ins.render(row, fmt, ins.load_template(str(template)), tok)
+    with pytest.raises(DataError, match="--prompt-template nope: not one of"):
+        ins.load_template("nope")
+
+
+def test_chats_train_their_assistant_turns(tok):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "sort: b a c"},
+        {"role": "assistant", "content": "a b c"},
+        {"role": "user", "content": "reverse it"},
+        {"role": "assistant", "content": "c b a"},
+    ]
+    fmt = ins.detect_format(["messages"])
+    with pytest.raises(DataError, match="needs a chat template.*--chat-template chatml"):
+        ins.render({"messages": messages}, fmt, "auto", tok)
+    ins.set_chat_template(tok, "chatml")
+    enc = ins.encode(ins.render({"messages": messages}, fmt, "auto", tok), tok, seq_length=512)
+    assert _trained_text(tok, enc) == "a b c<|im_end|>\nc b a<|im_end|>\n" + tok.eos_token
+    assert tok.decode(enc.input_ids) == tok.apply_chat_template(messages, tokenize=False) + tok.eos_token
+
+
+def test_packed_rows_give_the_unpacked_per_token_loss(tok):
+    """A tiny LLaMA (transformers' packed-sequence masking from restarting position ids) and the built-in
+    GPT (the block-diagonal mask): every row's logits in a pack equal the row's logits alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rapidlite.models.gpt import GPTConfig, GPTModel
+
+    fmt = ins.detect_format(["text"])
+    rows = [ins.encode(ins.render({"text": t}, fmt, "auto", tok), tok, 64) for t in TEXTS[:7]]
+    packs = ins.pack(rows, seq_length=40)
+    assert all(len(p["input_ids"]) <= 40 for p in packs) and len(packs) < len(rows)
+    assert sum(len(p["input_ids"]) for p in packs) == sum(len(r.input_ids) for r in rows)
+    torch.manual_seed(0)
+    vocab = len(tok)
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    ).eval()
+    gpt_config = GPTConfig(vocab_size=vocab, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64,
+                           position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    gpt = GPTModel(gpt_config).eval()
+
+    def unpacked_loss(forward):
+        total, count = 0.0, 0
+        for row in rows:
+            ids, labels = torch.tensor([row.input_ids]), torch.tensor([row.labels])
+            logits = forward(ids, None)
+            losses = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:], reduction="sum")
+            total, count = total + float(losses), count + int((labels[0, 1:] != -100).sum())
+        return total / count
+
+    def packed_loss(forward):
+        total, count = 0.0, 0
+        for p in packs:
+            ids, labels, pos = (torch.tensor([p[k]]) for k in ("input_ids", "labels", "position_ids"))
+            logits = forward(ids, pos)
+            losses = torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:], reduction="sum")
+            total, count = total + float(losses), count + int((labels[0, 1:] != -100).sum())
+        return total / count
+
+    with torch.no_grad():
+        for forward in (
+            # Training runs without the key/value cache, which turns transformers' packed-sequence masking off.
+            lambda ids, pos: llama(input_ids=ids, position_ids=pos, use_cache=False).logits,
+            lambda ids, pos: gpt(ids, pos, None if pos is None else ins.packed_attention_mask(pos)),
+        ):
+            assert packed_loss(forward) == pytest.approx(unpacked_loss(forward), rel=1e-5)
