@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
-    ("config", ("rapidlite.arguments", "rapidlite.tasks.registry")),
+    ("config", ("rapidlite.arguments", "rapidlite.resolve", "rapidlite.tasks.registry")),
     (
         "parallel and training machinery",
         ("rapidlite.parallel", "rapidlite.graph", "rapidlite.optim", "rapidlite.precision", "rapidlite.checkpoint"),
