@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidlite.environ import env_int
@@ -42,7 +42,9 @@ class RunConfig(argparse.Namespace):
 
     __slots__ = ("_notices", "_deepspeed_notices")
 
-    def __init__(self, values: Mapping[str, Any], notices: tuple[str, ...] = (), deepspeed_notices=()) -> None:
+    def __init__(
+        self, values: Mapping[str, Any], notices: Sequence[str] = (), deepspeed_notices: Sequence[str] = ()
+    ) -> None:
         self.__dict__.update(values)
         object.__setattr__(self, "_notices", tuple(notices))
         object.__setattr__(self, "_deepspeed_notices", tuple(deepspeed_notices))
