@@ -395,6 +395,8 @@ class _Unset:
 
 
 _UNSET = _Unset()
+# Actions that replace the value (every flag of rapidlite's own): only these can tell given from defaulted.
+_SETS_VALUE = (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction)
 
 
 def parse_known(
@@ -408,6 +410,10 @@ def parse_known(
     parser = build_parser(extra_args_provider)
     actions = [a for a in parser._actions if a.dest != argparse.SUPPRESS and a.default != argparse.SUPPRESS]
     probe = argparse.Namespace(**{a.dest: _UNSET for a in actions})
+    for action in actions:
+        if not isinstance(action, _SETS_VALUE):
+            # append/count/extend (a script's own flags) build on the value in place: they start from the default
+            setattr(probe, action.dest, parser.get_default(action.dest))
     namespace, unknown = parser.parse_known_args(argv, probe)
     explicit = frozenset(dest for dest, value in vars(namespace).items() if value is not _UNSET)
     for action in actions:

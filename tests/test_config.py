@@ -45,6 +45,19 @@ def test_the_resolved_config_is_frozen_and_reads_like_a_namespace():
             twin.micro_batch_size = 2
 
 
+def test_a_scripts_own_flags_keep_argparse_semantics():
+    def extra(parser):
+        parser.add_argument("--tag", action="append", default=[])
+        parser.add_argument("-v", "--verbose", action="count", default=0)
+        parser.add_argument("--ratio", type=float, default="0.5")  # a string default goes through its type
+
+    args = parse_args(["--tag", "a", "--tag", "b", "-vv"], extra_args_provider=extra, require_task=False)
+    assert args.tag == ["a", "b"] and args.verbose == 2 and args.ratio == 0.5
+    args = parse_args([], extra_args_provider=extra, require_task=False)
+    assert args.tag == [] and args.verbose == 0
+    assert parse([]).explicit_flags == frozenset() and parse(["--fp16"]).explicit_flags == {"fp16"}
+
+
 def test_resolve_returns_a_new_object_and_leaves_the_parsed_flags_alone():
     namespace = parse(BASE + ["--train-iters", "9", "--lr-warmup-iters", "100", "--checkpoint-activations"])
     before = copy.deepcopy(vars(namespace))
