@@ -1,9 +1,10 @@
 """Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``).
 
 Each process parses its command line once and resolves it into the frozen settings (``rapidlite.resolve``);
-the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under
-torchrun when more ranks are asked for than this process is. In a worker, failures are recorded for the launcher and
-the process ends through ``distributed.shutdown``.
+the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under torchrun
+when more ranks are asked for than this process is. In a worker, failures are recorded for the launcher and the
+process ends through ``distributed.shutdown``. The one exception to "once": a ``--user-script`` run in this
+process parses again in the script's ``RapidliteEngine()``, which alone knows the script's own flags.
 """
 
 from __future__ import annotations
