@@ -49,7 +49,7 @@ from rapidlite.data.tokenizers import build_tokenizer, train_byte_level_bpe
 from rapidlite.models.gpt import GPTConfig, GPTModel
 from rapidlite.tasks.pretraining_demo import VOCAB_SIZE, write_corpus
 
-SEQ_LENGTH, MICRO_BATCH = 256, 8  # the demo's (DEMO_ARGS)
+SEQ_LENGTH, MICRO_BATCH = 256, 8  # the demo's (pretraining_demo.DEMO_FLAGS)
 DEMO_MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4}
 TINY_MODEL = {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 2}
 TARGET_SHARE = 0.02

@@ -1,20 +1,18 @@
-"""Command-line flags: Megatron's and Rapidformer's names, grouped, validated up front.
+"""Command-line flags: Megatron's and Rapidformer's names, grouped, each default in one place (its flag).
 
-``parse_args`` turns argv into a ``Namespace`` whose fields every other module reads
-by name. Validation runs before any model or data is touched: each contradiction is a
-``ConfigError`` with one line naming the flag and the fix. Derived values (data-parallel
-size, global batch, gradient-accumulation steps, precision) are resolved here, once.
+``parse`` reads argv once into an ``argparse.Namespace`` (which flags were given is recorded in the same
+pass, as ``explicit_flags``); ``rapidlite.resolve.resolve`` then checks it and derives everything else into
+the frozen ``RunConfig`` every other module reads. ``parse_args`` is the two in a row.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Sequence
 
-from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError
-from rapidlite.tasks.registry import get_task, task_names
+from rapidlite.resolve import LR_DECAY_STYLES, RunConfig, resolve
+from rapidlite.tasks.registry import task_names
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -24,7 +22,6 @@ TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "NullTokenizer",
 )
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
 
@@ -71,7 +68,8 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         "--seq-length",
         type=int,
         default=None,
-        help="maximum sequence length (tokens); default 128 for fine-tuning",
+        help="maximum sequence length (tokens); default: the task's (sequence_classification 128, pretraining "
+        "1024 for GPT and 512 for BERT)",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
@@ -118,7 +116,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         help="samples per optimizer step over all ranks (default: micro x data-parallel size); "
         "gradient accumulation = global / (micro x data-parallel size)",
     )
-    g.add_argument("--epochs", type=int, default=None, help="epochs (Finetuner); default 3")
+    g.add_argument("--epochs", type=int, default=3, help="epochs (Finetuner; default %(default)s)")
     g.add_argument(
         "--train-iters",
         type=int,
@@ -131,7 +129,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=1e-4,
+        help="peak learning rate (default %(default)g; the embedded demos (--demo) start from their own)",
+    )
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear", help=f"one of {', '.join(LR_DECAY_STYLES)}")
     g.add_argument(
@@ -381,384 +384,63 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     ):
         add(p)
     if extra_args_provider is not None:
-        p = extra_args_provider(p) or p
+        returned = extra_args_provider(p)  # the parser, or None (Megatron's providers return it, others do not)
+        p = returned if isinstance(returned, argparse.ArgumentParser) else p
     return p
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_UNSET = _Unset()
+# Actions that replace the value (every flag of rapidlite's own): only these can tell given from defaulted.
+_SETS_VALUE = (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction)
+
+
+def parse_known(
+    argv: Sequence[str] | None = None, extra_args_provider: ExtraArgsProvider | None = None
+) -> tuple[argparse.Namespace, list[str]]:
+    """Parse argv once; return the flags and the arguments no flag of the parser took (a user script's own).
+
+    Every flag starts as "not given" and takes its parser default afterwards, so the same pass records in
+    ``explicit_flags`` which flags the command line set (a DeepSpeed file supplies only the others).
+    """
+    parser = build_parser(extra_args_provider)
+    actions = [a for a in parser._actions if a.dest != argparse.SUPPRESS and a.default != argparse.SUPPRESS]
+    probe = argparse.Namespace(**{a.dest: _UNSET for a in actions})
+    for action in actions:
+        if not isinstance(action, _SETS_VALUE):
+            # append/count/extend (a script's own flags) build on the value in place: they start from the default
+            setattr(probe, action.dest, parser.get_default(action.dest))
+    namespace, unknown = parser.parse_known_args(argv, probe)
+    explicit = frozenset(dest for dest, value in vars(namespace).items() if value is not _UNSET)
+    for action in actions:
+        if getattr(namespace, action.dest) is _UNSET:
+            default = parser.get_default(action.dest)
+            if isinstance(default, str) and callable(action.type):
+                default = action.type(default)  # as argparse converts a string default
+            setattr(namespace, action.dest, default)
+    namespace.explicit_flags = explicit
+    return namespace, unknown
+
+
+def parse(
+    argv: Sequence[str] | None = None, extra_args_provider: ExtraArgsProvider | None = None
+) -> argparse.Namespace:
+    """Parse argv once; an argument no flag takes is a ``ConfigError``."""
+    namespace, unknown = parse_known(argv, extra_args_provider)
+    if unknown:
+        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see 'rapidlite --help')")
+    return namespace
 
 
 def parse_args(
     argv: Sequence[str] | None = None,
     extra_args_provider: ExtraArgsProvider | None = None,
     require_task: bool = True,
-) -> argparse.Namespace:
-    """Parse and validate argv; raise ``ConfigError`` (one line) on any contradiction."""
-    parser = build_parser(extra_args_provider)
-    args = parser.parse_args(argv)
-    mark_explicit(parser, argv, args)
-    validate_args(args, require_task=require_task)
-    return args
-
-
-class _Unset:
-    pass
-
-
-def mark_explicit(parser: argparse.ArgumentParser, argv: Sequence[str] | None, args: argparse.Namespace) -> None:
-    """Record in ``args.explicit_flags`` the destinations set on the command line (not by defaults), so a
-    DeepSpeed config file can supply what the flags leave open."""
-    unset = _Unset()
-    probe = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
-    parsed, _ = parser.parse_known_args(argv, probe)
-    args.explicit_flags = frozenset(k for k, v in vars(parsed).items() if v is not unset)
-
-
-def validate_args(args: argparse.Namespace, require_task: bool = True) -> None:
-    """Check every flag and resolve derived values in place (see module docstring)."""
-    if require_task and args.task is None and args.user_script is None:
-        raise ConfigError(f"no task given: pass --task {{{','.join(task_names())}}} or --user-script PATH")
-    task = get_task(args.task) if args.task is not None else None
-    if args.user_script is not None:
-        task = None  # a script runs its own trainer; --task is accepted, as on Rapidformer's page
-    if args.user_script is not None and not os.path.isfile(args.user_script):
-        raise ConfigError(f"--user-script {args.user_script}: file not found")
-
-    for name in (
-        "micro_batch_size",
-        "global_batch_size",
-        "epochs",
-        "train_iters",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "seq_length",
-        "max_position_embeddings",
-        "log_interval",
-        "eval_interval",
-        "eval_iters",
-        "save_interval",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "loss_scale_window",
-        "hysteresis",
-        "recompute_num_layers",
-        "make_vocab_size_divisible_by",
-        "vocab_size",
-        "nproc_per_node",
-        "nnodes",
-        "distributed_timeout_minutes",
-    ):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    for name in ("num_workers", "max_restarts", "node_rank"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
-    for name in ("min_lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
-    for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
-        value = getattr(args, name)
-        if value is not None and not 0 <= value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be in [0, 1)")
-
-    args.notices = []  # what validation adjusted, for the engine to log
-    # Rapidformer's page reads these names: load_dataset(args.dataset_path, args.dataset_name).
-    paths = args.data_path
-    args.dataset_path = paths[0] if paths and len(paths) == 1 else paths
-    args.dataset_name = args.data_name
-
-    _validate_lr(args)
-    _resolve_precision(args)
-    _resolve_recompute(args)
-    _resolve_deepspeed(args)
-    _validate_data_parallel(args)
-    _resolve_batch(args)
-
-    _resolve_load(args)
-    if task is not None:
-        _validate_task(task, args)
-    for name in ("mask_prob", "short_seq_prob"):
-        if not 0 <= getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")
-    if args.init_method_std <= 0:
-        raise ConfigError(f"--init-method-std {args.init_method_std}: must be positive")
-    if args.finetune and args.load is None:
-        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-    if args.save_interval is not None and args.save is None:
-        raise ConfigError("--save-interval needs --save DIR")
-    if args.epochs is None:
-        args.epochs = 3
-    if args.lr is None:
-        args.lr = 1e-4
-    if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-
-
-def _validate_task(task, args: argparse.Namespace) -> None:
-    """What the chosen black-box task needs (``rapidlite.tasks.registry``)."""
-    if not args.demo:
-        missing = [flag for flag in task.required if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
-        if missing:
-            hint = " (or --demo for the embedded offline example)" if task.demo else ""
-            raise ConfigError(f"--task {task.name} needs {' and '.join(missing)}{hint}")
-    if task.iteration_based and args.train_iters is None:
-        raise ConfigError(f"--task {task.name} is iteration-based: pass --train-iters N")
-    if task.check is not None:
-        task.check(args)
-
-
-def _resolve_load(args: argparse.Namespace) -> None:
-    """``--load``: a checkpoint to resume (checked now, before any loading), or, as on Rapidformer's page, a
-    Hugging Face model directory that a fine-tuning job loads with ``from_pretrained(args.load)``
-    (``args.load_is_pretrained_model``: nothing is resumed)."""
-    args.load_is_pretrained_model = False
-    if args.load is None:
-        return
-    from rapidlite.checkpoint import is_pretrained_model_dir, latest_iteration
-
-    if not is_pretrained_model_dir(args.load):
-        latest_iteration(args.load)  # a missing or corrupt checkpoint fails here
-        return
-    args.load_is_pretrained_model = True
-    if args.user_script is not None:
-        return
-    model = args.pretrained_model_name_or_path
-    task = get_task(args.task) if args.task is not None else None
-    if task is not None and task.load_model_dir and model in (None, args.load):
-        args.pretrained_model_name_or_path = args.load
-        return
-    hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if args.task == "pretraining" else "")
-    raise ConfigError(
-        f"--load {args.load} holds a Hugging Face model, not a rapidlite checkpoint (no 'latest'): start from it "
-        f"with {hint}; --load resumes a --save directory"
-    )
-
-
-def _validate_lr(args: argparse.Namespace) -> None:
-    if args.lr_decay_style not in LR_DECAY_STYLES:
-        raise ConfigError(
-            f"--lr-decay-style {args.lr_decay_style}: unknown; choose one of {', '.join(LR_DECAY_STYLES)}"
-        )
-    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive: give one of them")
-    if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
-        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}: must be >= 0")
-    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction <= 1:
-        raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1]")
-    if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
-        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters}: must be a positive integer")
-    # A warmup longer than the run warms up over the whole run, as the Hugging Face Trainer does, said in one
-    # line before anything loads when the run's length is on the command line (an epoch-based run learns its
-    # length from the data: optim.build_lr_scheduler clamps and says it then).
-    decay = args.lr_decay_iters or args.train_iters
-    warmup = args.lr_warmup_iters
-    if decay and warmup is not None and warmup > decay and args.lr_decay_style != "constant":
-        which = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
-        args.notices.append(
-            f"--lr-warmup-iters {warmup} is longer than {which} {decay}: warming up over all {decay} iterations "
-            f"(the learning rate reaches --lr only at the end); lower --lr-warmup-iters"
-        )
-        args.lr_warmup_iters = decay
-
-
-def _resolve_precision(args: argparse.Namespace) -> None:
-    """Set ``args.precision`` to 'fp32', 'bf16', 'fp16' or 'auto' (mixed: the engine picks per device)."""
-    if args.fp16 and args.bf16:
-        raise ConfigError("--fp16 and --bf16 are exclusive: give one of them (or --mixed-precision)")
-    if args.fp16:
-        args.precision = "fp16"
-    elif args.bf16:
-        args.precision = "bf16"
-    elif args.mixed_precision:
-        args.precision = "auto"
-    else:
-        args.precision = "fp32"
-    if args.loss_scale is not None and args.precision in ("fp32", "bf16"):
-        raise ConfigError("--loss-scale only applies to fp16: add --fp16 or drop --loss-scale")
-    if args.min_loss_scale > args.initial_loss_scale:
-        raise ConfigError("--min-loss-scale is larger than --initial-loss-scale")
-
-
-def _resolve_recompute(args: argparse.Namespace) -> None:
-    if args.recompute_granularity is not None or args.recompute_num_layers is not None:
-        args.checkpoint_activations = True
-    if args.checkpoint_activations and args.recompute_granularity is None:
-        args.recompute_granularity = "full"
-
-
-def _default_nproc_per_node() -> int:
-    import torch  # only when the flag is not given: --help and flag errors stay fast
-
-    return max(torch.cuda.device_count(), 1)
-
-
-def num_nodes(args: argparse.Namespace) -> int:
-    return args.nnodes or env_int("NNODES", 1)
-
-
-def nproc_per_node(args: argparse.Namespace) -> int:
-    return args.nproc_per_node or _default_nproc_per_node()
-
-
-def target_world_size(args: argparse.Namespace) -> int:
-    """Processes of the whole job: the launcher's WORLD_SIZE inside a worker, else nodes x processes."""
-    return env_int("WORLD_SIZE", 0) or num_nodes(args) * nproc_per_node(args)
-
-
-def _validate_data_parallel(args: argparse.Namespace) -> None:
-    stages = [
-        flag
-        for flag, on in (
-            ("--zero-1-memory-optimization", args.zero_1_memory_optimization),
-            ("--zero-2-memory-optimization", args.zero_2_memory_optimization),
-            ("--zero-3-memory-optimization", args.zero_3_memory_optimization),
-        )
-        if on
-    ]
-    if len(stages) > 1:
-        raise ConfigError(f"{' and '.join(stages)} are exclusive: give one ZeRO stage")
-    if args.fsdp_memory_optimization and (args.zero_1_memory_optimization or args.zero_2_memory_optimization):
-        raise ConfigError(f"--fsdp-memory-optimization is ZeRO-3 already: drop {stages[0]}")
-    if args.cpu_offload and not (
-        args.zero_2_memory_optimization or args.zero_3_memory_optimization or args.fsdp_memory_optimization
-    ):
-        raise ConfigError(
-            "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
-            "--zero-3-memory-optimization or --fsdp-memory-optimization"
-        )
-    if args.deepspeed and args.fsdp_memory_optimization:
-        raise ConfigError(
-            "--fsdp-memory-optimization is PyTorch's FSDP; with --deepspeed use --zero-3-memory-optimization"
-        )
-    tp = args.tensor_model_parallel_size
-    if args.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel splits tensor-parallel regions: add --tensor-model-parallel-size N > 1")
-    if tp > 1:
-        for on, flag, why in (
-            (args.deepspeed, "--deepspeed", "rapidlite's tensor parallelism runs on PyTorch's DTensor"),
-            (args.zero_1_memory_optimization, "--zero-1-memory-optimization", "use --zero-2 or --zero-3 (FSDP2)"),
-            (args.cpu_offload, "--cpu-offload", "offload is not tested with tensor parallelism yet"),
-        ):
-            if on:
-                raise ConfigError(f"{flag} does not combine with --tensor-model-parallel-size {tp}: {why}")
-    _validate_pipeline(args)
-    if args.deepspeed and args.no_save_optim:
-        raise ConfigError(
-            "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
-            "there); drop the flag under --deepspeed"
-        )
-    nnodes = num_nodes(args)
-    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
-        raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
-    if args.per_rank_logs and args.save is None:
-        raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
-
-
-def _validate_pipeline(args: argparse.Namespace) -> None:
-    pp = args.pipeline_model_parallel_size
-    virtual_layers = args.num_layers_per_virtual_pipeline_stage
-    if virtual_layers is not None and virtual_layers <= 0:
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual_layers}: must be a positive integer")
-    if args.pipeline_schedule is None:
-        args.pipeline_schedule = "interleaved-1f1b" if virtual_layers else "1f1b"
-    if pp == 1:
-        for on, flag in (
-            (args.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"),
-            (args.pipeline_split, "--pipeline-split"),
-        ):
-            if on:
-                raise ConfigError(f"{flag} splits a pipeline: add --pipeline-model-parallel-size N > 1")
-        return
-    if args.pipeline_schedule == "interleaved-1f1b" and not virtual_layers:
-        raise ConfigError(
-            "--pipeline-schedule interleaved-1f1b runs several stages per rank: add "
-            "--num-layers-per-virtual-pipeline-stage N"
-        )
-    if virtual_layers and args.pipeline_schedule != "interleaved-1f1b":
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not {args.pipeline_schedule}: "
-            "use --pipeline-schedule interleaved-1f1b"
-        )
-    if args.task is not None and args.user_script is None and not get_task(args.task).pipeline:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pp} runs pretraining (fixed-length samples); fine-tune "
-            f"--task {args.task} with data, tensor or ZeRO parallelism instead"
-        )
-    for on, flag, why in (
-        (args.deepspeed, "--deepspeed", "rapidlite's pipeline runs on torch.distributed.pipelining"),
-        (args.cpu_offload, "--cpu-offload", "offload is not tested with pipeline parallelism yet"),
-    ):
-        if on:
-            raise ConfigError(f"{flag} does not combine with --pipeline-model-parallel-size {pp}: {why}")
-    if args.num_layers is not None and args.user_script is None:
-        stages = pp * (args.num_layers // virtual_layers // pp if virtual_layers else 1)
-        if virtual_layers and args.num_layers % (virtual_layers * pp):
-            raise ConfigError(
-                f"--num-layers {args.num_layers} is not divisible by --num-layers-per-virtual-pipeline-stage "
-                f"{virtual_layers} x --pipeline-model-parallel-size {pp}"
-            )
-        if args.num_layers < stages:
-            raise ConfigError(
-                f"--num-layers {args.num_layers} is fewer than the {stages} pipeline stages: lower "
-                "--pipeline-model-parallel-size or add layers"
-            )
-
-
-def _check_pipeline_micro_batches(args: argparse.Namespace) -> None:
-    """The schedules' constraints on the micro-batches of a global batch (the accumulation steps)."""
-    pp, m = args.pipeline_model_parallel_size, args.gradient_accumulation_steps
-    if pp == 1:
-        return
-    if args.pipeline_schedule == "1f1b" and m < pp:
-        raise ConfigError(
-            f"--pipeline-schedule 1f1b needs at least as many micro-batches per global batch ({m}) as pipeline "
-            f"stages ({pp}): raise --global-batch-size to {args.global_batch_size // m * pp} or more"
-        )
-    if args.pipeline_schedule == "interleaved-1f1b" and m % max(1, m // pp):
-        raise ConfigError(
-            f"--pipeline-schedule interleaved-1f1b needs the micro-batches per global batch ({m}) to be a multiple "
-            f"of {max(1, m // pp)}: use a multiple of --pipeline-model-parallel-size {pp}"
-        )
-
-
-def _resolve_deepspeed(args: argparse.Namespace) -> None:
-    """``--deepspeed-config``: read the file (torch-free) and let it fill what the flags leave open."""
-    args.deepspeed_user_config = None
-    args.deepspeed_notices = []
-    if args.deepspeed_config is None:
-        return
-    from rapidlite.parallel.deepspeed_config import adopt_user_config, read_user_config
-
-    args.deepspeed = True
-    args.deepspeed_user_config = read_user_config(args.deepspeed_config)
-    args.deepspeed_notices = adopt_user_config(args, args.deepspeed_user_config)
-
-
-def _resolve_batch(args: argparse.Namespace) -> None:
-    """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
-    world = target_world_size(args)
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world % model_parallel:
-        raise ConfigError(
-            f"the world of {world} process{'es' if world > 1 else ''} is not divisible by tensor x pipeline "
-            f"parallel size {args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}: set "
-            f"--nproc-per-node (x --nnodes) to a multiple of {model_parallel}"
-        )
-    args.world_size = world
-    args.data_parallel_size = world // model_parallel
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step * (getattr(args, "deepspeed_accumulation", None) or 1)
-    if args.global_batch_size % per_step != 0:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; "
-            f"use a multiple of {per_step}"
-        )
-    args.gradient_accumulation_steps = args.global_batch_size // per_step
-    _check_pipeline_micro_batches(args)
+) -> RunConfig:
+    """Parse argv once and resolve it (``rapidlite.resolve.resolve``); raise ``ConfigError`` (one line) on any
+    contradiction."""
+    return resolve(parse(argv, extra_args_provider), require_task=require_task)

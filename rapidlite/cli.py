@@ -1,26 +1,23 @@
 """Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``).
 
-The same command runs one process or N: when more ranks are asked for than this process is, it re-runs
-itself under torchrun (``rapidlite.launcher``). In a worker, failures are recorded for the launcher and
-the process ends through ``distributed.shutdown``.
+Each process parses its command line once and resolves it into the frozen settings (``rapidlite.resolve``);
+the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under torchrun
+when more ranks are asked for than this process is. In a worker, failures are recorded for the launcher and the
+process ends through ``distributed.shutdown``. The one exception to "once": a ``--user-script`` run in this
+process parses again in the script's ``RapidliteEngine()``, which alone knows the script's own flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import runpy
 import sys
 from collections.abc import Sequence
 
+from rapidlite.arguments import parse_known
 from rapidlite.errors import ConfigError, RapidliteError
-
-
-def _user_script(argv: list[str]) -> str | None:
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--user-script", default=None)
-    known, _ = pre.parse_known_args(argv)
-    return known.user_script
+from rapidlite.launcher import launch_or_join
+from rapidlite.resolve import RunConfig, resolve, with_embedded_demo
 
 
 def run_user_script(script: str, argv: list[str]) -> int:
@@ -37,49 +34,21 @@ def run_user_script(script: str, argv: list[str]) -> int:
     return 0
 
 
-def _launch_if_needed(args: argparse.Namespace, argv: list[str]) -> int | None:
-    from rapidlite.launcher import launch, needs_launch
-
-    return launch(args, "rapidlite", argv, module=True) if needs_launch(args) else None
-
-
-def _embedded_default(argv: list[str]):
-    """``(flags, prepare)`` of the embedded offline run this command asks for, or None: ``--task T --demo``,
-    or a task that runs its embedded default without ``--data-path``."""
+def run_task(config: RunConfig, argv: list[str]) -> int:
+    """``--task``: build the embedded demo's files if the run uses them, launch or join, train."""
     from rapidlite.tasks.registry import get_task
 
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--task", default=None)
-    pre.add_argument("--data-path", "--dataset-path", nargs="+", default=None)
-    pre.add_argument("--demo", action="store_true")
-    known, _ = pre.parse_known_args(argv)
-    if known.task is None:
-        return None  # parse_args says what is missing
-    task = get_task(known.task)
-    if known.demo or (task.demo_without_data and known.data_path is None):
-        return task.demo_run()
-    return None
-
-
-def run_task(argv: list[str]) -> int:
-    # Flags are parsed (and --help answered) before the heavy task modules are imported.
-    from rapidlite.arguments import parse_args
-    from rapidlite.tasks.registry import get_task
-
-    embedded = _embedded_default(argv) if "--help" not in argv and "-h" not in argv else None
-    if embedded is not None:
-        argv = [*embedded[0], *argv]  # flags given on the command line come later and win
-    args = parse_args(argv)
-    if embedded is not None:
-        embedded[1](args)  # once, before any workers start
-    code = _launch_if_needed(args, argv)
+    task = get_task(config.task)
+    if config.demo:
+        task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
+    code = launch_or_join(config, "rapidlite", argv, module=True)
     if code is not None:
         return code
 
     from rapidlite.engine import RapidliteEngine
 
-    trainer_class = get_task(args.task).trainer_class(args)
-    trainer = trainer_class(engine=RapidliteEngine(args=args))
+    trainer_class = task.trainer_class(config)
+    trainer = trainer_class(engine=RapidliteEngine(args=config))
     metrics = trainer.train()
     if metrics:
         shown = {k: v for k, v in metrics.items() if k != "split"}
@@ -91,19 +60,17 @@ def run_task(argv: list[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    script = _user_script(argv)
+    # Parsed once, and --help answered, before the heavy task modules are imported. A user script may declare
+    # flags of its own (extra_args_provider): its engine parses the command line with them when it starts.
+    namespace, unknown = parse_known(argv)
+    script = namespace.user_script
     if script is None:
-        return run_task(argv)
-    if not os.path.isfile(script):
-        raise ConfigError(f"--user-script {script}: file not found")
-    from rapidlite.arguments import build_parser, mark_explicit, validate_args
-
-    # The script may add flags of its own (extra_args_provider): its engine checks those in each worker.
-    parser = build_parser()
-    args, _ = parser.parse_known_args(argv)
-    mark_explicit(parser, argv, args)
-    validate_args(args, require_task=False)
-    code = _launch_if_needed(args, argv)
+        if unknown:
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see 'rapidlite --help')")
+        return run_task(resolve(with_embedded_demo(namespace)), argv)
+    # The flags rapidlite knows are checked here, before any worker starts.
+    config = resolve(namespace, require_task=False)
+    code = launch_or_join(config, "rapidlite", argv, module=True)
     return code if code is not None else run_user_script(script, argv)
 
 

@@ -77,12 +77,11 @@ class RapidliteEngine:
         if not getattr(sys.excepthook, "rapidlite", False):
             sys.excepthook = _excepthook(sys.excepthook)
         if args is None:
-            args = parse_args(argv, extra_args_provider, require_task=False)
-            if argv is None:  # ``python my_trainer.py --nproc-per-node N``: become the launcher
-                from rapidlite.launcher import launch, needs_launch
+            args = parse_args(argv, extra_args_provider, require_task=False)  # parsed once, resolved, frozen
+            if argv is None:
+                from rapidlite.launcher import launch_script_or_join
 
-                if needs_launch(args):
-                    sys.exit(launch(args, sys.argv[0], sys.argv[1:], module=False))
+                launch_script_or_join(args)  # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
         self.args = args
         self.timers = Timers()
         set_global_args(args, self.timers)
@@ -114,11 +113,6 @@ class RapidliteEngine:
             for notice in [*notices, precision_notice]:
                 if notice:
                     self.logger.warning(notice)
-        from rapidlite.graph import resolve_graph_flags
-
-        notice = resolve_graph_flags(args, self.world_size)
-        if notice and self.is_main_process:
-            self.logger.warning(notice)
         set_seed(args.seed)
         self._optimizer: Any = None
         self._composed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

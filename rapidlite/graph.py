@@ -10,7 +10,7 @@ eager ones. A model without a block stack is compiled whole. Inductor's cache is
 ONNX Runtime's ``ORTModule`` (``onnxruntime-training`` + ``torch-ort``) is used when it imports with the
 installed torch; on torch 2.13 it does not (``cannot import name 'jit_utils' from 'torch.onnx._internal'``),
 and the run says so in one line and compiles with ``torch.compile`` instead, so scripts written for
-Rapidformer keep running.
+Rapidformer keep running (``rapidlite.resolve`` decides it once, into ``use_ort``/``torch_compile``).
 """
 
 from __future__ import annotations
@@ -32,21 +32,6 @@ def ort_import_error() -> str | None:
         text = str(e).strip().splitlines()
         return text[0][:200] if text else type(e).__name__
     return None
-
-
-def resolve_graph_flags(args: Any, world_size: int) -> str | None:
-    """``--onnx-runtime-training`` becomes ``args.use_ort`` on a single process with a working ORTModule, and
-    ``--torch-compile`` otherwise; returns the notice to log (None when nothing changed)."""
-    args.use_ort = False
-    if not args.onnx_runtime_training:
-        return None
-    error = ort_import_error()
-    if error is None and world_size == 1:
-        args.use_ort = True
-        return None
-    args.torch_compile = True
-    reason = f"ONNX Runtime's ORTModule is not usable here ({error})" if error else f"{world_size} ranks"
-    return f"--onnx-runtime-training: {reason}; using torch.compile"
 
 
 def set_compile_cache() -> None:

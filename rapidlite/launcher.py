@@ -9,6 +9,10 @@ Slurm ``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE``
 
 Workers do not print their failures; they record them (``distributed.report_worker_error``) and the
 launcher prints the first one: one line for a user error, the failing rank's traceback for a bug.
+
+``launch_or_join`` is the one place that decides, from the resolved settings: the ``rapidlite`` command calls
+it once after resolving, and a user's ``python my_trainer.py`` calls it through ``launch_script_or_join``
+when its ``RapidliteEngine()`` parses the flags. A worker never decides again: it joins.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import os
 import sys
 from typing import Any
 
-from rapidlite.arguments import env_int, nproc_per_node, num_nodes, target_world_size
+from rapidlite.environ import env_int
+from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size
 
 
 def needs_launch(args: Any) -> bool:
@@ -102,3 +107,21 @@ def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
         print(text, file=sys.stderr, flush=True)
         return code
     return 0
+
+
+def launch_or_join(config: Any, entry: str, argv: list[str], module: bool) -> int | None:
+    """The launch decision. None: this process runs the training (it is a launched worker, or the job is one
+    process). Otherwise this process was the launcher: it ran ``entry argv`` as the workers (``launch``) and
+    the result is the exit code the process must end with."""
+    if not needs_launch(config):
+        return None
+    return launch(config, entry, argv, module=module)
+
+
+def launch_script_or_join(config: Any) -> None:
+    """``python my_trainer.py ... --nproc-per-node N``: the script becomes the launcher of its own workers and
+    this process ends here with their exit code (``sys.exit``); in a worker, or on one process, it returns and
+    the script runs."""
+    code = launch_or_join(config, sys.argv[0], sys.argv[1:], module=False)
+    if code is not None:
+        sys.exit(code)

@@ -78,15 +78,17 @@ def _stage_of(args: Any) -> int:
     return 1 if args.zero_1_memory_optimization else 0
 
 
-def adopt_user_config(args: Any, config: dict[str, Any]) -> list[str]:
-    """Fill the flags the command line left open from ``config`` (in place); return the notices of values
-    the command line overrides."""
+def adopt_user_config(args: Any, config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What ``config`` supplies for the flags the command line left open, as ``{dest: value}`` (``args`` is
+    only read; ``deepspeed_accumulation`` is the file's accumulation when no batch size decides it), and the
+    notices of the file's values the command line overrides."""
     path = args.deepspeed_config
     explicit = getattr(args, "explicit_flags", None)  # None (args built by hand): every flag counts as given
 
     def given(*dests: str) -> bool:
         return explicit is None or any(d in explicit for d in dests)
 
+    values: dict[str, Any] = {}
     notices: list[str] = []
 
     def notice(key: str, value: Any, flag: str, flag_value: Any) -> None:
@@ -96,29 +98,28 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> list[str]:
     if micro is not _UNSET:
         micro = _positive_int(micro, "train_micro_batch_size_per_gpu", path)
         if not given("micro_batch_size"):
-            args.micro_batch_size = micro
+            values["micro_batch_size"] = micro
         elif micro != args.micro_batch_size:
             notice("train_micro_batch_size_per_gpu", micro, "--micro-batch-size", args.micro_batch_size)
 
     total = _get(config, "train_batch_size")
     accumulation = _get(config, "gradient_accumulation_steps")
-    args.deepspeed_accumulation = None
     if given("global_batch_size"):
         if total is not _UNSET and total != args.global_batch_size:
             notice("train_batch_size", total, "--global-batch-size", args.global_batch_size)
         elif accumulation is not _UNSET:
             notices.append(f"{path}: gradient_accumulation_steps follows --global-batch-size {args.global_batch_size}")
     elif total is not _UNSET:
-        args.global_batch_size = _positive_int(total, "train_batch_size", path)
+        values["global_batch_size"] = _positive_int(total, "train_batch_size", path)
     elif accumulation is not _UNSET:
-        args.deepspeed_accumulation = _positive_int(accumulation, "gradient_accumulation_steps", path)
+        values["deepspeed_accumulation"] = _positive_int(accumulation, "gradient_accumulation_steps", path)
 
     clip = _get(config, "gradient_clipping")
     if clip is not _UNSET:
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
             raise ConfigError(f"--deepspeed-config {path}: gradient_clipping must be a number >= 0, got {clip!r}")
         if not given("clip_grad"):
-            args.clip_grad = float(clip)
+            values["clip_grad"] = float(clip)
         elif float(clip) != args.clip_grad:
             notice("gradient_clipping", clip, "--clip-grad", args.clip_grad)
 
@@ -129,7 +130,7 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> list[str]:
     wanted = "bf16" if bf16 is True else "fp16" if fp16 is True else None
     if wanted is not None:
         if not given("fp16", "bf16", "mixed_precision"):
-            args.precision = wanted
+            values["precision"] = wanted
         elif args.precision not in (wanted, "auto"):
             flag = {"fp32": "(no precision flag)", "fp16": "--fp16", "bf16": "--bf16"}[args.precision]
             notices.append(f"{path}: {wanted} enabled, but the command line asks for {args.precision} {flag}")
@@ -141,14 +142,14 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> list[str]:
         zero_dests = [f"zero_{n}_memory_optimization" for n in (1, 2, 3)] + ["fsdp_memory_optimization"]
         if not given(*zero_dests):
             if stage:
-                setattr(args, f"zero_{stage}_memory_optimization", True)
+                values[f"zero_{stage}_memory_optimization"] = True
         elif stage != _stage_of(args):
             flag = f"--zero-{_stage_of(args)}-memory-optimization" if _stage_of(args) else "(no ZeRO flag)"
             notices.append(f"{path}: zero_optimization.stage {stage} replaced by {flag}")
 
     device = _get(config, "zero_optimization", "offload_optimizer", "device")
     if device == "cpu" and not given("cpu_offload"):
-        args.cpu_offload = True
+        values["cpu_offload"] = True
 
     dropped = [f"'{section}'" for section in ("optimizer", "scheduler") if section in config]
     if dropped:
@@ -156,7 +157,7 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> list[str]:
             f"{path}: {' and '.join(dropped)} left out; rapidlite's flags (--optimizer, --lr, --weight-decay, "
             "--lr-decay-style, --lr-warmup-*) define the optimizer and its schedule"
         )
-    return notices
+    return values, notices
 
 
 def _drop_auto(node: Any) -> Any:

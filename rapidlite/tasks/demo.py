@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rapidlite.cache import cache_root
+from rapidlite.tasks.registry import Demo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -323,14 +324,29 @@ def cache_dir() -> str:
     return cache_root()
 
 
-def prepare_demo(args) -> None:
-    """Point the run at the embedded offline demo: a tiny BERT and generated data in the cache."""
-    model_dir, data_dir = write_demo_assets(os.path.join(cache_dir(), "demo-sequence-classification"), seed=1234)
-    args.pretrained_model_name_or_path = str(model_dir)
-    args.data_path = [str(data_dir)]
+def _demo_root() -> str:
+    return os.path.join(cache_dir(), "demo-sequence-classification")
 
 
-# Flags the demo starts from; any flag given on the command line wins (it comes later in argv).
-DEMO_ARGS = (
-    "--micro-batch-size 32 --lr 1e-3 --epochs 3 --seq-length 64 --log-interval 20 --weight-decay 0.01 --clip-grad 1.0"
-).split()
+def prepare_demo() -> None:
+    """Write (once) the embedded demo: a tiny BERT and generated data in the cache."""
+    write_demo_assets(_demo_root(), seed=1234)
+
+
+# Flag values the demo starts from; any flag given on the command line wins.
+DEMO_FLAGS = {
+    "micro_batch_size": 32,
+    "lr": 1e-3,
+    "epochs": 3,
+    "seq_length": 64,
+    "log_interval": 20,
+    "weight_decay": 0.01,
+    "clip_grad": 1.0,
+}
+
+
+def demo() -> Demo:
+    """``--task sequence_classification --demo``: where ``prepare_demo`` writes the model and the data."""
+    root = pathlib.Path(_demo_root())
+    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
+    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)

@@ -26,33 +26,11 @@ import torch.nn.functional as F
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.data.tokenizers import tokenizer_from_args
 from rapidlite.errors import ConfigError
-from rapidlite.global_vars import get_args
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_hf_model
 from rapidlite.models.spec import spec_for_config
+from rapidlite.tasks.registry import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
-
-
-def model_family(name: str | None) -> str:
-    """ "gpt" (built-in), "causal" (a Hugging Face causal LM config) or "bert" (masked LM + NSP)."""
-    if name is None:
-        return "gpt"
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first})") from None
-    if config.model_type == "bert":
-        return "bert"
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return "causal"
-    raise ConfigError(
-        f"--pretrained-model-name-or-path {name}: a {config.model_type} config is neither a causal language model "
-        "nor BERT; --task pretraining trains GPT-style models and BERT"
-    )
 
 
 def _override_sizes(config: Any, args: Any) -> None:
@@ -106,6 +84,12 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
     return load_hf_model(auto.from_config, config)
 
 
+def _need_seq_length(args: Any) -> None:
+    # --task pretraining fills it in (its TaskSpec's default); a user script using these trainers gives it.
+    if args.seq_length is None:
+        raise ConfigError("pretraining needs --seq-length N (--task pretraining defaults it to 1024, 512 for BERT)")
+
+
 class GPTPretrainer(PreTrainer):
     """Causal language modelling on the GPT dataset, for the built-in GPT and Hugging Face causal LMs."""
 
@@ -114,11 +98,10 @@ class GPTPretrainer(PreTrainer):
         args = self.args
         self.hf = args.pretrained_model_name_or_path is not None
         self.data_tokenizer = tokenizer_from_args(args)
-        if args.seq_length is None:
-            args.seq_length = 1024
+        _need_seq_length(args)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        args = get_args()
+        args = self.args
         return build_train_valid_test_datasets(
             data_prefix=args.data_path,
             splits_string=args.split,
@@ -130,7 +113,7 @@ class GPTPretrainer(PreTrainer):
         )
 
     def model_optimizer_lr_scheduler_provider(self):
-        args = get_args()
+        args = self.args
         vocab_size = self.data_tokenizer.vocab_size
         if self.hf:
             return hf_causal_lm(args, vocab_size), None, None
@@ -139,7 +122,7 @@ class GPTPretrainer(PreTrainer):
         return GPTModel(GPTConfig.from_args(args, vocab_size)), None, None
 
     def run_forward_step(self, data_iterator, model):
-        args = get_args()
+        args = self.args
         batch = gpt_batch(
             next(data_iterator)["text"],
             self.data_tokenizer.eod,
@@ -183,13 +166,12 @@ class BertPretrainer(PreTrainer):
                 "BERT pretraining needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]: --tokenizer-type "
                 "BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file vocab.txt"
             )
-        if args.seq_length is None:
-            args.seq_length = 512
+        _need_seq_length(args)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         from rapidlite.data.bert_dataset import build_bert_train_valid_test_datasets
 
-        args = get_args()
+        args = self.args
         return build_bert_train_valid_test_datasets(
             data_prefix=args.data_path,
             splits_string=args.split,
@@ -203,11 +185,11 @@ class BertPretrainer(PreTrainer):
         )
 
     def model_optimizer_lr_scheduler_provider(self):
-        return hf_bert_pretraining(get_args(), self.data_tokenizer.vocab_size), None, None
+        return hf_bert_pretraining(self.args, self.data_tokenizer.vocab_size), None, None
 
     def run_forward_step(self, data_iterator, model):
         batch = dict(next(data_iterator))
-        if not get_args().binary_head:
+        if not self.args.binary_head:
             batch.pop("next_sentence_label", None)
         return model(**batch).loss
 

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 
 from rapidlite.cache import cache_root
+from rapidlite.tasks.registry import Demo
 
 # Bump when the extraction, tokenizer or preprocessing changes, so cached assets are rebuilt.
 CORPUS_VERSION = 1
@@ -32,13 +33,27 @@ COMPLETE = "COMPLETE"  # written last: the assets are whole
 STATS = "stats.json"
 MIN_CHARS = 40  # shorter docstrings ("Return x.") carry little prose
 
-# Flags the embedded run starts from; any flag given on the command line wins (it comes later in argv).
-DEMO_ARGS = (
-    "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --micro-batch-size 8 "
-    "--global-batch-size 16 --train-iters 400 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine "
-    "--lr-warmup-iters 30 --weight-decay 0.1 --eval-interval 100 --eval-iters 4 --log-interval 25 "
-    "--hidden-dropout 0 --attention-dropout 0 --split 98,2,0"
-).split()
+# Flag values the embedded run starts from; any flag given on the command line wins.
+DEMO_FLAGS = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "seq_length": 256,
+    "micro_batch_size": 8,
+    "global_batch_size": 16,
+    "train_iters": 400,
+    "lr": 2e-3,
+    "min_lr": 2e-4,
+    "lr_decay_style": "cosine",
+    "lr_warmup_iters": 30,
+    "weight_decay": 0.1,
+    "eval_interval": 100,
+    "eval_iters": 4,
+    "log_interval": 25,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "split": "98,2,0",
+}
 
 
 def iter_stdlib_documents() -> Iterator[str]:
@@ -95,8 +110,21 @@ def unigram_entropy(prefix: str) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def prepare_pretraining_demo(args) -> None:
-    """Build (once) and point the run at the embedded corpus, its tokenizer and its mmap data."""
+def demo() -> Demo:
+    """``--task pretraining`` without data (or with ``--demo``): the embedded corpus, its tokenizer and its
+    mmap data, where ``prepare_pretraining_demo`` builds them."""
+    final = demo_dir()
+    assets = {
+        "data_path": [str(final / "corpus_text_document")],
+        "tokenizer_type": "GPT2BPETokenizer",
+        "vocab_file": str(final / "vocab.json"),
+        "merge_file": str(final / "merges.txt"),
+    }
+    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_pretraining_demo)
+
+
+def prepare_pretraining_demo() -> None:
+    """Build (once) the embedded corpus, its tokenizer and its mmap data."""
     from rapidlite.data.indexed_dataset import IndexedDataset
     from rapidlite.data.preprocess import preprocess
     from rapidlite.data.tokenizers import build_tokenizer, train_byte_level_bpe
@@ -140,7 +168,3 @@ def prepare_pretraining_demo(args) -> None:
         file=sys.stderr,
         flush=True,
     )
-    args.data_path = [str(final / "corpus_text_document")]
-    args.tokenizer_type = "GPT2BPETokenizer"
-    args.vocab_file = str(final / "vocab.json")
-    args.merge_file = str(final / "merges.txt")

@@ -1,7 +1,7 @@
 """The black-box tasks ``--task`` can name: what each runs, what it needs, what it supports.
 
-One ``TaskSpec`` per task, looked up by name. The command line (``rapidlite.cli``) and flag validation
-(``rapidlite.arguments``) consult this table and nothing else, so adding a task is one module under
+One ``TaskSpec`` per task, looked up by name. The command line (``rapidlite.cli``) and ``resolve``
+(``rapidlite.resolve``) consult this table and nothing else, so adding a task is one module under
 ``rapidlite/tasks/`` plus one entry here. The table is torch-free and imports no task module: trainers and
 demos are named by ``"module:attribute"`` and imported only when a run needs them, so ``--help`` and flag
 errors stay fast.
@@ -10,8 +10,8 @@ errors stay fast.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rapidlite.errors import ConfigError
@@ -23,16 +23,29 @@ def _import(target: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Demo:
+    """A task's embedded offline run. ``defaults``: flag values (by destination) the run starts from; flags
+    given on the command line win. ``assets``: where its data, tokenizer and model are, which belong together
+    and replace any given. ``prepare()``: builds them once (idempotent, safe when ranks race); the CLI calls it
+    after resolve, so a refused command builds nothing."""
+
+    defaults: Mapping[str, Any]
+    assets: Mapping[str, Any]
+    prepare: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """A black-box task.
 
     ``trainer``: ``"module:function"`` returning the trainer class for the parsed flags. ``required``: flags
     the task cannot run without (unless ``--demo`` or an embedded default fills them). ``iteration_based``:
     the run's length is ``--train-iters``. ``pipeline``: pipeline parallelism is supported (fixed-length
-    samples). ``demo``: ``("module:DEMO_ARGS", "module:prepare")`` of the embedded offline run, whose flags
-    come before the user's so any flag given wins; ``demo_without_data``: the embedded run also starts when
-    ``--data-path`` is absent. ``load_model_dir``: a Hugging Face model directory given to ``--load`` is the
-    model to start from. ``check``: task-specific validation of the parsed flags (torch-free).
+    samples). ``demo``: ``"module:function"`` returning the ``Demo`` of the embedded offline run;
+    ``demo_without_data``: the embedded run also starts when ``--data-path`` is absent. ``load_model_dir``: a
+    Hugging Face model directory given to ``--load`` is the model to start from. ``check``: task-specific
+    validation of the parsed flags (torch-free). ``defaults``: the task's values of flags left unset (by
+    destination; each a value or a function of the otherwise resolved flags), applied by ``resolve``.
     """
 
     name: str
@@ -41,20 +54,48 @@ class TaskSpec:
     required: tuple[str, ...] = ()
     iteration_based: bool = False
     pipeline: bool = False
-    demo: tuple[str, str] | None = None
+    demo: str | None = None
     demo_without_data: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     load_model_dir: bool = False
     check: Callable[[Any], None] | None = None
 
     def trainer_class(self, args: Any) -> type:
         return _import(self.trainer)(args)
 
-    def demo_run(self) -> tuple[list[str], Callable[[Any], None]]:
-        """``(flags, prepare)`` of the embedded offline run."""
+    def demo_run(self) -> Demo:
+        """The embedded offline run (torch-free: nothing is built until ``prepare``)."""
         if self.demo is None:
             raise ConfigError(f"--task {self.name} has no embedded demo; give its data and model flags")
-        flags, prepare = self.demo
-        return list(_import(flags)), _import(prepare)
+        return _import(self.demo)()
+
+
+def model_family(name: str | None) -> str:
+    """ "gpt" (built-in), "causal" (a Hugging Face causal LM config) or "bert" (masked LM + NSP): the model
+    ``--task pretraining`` trains for ``--pretrained-model-name-or-path``."""
+    if name is None:
+        return "gpt"
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first})") from None
+    if config.model_type == "bert":
+        return "bert"
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    raise ConfigError(
+        f"--pretrained-model-name-or-path {name}: a {config.model_type} config is neither a causal language model "
+        "nor BERT; --task pretraining trains GPT-style models and BERT"
+    )
+
+
+def _pretraining_seq_length(args: Any) -> int:
+    """Megatron's defaults: 1024 tokens for GPT-style models, 512 for BERT."""
+    return 512 if model_family(args.pretrained_model_name_or_path) == "bert" else 1024
 
 
 def _check_pretraining(args: Any) -> None:
@@ -73,7 +114,7 @@ TASKS: dict[str, TaskSpec] = {
             summary="fine-tune AutoModelForSequenceClassification on labelled text (accuracy, F1)",
             trainer="rapidlite.tasks.sequence_classification:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
-            demo=("rapidlite.tasks.demo:DEMO_ARGS", "rapidlite.tasks.demo:prepare_demo"),
+            demo="rapidlite.tasks.demo:demo",
             load_model_dir=True,
         ),
         TaskSpec(
@@ -82,11 +123,9 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.pretraining:pretrainer_for",
             iteration_based=True,
             pipeline=True,
-            demo=(
-                "rapidlite.tasks.pretraining_demo:DEMO_ARGS",
-                "rapidlite.tasks.pretraining_demo:prepare_pretraining_demo",
-            ),
+            demo="rapidlite.tasks.pretraining_demo:demo",
             demo_without_data=True,
+            defaults={"seq_length": _pretraining_seq_length},
             check=_check_pretraining,
         ),
     )
