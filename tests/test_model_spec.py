@@ -154,8 +154,15 @@ def test_a_family_without_a_plan_is_refused_with_the_families_that_have_one(towe
         apply_tensor_parallel(Tower(), object(), False)
 
 
-def test_pipeline_splits_refuse_a_head_they_do_not_cover_in_one_line():
-    from transformers import BertConfig, BertForSequenceClassification
+def test_pipeline_splits_refuse_what_they_would_get_wrong_in_one_line():
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from rapidlite.parallel.pipeline import family_of
 
@@ -164,6 +171,22 @@ def test_pipeline_splits_refuse_a_head_they_do_not_cover_in_one_line():
     )
     with pytest.raises(ConfigError, match="the bert family's pipeline split cannot take BertForSequenceClassification"):
         family_of(bert)
+    gemma2 = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=32, head_dim=8,
+        )
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="final logit soft-capping would be skipped"):
+        family_of(gemma2)
+    qwen2 = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=32, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        )
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="its sliding_attention layers would be masked as full causal attention"):
+        family_of(qwen2)
 
 
 def test_flops_read_the_size_keys_of_the_family():
@@ -194,3 +217,27 @@ def test_model_knowledge_is_not_keyed_by_class_names():
                 if any(isinstance(o, ast.Attribute) and o.attr in ("__name__", "__qualname__") for o in operands):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert len(paths) > 10 and found == []
+
+
+def test_the_decoder_split_masks_a_sliding_window_as_the_model_does():
+    """One stage holding the whole Mistral-style model (window 4, sequence 12) computes the model's logits."""
+    import types
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=32, sliding_window=4,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    split = spec_of(model).pipeline
+    assert split.unsupported(model) is None
+    ids = torch.randint(0, 50, (1, 12))
+    layers = nn.ModuleDict({str(i): block for i, block in enumerate(split.blocks(model))})
+    stage = types.SimpleNamespace(
+        first=True, last=True, config=model.config, layers=layers, **split.stage_parts(model, True, True)
+    )
+    with torch.no_grad():
+        logits = split.run(stage, ids, split.bind(model, (ids,), {}))
+        torch.testing.assert_close(logits, model(ids).logits)

@@ -98,6 +98,13 @@ class DecoderSplit:
         parts = (self.embed, self.layers, self.norm, *((self.pos,) if self.pos else ()))
         if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, a) for a in parts):
             return f"it splits causal language models ({self.base}.{self.layers} under an lm_head)"
+        config = model.config
+        # The stages run the blocks and the head themselves, so what a model's forward adds around them is lost.
+        if getattr(config, "final_logit_softcapping", None):
+            return "its final logit soft-capping would be skipped"
+        others = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"})
+        if others:
+            return f"its {', '.join(others)} layers would be masked as full causal attention"
         return None
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -152,7 +159,7 @@ class DecoderSplit:
         )
 
     def run(self, stage: nn.Module, x: torch.Tensor, call: Call) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         position_ids, attention_mask = call.stage_kwargs["position_ids"], call.stage_kwargs["attention_mask"]
         if stage.first:
@@ -162,7 +169,9 @@ class DecoderSplit:
                 x = x + getattr(stage, self.pos)(position_ids)
             if self.drop is not None:
                 x = getattr(stage, self.drop)(x)
-        mask = create_causal_mask(
+        # As Mistral-style models choose (a config with layer_types mixing kinds is refused in unsupported).
+        windowed = getattr(stage.config, "sliding_window", None) and not getattr(stage.config, "layer_types", None)
+        mask = (create_sliding_window_causal_mask if windowed else create_causal_mask)(
             config=stage.config,
             inputs_embeds=x,
             attention_mask=attention_mask,
