@@ -52,6 +52,9 @@ class PipelineSplit(Protocol):
 
     def stage_parts(self, model: nn.Module, first: bool, last: bool) -> dict[str, nn.Module]: ...
 
+    def word_embedding(self, stage: nn.Module) -> nn.Module | None:
+        """The stage's word embedding (whose weight a tied output layer shares), if it holds one."""
+
     def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call: ...
 
     def run(self, stage: nn.Module, x: torch.Tensor, call: Call) -> Any: ...
@@ -142,6 +145,9 @@ class DecoderSplit:
             parts["norm"] = getattr(base, self.norm)
             parts["lm_head"] = model.lm_head
         return parts
+
+    def word_embedding(self, stage: nn.Module) -> nn.Module | None:
+        return getattr(stage, "embed", None)
 
     def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
         names = ("input_ids", "attention_mask", "position_ids", "labels")

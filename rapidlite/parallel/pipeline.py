@@ -302,8 +302,7 @@ class PipelineRunner:
         if not self.tied:
             return None
         stage = self.stages[0] if self.has_first else self.stages[-1]
-        embedding = next((getattr(stage, n) for n in ("embedding", "embed", "embeddings") if hasattr(stage, n)), None)
-        module = getattr(embedding, "word_embeddings", embedding)
+        module = self.family.word_embedding(stage)
         return module.weight if module is not None and (self.has_first or self.has_last) else None
 
 

@@ -109,6 +109,9 @@ class BertSplit:
             parts["cls"] = model.cls
         return parts
 
+    def word_embedding(self, stage: nn.Module) -> nn.Module | None:
+        return getattr(getattr(stage, "embeddings", None), "word_embeddings", None)
+
     def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
         names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "next_sentence_label")
         values = bind_call(type(model).forward.__get__(model), args, kwargs, names, self.name)

@@ -117,6 +117,9 @@ class GPTSplit:
             parts["output"] = model.output
         return parts
 
+    def word_embedding(self, stage: nn.Module) -> nn.Module | None:
+        return getattr(getattr(stage, "embedding", None), "word_embeddings", None)
+
     def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
         names = ("input_ids", "position_ids", "attention_mask", "labels", "loss_mask")
         values = bind_call(GPTModel.forward.__get__(model), args, kwargs, names, self.name)
