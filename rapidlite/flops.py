@@ -11,10 +11,10 @@ Training FLOPs per token (forward + backward, as in Megatron-LM and PaLM's appen
   sequence); not halved for a causal mask, as Megatron and PaLM count it.
 
 The same formula holds for decoders (GPT-2, LLaMA-style: the SwiGLU MLP's three matrices are all in ``N``)
-and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). ``L`` and ``d`` are read from the
-config keys the model's family names (``ModelSpec.layers_and_hidden``); a model whose config names no layer
-count or hidden size (not a transformer) gets ``6 N``. Recomputation under activation
-checkpointing is not counted: MFU counts the model's FLOPs, not the hardware's, so checkpointing lowers it.
+and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). ``L`` and ``d`` are read
+from the config keys the model's family names (``ModelSpec.layers_and_hidden``); a model whose config names
+no layer count or hidden size (not a transformer) gets ``6 N``. Recomputation under activation checkpointing
+is not counted: MFU counts the model's FLOPs, not the hardware's, so checkpointing lowers it.
 
 MFU is the model FLOPs a device achieves per second over its peak. The peak is ``--peak-flops`` when given,
 else the datasheet dense peak of a known GPU at the training precision; on CPU there is no datasheet:
