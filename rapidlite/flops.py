@@ -11,9 +11,10 @@ Training FLOPs per token (forward + backward, as in Megatron-LM and PaLM's appen
   sequence); not halved for a causal mask, as Megatron and PaLM count it.
 
 The same formula holds for decoders (GPT-2, LLaMA-style: the SwiGLU MLP's three matrices are all in ``N``)
-and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). A model whose config
-names no layer count or hidden size (not a transformer) gets ``6 N``. Recomputation under activation
-checkpointing is not counted: MFU counts the model's FLOPs, not the hardware's, so checkpointing lowers it.
+and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). ``L`` and ``d`` are read
+from the config keys the model's family names (``ModelSpec.layers_and_hidden``); a model whose config names
+no layer count or hidden size (not a transformer) gets ``6 N``. Recomputation under activation checkpointing
+is not counted: MFU counts the model's FLOPs, not the hardware's, so checkpointing lowers it.
 
 MFU is the model FLOPs a device achieves per second over its peak. The peak is ``--peak-flops`` when given,
 else the datasheet dense peak of a known GPU at the training precision; on CPU there is no datasheet:
@@ -27,10 +28,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+
+from rapidlite.models.spec import spec_of
 
 # Dense (no sparsity) datasheet peaks in FLOP/s: (16-bit tensor cores, fp32). Matched against
 # torch.cuda.get_device_name(), most specific name first ("A100" before "A10", "L40S" before "L4").
@@ -61,7 +63,7 @@ class ModelFlops:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFlops:
-        layers, hidden = _layers_and_hidden(getattr(model, "config", None))
+        layers, hidden = spec_of(model).layers_and_hidden(getattr(model, "config", None))
         return cls(matmul_parameters(model), layers, hidden)
 
     def per_token(self, seq_length: float) -> float:
@@ -88,20 +90,6 @@ def matmul_parameters(model: nn.Module) -> int:
         for param in module.parameters(recurse=False):
             in_matmul[id(param)] = param.numel()
     return sum(in_matmul.values())
-
-
-def _layers_and_hidden(config: Any) -> tuple[int | None, int | None]:
-    """(layers, hidden size) from a Hugging Face config (GPT-2's n_layer/n_embd are aliased) or rapidlite's
-    GPTConfig."""
-    if config is None:
-        return None, None
-    layers = next((getattr(config, k) for k in ("num_hidden_layers", "num_layers", "n_layer") if _int(config, k)), None)
-    hidden = next((getattr(config, k) for k in ("hidden_size", "n_embd", "d_model") if _int(config, k)), None)
-    return layers, hidden
-
-
-def _int(config: Any, key: str) -> bool:
-    return isinstance(getattr(config, key, None), int)
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype | None, tf32: bool | None = False) -> float | None:

@@ -19,9 +19,9 @@ from rapidlite import checkpoint as ckpt
 from rapidlite import optim
 from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import ConfigError
+from rapidlite.models.families.gpt import gpt_plan
 from rapidlite.models.gpt import GPTConfig, GPTModel
 from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, apex_adamw_class, build_optimizer
-from rapidlite.parallel.tensor_parallel import gpt_plan
 
 APEX_MODULES = ("apex", "apex.optimizers", "apex.normalization")
 

@@ -45,7 +45,6 @@ from torch import nn
 
 from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.errors import CheckpointError, ConfigError
-from rapidlite.flops import ModelFlops
 from rapidlite.losses import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
@@ -437,6 +436,8 @@ class GPTModel(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward) at ``seq_length``: ``6 N + 12 L h s``, rapidlite's
         count for every model (``rapidlite.flops``)."""
+        from rapidlite.flops import ModelFlops  # here: flops looks up the family, whose module imports this one
+
         return ModelFlops.of(self).per_token(self.config.seq_length)
 
     def save_pretrained(

@@ -2,22 +2,35 @@
 
 A ``ModelSpec`` names a family's transformer blocks (the units of activation checkpointing, ``torch.compile``
 and FSDP wrapping), the config keys of its sizes and dropout rates (what ``--num-layers``, ``--hidden-size``,
-``--hidden-dropout``, ... override) and its default LoRA target modules. ``spec_of(model)`` and
-``spec_for_config(config)`` look a family up once, by the built-in GPT's class or a Hugging Face config's
-``model_type``; other modules ask the spec instead of testing class names. A model no family claims gets
-the generic spec: blocks are its largest ``ModuleList``, the usual config key names apply.
+``--hidden-dropout``, ... override, and what the FLOPs formula reads), its tensor-parallel plan, its pipeline
+split and its default LoRA target modules. ``spec_of(model)`` and ``spec_for_config(config)`` look a family up
+once, by a match on rapidlite's own model classes or a Hugging Face config's ``model_type``; other modules ask
+the spec instead of testing class names. A model no family claims gets the generic spec: blocks are its
+largest ``ModuleList``, the usual config key names apply, tensor parallelism follows the column/row-wise plan
+a Hugging Face config declares (refused with one line when it declares none), and there is no pipeline split.
 
-Adding a family is one ``register(ModelSpec(...))`` call here (or in the family's own model file).
-This module imports nothing from ``rapidlite.parallel``.
+The families themselves are declared in ``rapidlite/models/families/`` (one module each, registered when
+``rapidlite.models`` is imported); a user's family is one ``register(ModelSpec(...))``. This module and the
+family modules import nothing from ``rapidlite.parallel``: the building blocks the plans are written with
+are ``rapidlite.models.sharding`` (tensor parallelism) and ``rapidlite.models.staging`` (pipeline splits).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from rapidlite.models.sharding import declared_plan
+
+if TYPE_CHECKING:
+    from rapidlite.models.staging import PipelineSplit
+
+# A tensor-parallel plan shards a model in place: ``plan(model, tp_mesh, sequence_parallel)``. It covers every
+# part a pipeline stage may hold (absent parts are None) and refuses what it cannot split with a ConfigError.
+TensorParallelPlan = Callable[[nn.Module, Any, bool], None]
 
 # --num-layers / --hidden-size / --num-attention-heads / --ffn-hidden-size → a config's attribute names
 GENERIC_SIZE_KEYS: Mapping[str, tuple[str, ...]] = {
@@ -30,7 +43,7 @@ GENERIC_HIDDEN_DROPOUT_KEYS = ("hidden_dropout_prob", "hidden_dropout", "resid_p
 GENERIC_ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
 
 
-def _stack(module: nn.Module | None) -> Sequence[nn.Module] | None:
+def layer_stack(module: nn.Module | None) -> Sequence[nn.Module] | None:
     """The blocks of a layer stack: a ``ModuleList`` (itself), or the ``ModuleDict`` keyed by layer index that a
     pipeline stage keeps of it (its blocks, in order)."""
     if isinstance(module, nn.ModuleList) and len(module) > 0:
@@ -44,7 +57,7 @@ def largest_stack(model: nn.Module) -> Sequence[nn.Module] | None:
     """The generic guess: the model's largest stack of blocks by parameter count."""
     best, best_size = None, 0
     for module in model.modules():
-        blocks = _stack(module)
+        blocks = layer_stack(module)
         if blocks is not None:
             size = sum(p.numel() for block in blocks for p in block.parameters())
             if size > best_size:
@@ -52,7 +65,7 @@ def largest_stack(model: nn.Module) -> Sequence[nn.Module] | None:
     return best
 
 
-def _path(*names: str) -> Callable[[nn.Module], list[nn.Module] | None]:
+def blocks_at(*names: str) -> Callable[[nn.Module], Sequence[nn.Module] | None]:
     """Blocks at an attribute path (e.g. ``model.layers``), falling back to the generic guess when a head class
     keeps them elsewhere."""
 
@@ -60,33 +73,78 @@ def _path(*names: str) -> Callable[[nn.Module], list[nn.Module] | None]:
         module: Any = model
         for name in names:
             module = getattr(module, name, None)
-        return _stack(module) or largest_stack(model)
+        return layer_stack(module) or largest_stack(model)
 
     return blocks
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family. ``model_types``: the Hugging Face ``config.model_type`` values it covers (none for
-    rapidlite's own models, matched by ``matches``)."""
+    """One model family.
+
+    - ``model_types``: the Hugging Face ``config.model_type`` values it covers; ``matches``: a test for
+      rapidlite's own model classes (which have no ``model_type``).
+    - ``blocks``: the model's transformer blocks, in order.
+    - ``size_keys``: ``--num-layers``/``--hidden-size``/... → the config attributes they set, the first of which
+      holding an int is read back for the FLOPs formula (``flops_dims`` overrides that reading).
+    - ``tensor_parallel``: the plan (None: ``--tensor-model-parallel-size`` is refused for the family).
+    - ``pipeline``: the split into stages (None: ``--pipeline-model-parallel-size`` is refused).
+    - ``lora_targets``: default LoRA target modules; empty: every linear layer.
+    """
 
     family: str
-    blocks: Callable[[nn.Module], list[nn.Module] | None] = largest_stack
+    blocks: Callable[[nn.Module], Sequence[nn.Module] | None] = largest_stack
     model_types: tuple[str, ...] = ()
     matches: Callable[[nn.Module], bool] | None = None
     size_keys: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(GENERIC_SIZE_KEYS))
     hidden_dropout_keys: tuple[str, ...] = GENERIC_HIDDEN_DROPOUT_KEYS
     attention_dropout_keys: tuple[str, ...] = GENERIC_ATTENTION_DROPOUT_KEYS
-    lora_targets: tuple[str, ...] = ()  # default LoRA target modules; empty: every linear layer
+    tensor_parallel: TensorParallelPlan | None = None
+    pipeline: PipelineSplit | None = None
+    flops_dims: Callable[[Any], tuple[int | None, int | None]] | None = None
+    lora_targets: tuple[str, ...] = ()
+
+    def layers_and_hidden(self, config: Any) -> tuple[int | None, int | None]:
+        """(layers, hidden size) of the FLOPs formula's attention term, from a model's config (None where the
+        config has no such int)."""
+        if config is None:
+            return None, None
+        if self.flops_dims is not None:
+            return self.flops_dims(config)
+
+        def first_int(flag: str) -> int | None:
+            values = (getattr(config, key, None) for key in self.size_keys.get(flag, ()))
+            return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
+
+        return first_int("num_layers"), first_int("hidden_size")
 
 
 _REGISTRY: list[ModelSpec] = []
-GENERIC = ModelSpec(family="generic")
+GENERIC = ModelSpec(
+    family="generic",
+    # T5/BART-style and GPT-Neo-style configs name them so (GPT-2's names are the generic defaults).
+    size_keys={
+        **GENERIC_SIZE_KEYS,
+        "num_layers": (*GENERIC_SIZE_KEYS["num_layers"], "num_layers"),
+        "hidden_size": (*GENERIC_SIZE_KEYS["hidden_size"], "d_model"),
+    },
+    tensor_parallel=declared_plan,
+)
 
 
 def register(spec: ModelSpec) -> ModelSpec:
+    """Add a family; lookups try families in registration order. A second family of the same name is refused
+    (a bug in the declarations, not a user error)."""
+    if any(known.family == spec.family for known in _REGISTRY) or spec.family == GENERIC.family:
+        raise ValueError(f"a model family named {spec.family!r} is already registered")
     _REGISTRY.append(spec)
     return spec
+
+
+def families_with(capability: str) -> list[str]:
+    """The registered families that declare ``capability`` (a ``ModelSpec`` field, e.g. ``"pipeline"``), for
+    the one-line refusals."""
+    return [spec.family for spec in _REGISTRY if getattr(spec, capability) is not None]
 
 
 def spec_for_config(config: Any) -> ModelSpec:
@@ -106,68 +164,3 @@ def spec_of(model: nn.Module) -> ModelSpec:
 def find_blocks(model: nn.Module) -> Sequence[nn.Module] | None:
     """The model's transformer blocks, as its family declares them."""
     return spec_of(model).blocks(model)
-
-
-def _bert_blocks(model: nn.Module) -> Sequence[nn.Module] | None:
-    encoder = getattr(getattr(model, "base_model", model), "encoder", None)
-    return _stack(getattr(encoder, "layer", None)) or largest_stack(model)
-
-
-def _is_builtin_gpt(model: nn.Module) -> bool:
-    from rapidlite.models.gpt import GPTModel
-
-    return isinstance(model, GPTModel)
-
-
-register(
-    ModelSpec(
-        family="gpt",
-        matches=_is_builtin_gpt,
-        blocks=_path("layers"),
-        size_keys={
-            "num_layers": ("num_layers",),
-            "hidden_size": ("hidden_size",),
-            "num_attention_heads": ("num_attention_heads",),
-            "ffn_hidden_size": ("ffn_hidden_size",),
-        },
-        hidden_dropout_keys=("hidden_dropout",),
-        attention_dropout_keys=("attention_dropout",),
-        lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "up_proj", "gate_proj", "down_proj"),
-    )
-)
-register(
-    ModelSpec(
-        family="llama",  # LLaMA-style decoders: model.layers of self_attn + mlp with gated projections
-        model_types=("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"),
-        blocks=_path("model", "layers"),
-        hidden_dropout_keys=("hidden_dropout", "dropout"),
-        attention_dropout_keys=("attention_dropout",),
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    )
-)
-register(
-    ModelSpec(
-        family="gpt2",
-        model_types=("gpt2",),
-        blocks=_path("transformer", "h"),
-        size_keys={
-            "num_layers": ("n_layer",),
-            "hidden_size": ("n_embd",),
-            "num_attention_heads": ("n_head",),
-            "ffn_hidden_size": ("n_inner",),
-        },
-        hidden_dropout_keys=("resid_pdrop", "embd_pdrop"),
-        attention_dropout_keys=("attn_pdrop",),
-        lora_targets=("c_attn", "c_proj", "c_fc"),
-    )
-)
-register(
-    ModelSpec(
-        family="bert",
-        model_types=("bert", "roberta", "xlm-roberta"),
-        blocks=_bert_blocks,
-        hidden_dropout_keys=("hidden_dropout_prob",),
-        attention_dropout_keys=("attention_probs_dropout_prob",),
-        lora_targets=("query", "key", "value", "dense"),
-    )
-)

@@ -17,6 +17,10 @@ loss the schedule back-propagates. The micro-batches of a global batch are the p
 as in Megatron (``--num-micro-batches`` is the accumulation), and the loss reported is the last stage's,
 shared with the pipeline's other ranks.
 
+How a model comes apart into stages is its family's pipeline split (``ModelSpec.pipeline``, declared in
+``rapidlite/models/families/`` with the building blocks of ``rapidlite.models.staging``); a family without
+one is refused with one line.
+
 A tied input/output embedding (the built-in GPT's default, GPT-2) lives on the first and the last stage,
 as in Megatron: both copies start equal, their gradients are summed over the two stages before each
 step, and the gradient norm counts the weight once, so they stay equal and train as one weight.
@@ -25,9 +29,7 @@ step, and the gradient norm counts the weight once, so they stay equal and train
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +37,8 @@ from torch import nn
 
 from rapidlite.errors import ConfigError
 from rapidlite.losses import loss_parallel_context, unpack_loss
-from rapidlite.models.spec import spec_of
+from rapidlite.models.spec import families_with, spec_of
+from rapidlite.models.staging import Call, PipelineSplit
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -74,324 +77,22 @@ def local_stage_indices(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
     return [pp_rank + v * pp_size for v in range(virtual)]
 
 
-# ------------------------------------------------------------------------------------------ model families
-@dataclass
-class Call:
-    """One recorded call of the whole model, split into what the stages need."""
-
-    inputs: torch.Tensor  # the first stage's input (token ids)
-    stage_kwargs: dict[str, Any] = field(default_factory=dict)  # every stage (positions, masks)
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # the last stage's loss (labels, loss mask)
-
-
-class _Holder(nn.Module):
-    """Keeps a tied word embedding on the last stage under its original name (``embedding.word_embeddings``)."""
-
-    def __init__(self, word_embeddings: nn.Module) -> None:
-        super().__init__()
-        self.word_embeddings = word_embeddings
-
-
-def _bind(forward: Callable, args: tuple, kwargs: dict, supported: Sequence[str], family: str) -> dict[str, Any]:
-    bound = inspect.signature(forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    values = dict(bound.arguments)
-    extra = values.pop("kwargs", None) or {}
-    values.update(extra)
-    for name, value in values.items():
-        if name not in supported and value not in (None, False, 0):
-            raise ConfigError(
-                f"under pipeline parallelism the {family} model takes {', '.join(supported)}; "
-                f"the forward step passed {name}"
-            )
-    return {name: values.get(name) for name in supported}
-
-
-class GPTFamily:
-    """The built-in GPT: ``embedding`` → ``layers`` → ``final_norm`` → ``output``."""
-
-    name = "built-in GPT"
-
-    @staticmethod
-    def matches(model: nn.Module) -> bool:
-        return spec_of(model).family == "gpt"
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
-
-    def tied(self, model: nn.Module) -> bool:
-        return model.tied
-
-    def prune(self, model: nn.Module, keep: list[int], has_first: bool, has_last: bool) -> None:
-        blocks = self.blocks(model)
-        model.layers = nn.ModuleDict({str(i): blocks[i] for i in keep})
-        if not has_first:
-            model.embedding = _Holder(model.embedding.word_embeddings) if has_last and model.tied else None
-        if not has_last:
-            model.final_norm = None
-            model.output = None
-
-    def stage_parts(self, model: nn.Module, first: bool, last: bool) -> dict[str, nn.Module]:
-        parts: dict[str, nn.Module] = {}
-        if first or (last and model.tied):
-            parts["embedding"] = model.embedding
-        if last:
-            parts["final_norm"] = model.final_norm
-            parts["output"] = model.output
-        return parts
-
-    def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
-        from rapidlite.models.gpt import GPTModel
-
-        names = ("input_ids", "position_ids", "attention_mask", "labels", "loss_mask")
-        values = _bind(GPTModel.forward.__get__(model), args, kwargs, names, self.name)
-        input_ids = values["input_ids"]
-        b, s = input_ids.shape
-        position_ids = values["position_ids"]
-        if position_ids is None:
-            c = model.config
-            if c.position_embedding_type == "learned_absolute" and s > c.max_position_embeddings:
-                raise ConfigError(f"input length {s} exceeds --max-position-embeddings {c.max_position_embeddings}")
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        mask = values["attention_mask"]
-        if mask is not None and mask.dtype != torch.bool:
-            raise TypeError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
-        return Call(
-            input_ids,
-            {"position_ids": position_ids, "attention_mask": mask},
-            {"labels": values["labels"], "loss_mask": values["loss_mask"]},
+def family_of(model: nn.Module) -> PipelineSplit:
+    """The pipeline split the model's family declares (``ModelSpec.pipeline``); refused in one line when the
+    family has none or its split cannot take this model."""
+    spec, name = spec_of(model), type(model).__name__
+    split = spec.pipeline
+    if split is None:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size: there is no pipeline split for {name} (the {spec.family} model "
+            f"family); the families with one: {', '.join(families_with('pipeline'))}"
         )
-
-    def run(self, stage: StageModule, x: torch.Tensor, call: Call) -> torch.Tensor:
-        from rapidlite.models.gpt import rope_angles
-
-        c = stage.config
-        position_ids, mask = call.stage_kwargs["position_ids"], call.stage_kwargs["attention_mask"]
-        if stage.first:
-            x = stage.embedding(x, position_ids)
-        rope = rope_angles(position_ids, c.head_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
-        for layer in stage.layers.values():
-            x = layer(x, rope, mask)
-        if stage.last:
-            return stage.output(stage.final_norm(x))
-        return x
-
-    def finish(self, model: nn.Module, logits: torch.Tensor, call: Call) -> Any:
-        return model.head_output(logits, call.loss_kwargs["labels"], call.loss_kwargs["loss_mask"])
-
-
-class HFDecoderFamily:
-    """Hugging Face decoder-only LMs: ``<base>.<embed> [+ <pos>] → <base>.<layers> → <base>.<norm> →
-    lm_head``. LLaMA/Mistral/Qwen2-style (``model.embed_tokens``, rotary) and GPT-2 (``transformer.wte`` +
-    ``wpe``) share it."""
-
-    def __init__(self, base: str, embed: str, layers: str, norm: str, pos: str | None, drop: str | None) -> None:
-        self.base, self.embed, self.layers, self.norm, self.pos, self.drop = base, embed, layers, norm, pos, drop
-        self.name = f"Hugging Face ({base}.{layers})"
-
-    def matches(self, model: nn.Module) -> bool:
-        base = getattr(model, self.base, None)
-        return (
-            base is not None
-            and hasattr(model, "lm_head")
-            and all(hasattr(base, a) for a in (self.embed, self.layers, self.norm))
-            and (self.pos is None or hasattr(base, self.pos))
+    reason = split.unsupported(model)
+    if reason is not None:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size: the {spec.family} family's pipeline split cannot take {name}: {reason}"
         )
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        layers = getattr(getattr(model, self.base), self.layers)
-        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
-
-    def tied(self, model: nn.Module) -> bool:
-        embed = getattr(getattr(model, self.base), self.embed)
-        return model.lm_head is not None and embed is not None and model.lm_head.weight is embed.weight
-
-    def prune(self, model: nn.Module, keep: list[int], has_first: bool, has_last: bool) -> None:
-        base, blocks, tied = getattr(model, self.base), self.blocks(model), self.tied(model)
-        setattr(base, self.layers, nn.ModuleDict({str(i): blocks[i] for i in keep}))
-        if not has_first:
-            if not (has_last and tied):
-                setattr(base, self.embed, None)
-            for name in (self.pos, self.drop):
-                if name is not None:
-                    setattr(base, name, None)
-        if not has_last:
-            setattr(base, self.norm, None)
-            model.lm_head = None
-
-    def stage_parts(self, model: nn.Module, first: bool, last: bool) -> dict[str, nn.Module]:
-        base = getattr(model, self.base)
-        parts: dict[str, nn.Module] = {}
-        if first or (last and getattr(base, self.embed) is not None):
-            parts["embed"] = getattr(base, self.embed)
-        if first:
-            for name in (self.pos, self.drop):
-                if name is not None:
-                    parts[name] = getattr(base, name)
-        if getattr(base, "rotary_emb", None) is not None:
-            parts["rotary_emb"] = base.rotary_emb
-        if last:
-            parts["norm"] = getattr(base, self.norm)
-            parts["lm_head"] = model.lm_head
-        return parts
-
-    def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
-        names = ("input_ids", "attention_mask", "position_ids", "labels")
-        values = _bind(type(model).forward.__get__(model), args, kwargs, names, self.name)
-        input_ids = values["input_ids"]
-        if input_ids is None:
-            raise ConfigError("under pipeline parallelism pass input_ids to the model (inputs_embeds is not supported)")
-        position_ids = values["position_ids"]
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return Call(
-            input_ids,
-            {"position_ids": position_ids, "attention_mask": values["attention_mask"]},
-            {"labels": values["labels"]},
-        )
-
-    def run(self, stage: StageModule, x: torch.Tensor, call: Call) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        position_ids, attention_mask = call.stage_kwargs["position_ids"], call.stage_kwargs["attention_mask"]
-        if stage.first:
-            ids = x
-            x = stage.embed(ids)
-            if self.pos is not None:
-                x = x + getattr(stage, self.pos)(position_ids)
-            if self.drop is not None:
-                x = getattr(stage, self.drop)(x)
-        mask = create_causal_mask(
-            config=stage.config,
-            inputs_embeds=x,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
-        if hasattr(stage, "rotary_emb"):
-            kwargs["position_embeddings"] = stage.rotary_emb(x, position_ids=position_ids)
-        for layer in stage.layers.values():
-            x = layer(x, **kwargs)
-            if isinstance(x, tuple):
-                x = x[0]
-        if stage.last:
-            return stage.lm_head(stage.norm(x))
-        return x
-
-    def finish(self, model: nn.Module, logits: torch.Tensor, call: Call) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        labels = call.loss_kwargs["labels"]
-        loss = None
-        if labels is not None:
-            loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-class BertFamily:
-    """Hugging Face BERT for pretraining (``BertForPreTraining``, ``BertForMaskedLM``): ``bert.embeddings`` →
-    ``bert.encoder.layer`` → ``bert.pooler`` + ``cls`` (masked-LM decoder, next-sentence head)."""
-
-    name = "Hugging Face BERT"
-
-    @staticmethod
-    def matches(model: nn.Module) -> bool:
-        # Pretraining and masked-LM heads (``cls``) over ``bert`` (RoBERTa-style models name theirs otherwise).
-        return spec_of(model).family == "bert" and hasattr(model, "cls") and hasattr(model, "bert")
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        layers = model.bert.encoder.layer
-        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
-
-    def tied(self, model: nn.Module) -> bool:
-        embeddings = model.bert.embeddings
-        return (
-            model.cls is not None
-            and embeddings is not None
-            and model.cls.predictions.decoder.weight is embeddings.word_embeddings.weight
-        )
-
-    def prune(self, model: nn.Module, keep: list[int], has_first: bool, has_last: bool) -> None:
-        blocks, tied = self.blocks(model), self.tied(model)
-        model.bert.encoder.layer = nn.ModuleDict({str(i): blocks[i] for i in keep})
-        if not has_first:
-            model.bert.embeddings = _Holder(model.bert.embeddings.word_embeddings) if has_last and tied else None
-        if not has_last:
-            model.bert.pooler = None
-            model.cls = None
-
-    def stage_parts(self, model: nn.Module, first: bool, last: bool) -> dict[str, nn.Module]:
-        parts: dict[str, nn.Module] = {}
-        if first or (last and model.bert.embeddings is not None):
-            parts["embeddings"] = model.bert.embeddings
-        if last:
-            if model.bert.pooler is not None:
-                parts["pooler"] = model.bert.pooler
-            parts["cls"] = model.cls
-        return parts
-
-    def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
-        names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "labels", "next_sentence_label")
-        values = _bind(type(model).forward.__get__(model), args, kwargs, names, self.name)
-        if values["input_ids"] is None:
-            raise ConfigError("under pipeline parallelism pass input_ids to the model (inputs_embeds is not supported)")
-        stage = {k: values[k] for k in ("attention_mask", "token_type_ids", "position_ids")}
-        return Call(values["input_ids"], stage, {k: values[k] for k in ("labels", "next_sentence_label")})
-
-    def run(self, stage: StageModule, x: torch.Tensor, call: Call) -> Any:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        kwargs = call.stage_kwargs
-        if stage.first:
-            x = stage.embeddings(
-                input_ids=x, token_type_ids=kwargs["token_type_ids"], position_ids=kwargs["position_ids"]
-            )
-        mask = create_bidirectional_mask(config=stage.config, inputs_embeds=x, attention_mask=kwargs["attention_mask"])
-        for layer in stage.layers.values():
-            x = layer(x, mask)
-            if isinstance(x, tuple):
-                x = x[0]
-        if not stage.last:
-            return x
-        if hasattr(stage, "pooler"):
-            return stage.cls(x, stage.pooler(x))  # (masked-LM logits, next-sentence logits)
-        return stage.cls(x)
-
-    def finish(self, model: nn.Module, output: Any, call: Call) -> Any:
-        import torch.nn.functional as F
-        from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, MaskedLMOutput
-
-        labels, next_sentence = call.loss_kwargs["labels"], call.loss_kwargs["next_sentence_label"]
-        vocab = model.config.vocab_size
-        if isinstance(output, tuple):
-            scores, relationship = output
-            loss = None
-            if labels is not None and next_sentence is not None:
-                loss = F.cross_entropy(scores.view(-1, vocab), labels.view(-1)) + F.cross_entropy(
-                    relationship.view(-1, 2), next_sentence.view(-1)
-                )
-            return BertForPreTrainingOutput(loss=loss, prediction_logits=scores, seq_relationship_logits=relationship)
-        loss = F.cross_entropy(output.view(-1, vocab), labels.view(-1)) if labels is not None else None
-        return MaskedLMOutput(loss=loss, logits=output)
-
-
-FAMILIES: tuple[Any, ...] = (
-    GPTFamily(),
-    HFDecoderFamily("model", "embed_tokens", "layers", "norm", None, None),
-    HFDecoderFamily("transformer", "wte", "h", "ln_f", "wpe", "drop"),
-    BertFamily(),
-)
-
-
-def family_of(model: nn.Module) -> Any:
-    for family in FAMILIES:
-        if family.matches(model):
-            return family
-    raise ConfigError(
-        f"--pipeline-model-parallel-size: there is no pipeline split for {type(model).__name__}; the built-in GPT "
-        "Hugging Face decoder LMs (LLaMA, Mistral, Qwen2, GPT-2, ...) and BERT for pretraining have one"
-    )
+    return split
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -601,8 +302,7 @@ class PipelineRunner:
         if not self.tied:
             return None
         stage = self.stages[0] if self.has_first else self.stages[-1]
-        embedding = next((getattr(stage, n) for n in ("embedding", "embed", "embeddings") if hasattr(stage, n)), None)
-        module = getattr(embedding, "word_embeddings", embedding)
+        module = self.family.word_embedding(stage)
         return module.weight if module is not None and (self.has_first or self.has_last) else None
 
 
