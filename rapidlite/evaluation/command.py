@@ -1,0 +1,156 @@
+"""``rapidlite-eval``: score a causal LM on a local jsonl file, on one process or N.
+
+    rapidlite-eval --model DIR --data items.jsonl [--task multiple_choice|perplexity] [--seq-length N]
+                   [--micro-batch-size N] [--bf16] [--output results.json [--overwrite]] [--nproc-per-node N]
+
+The data and the output path are checked before any model is loaded or worker started. With
+``--nproc-per-node N`` the command re-runs itself as N torchrun workers (``rapidlite.launcher``); each
+scores its share of the batches and rank 0 prints the gathered results as one JSON line (and writes
+``--output``: atomically, and never over an existing file unless ``--overwrite``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.evaluation.data import TASK_FIELDS, load_eval_data
+
+# What rapidlite.launcher and distributed.init_distributed read; evaluation has one data-parallel group
+# on this node, so these are fixed rather than flags.
+_LAUNCH_DEFAULTS = {
+    "nnodes": None,
+    "node_rank": None,
+    "master_addr": None,
+    "master_port": None,
+    "max_restarts": 0,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "distributed_backend": None,
+    "distributed_timeout_minutes": 10,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message} (see 'rapidlite-eval --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="rapidlite-eval", description="Score a causal LM on local jsonl data.", allow_abbrev=False)
+    p.add_argument(
+        "--model",
+        "--pretrained-model-name-or-path",
+        dest="model",
+        required=True,
+        metavar="DIR_OR_NAME",
+        help="an AutoModelForCausalLM directory (or cached name) with its tokenizer",
+    )
+    p.add_argument(
+        "--data",
+        "--data-path",
+        dest="data",
+        required=True,
+        metavar="FILE",
+        help="jsonl rows: context/endings/label (multiple choice) or text (perplexity)",
+    )
+    p.add_argument("--task", choices=tuple(TASK_FIELDS), default=None, help="default: from the rows' fields")
+    p.add_argument(
+        "--seq-length", type=int, default=None, help="maximum tokens per forward (default: the model's, as lm-eval)"
+    )
+    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward pass")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (log-probabilities still in float32)")
+    p.add_argument("--output", default=None, metavar="FILE", help="also write the results to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="processes sharing the items (default: visible GPUs, else 1)"
+    )
+    p.set_defaults(**_LAUNCH_DEFAULTS)
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(list(argv))
+    for flag in ("seq_length", "micro_batch_size", "nproc_per_node"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: give a positive number")
+    if args.output and os.path.exists(args.output) and not args.overwrite:
+        raise ConfigError(f"--output {args.output} exists; give --overwrite to replace it, or another path")
+    return args
+
+
+def write_results(path: str, results: dict[str, Any]) -> None:
+    """Write through a temporary file in the same directory and rename it: a reader never sees half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        os.replace(temporary, path)
+    except OSError as e:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise ConfigError(f"--output {path}: cannot write it ({e.strerror or e})") from None
+
+
+def run(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    task, items = load_eval_data(args.data, args.task)  # bad data fails here, before any worker starts
+
+    from rapidlite.launcher import launch, needs_launch
+
+    if needs_launch(args):
+        return launch(args, "rapidlite.evaluation.command", list(argv), module=True)
+
+    from rapidlite.distributed import init_distributed
+    from rapidlite.evaluation.scoring import evaluate, load_scorer
+
+    ctx = init_distributed(args)
+    scorer = load_scorer(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
+    results = evaluate(scorer, task, items, ctx if ctx.initialized else None)
+    if ctx.is_main_process:
+        results = {**results, "model": args.model, "data": args.data, "world_size": ctx.world_size}
+        print(json.dumps(results), flush=True)
+        if args.output:
+            write_results(args.output, results)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # started by torchrun
+    try:
+        code = run(argv)
+    except RapidliteError as e:
+        from rapidlite.distributed import report_worker_error
+
+        code = report_worker_error(e) if worker else e.exit_code
+        if not worker:
+            sys.stdout.flush()
+            print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("rapidlite: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    except Exception as e:
+        if not worker:
+            raise
+        from rapidlite.distributed import report_worker_error
+
+        code = report_worker_error(e)
+    if "torch" in sys.modules:  # --help and flag errors never loaded it
+        from rapidlite.distributed import shutdown
+
+        shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Evaluation data: jsonl rows and the task their fields name, checked before any model is loaded.
+
+A multiple-choice row is ``{"context": str, "endings": [str, ...], "label": int}`` (HellaSwag's layout; a
+label given as a digit string, as the Hugging Face HellaSwag rows have it, is read as its integer). A
+perplexity row is ``{"text": str}``. Every row must carry the fields of the file's task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from rapidlite.errors import DataError
+
+MULTIPLE_CHOICE = "multiple_choice"
+PERPLEXITY = "perplexity"
+TASK_FIELDS: dict[str, tuple[str, ...]] = {
+    MULTIPLE_CHOICE: ("context", "endings", "label"),
+    PERPLEXITY: ("text",),
+}
+
+
+@dataclass(frozen=True)
+class MultipleChoiceItem:
+    """A context, its candidate endings and the index of the right one."""
+
+    context: str
+    endings: tuple[str, ...]
+    label: int
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a jsonl file (blank lines skipped); a row that is not a JSON object is a ``DataError``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        raise DataError(f"--data {path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--data {path}: cannot read it ({e})") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"--data {path}: line {number} is not JSON ({e.msg}); give one JSON object per line"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"--data {path}: line {number} is not a JSON object; give one object per line")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"--data {path}: no rows; give one JSON object per line")
+    return rows
+
+
+def _missing_fields_error(path: str, row: dict, number: int, task: str | None) -> DataError:
+    has = ", ".join(sorted(row)) or "none"
+    if task is None:
+        needed = " or ".join(f"{'/'.join(fields)} ({name})" for name, fields in TASK_FIELDS.items())
+    else:
+        needed = f"{'/'.join(TASK_FIELDS[task])} ({task})"
+    return DataError(f"--data {path}: row {number} has the fields {has}; evaluation needs {needed}")
+
+
+def detect_task(path: str | os.PathLike, rows: list[dict], task: str | None = None) -> str:
+    """The task the rows are for: ``task`` when given (the rows must have its fields), else the one whose
+    fields the first row carries. Every row must carry them."""
+    path = os.fspath(path)
+    if task is None:
+        task = next((name for name, fields in TASK_FIELDS.items() if all(f in rows[0] for f in fields)), None)
+        if task is None:
+            raise _missing_fields_error(path, rows[0], 1, None)
+    for number, row in enumerate(rows, 1):
+        if not all(f in row for f in TASK_FIELDS[task]):
+            raise _missing_fields_error(path, row, number, task)
+    return task
+
+
+def _label(path: str, number: int, value: object, choices: int) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < choices:
+        raise DataError(
+            f"--data {path}: row {number} has label {value!r}; give the index of the right ending (0 to {choices - 1})"
+        )
+    return value
+
+
+def multiple_choice_items(path: str | os.PathLike, rows: list[dict]) -> list[MultipleChoiceItem]:
+    """The rows as ``MultipleChoiceItem``s, each checked: a string context, two or more string endings, a label
+    indexing them."""
+    path = os.fspath(path)
+    items = []
+    for number, row in enumerate(rows, 1):
+        context, endings = row["context"], row["endings"]
+        if not isinstance(context, str):
+            raise DataError(f"--data {path}: row {number}: context must be a string")
+        if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) and e for e in endings)):
+            raise DataError(f"--data {path}: row {number}: endings must be a list of two or more non-empty strings")
+        items.append(MultipleChoiceItem(context, tuple(endings), _label(path, number, row["label"], len(endings))))
+    return items
+
+
+def text_rows(path: str | os.PathLike, rows: list[dict]) -> list[str]:
+    """The ``text`` of each row, checked to be a string."""
+    path = os.fspath(path)
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row["text"], str):
+            raise DataError(f"--data {path}: row {number}: text must be a string")
+    return [row["text"] for row in rows]
+
+
+def load_eval_data(path: str | os.PathLike, task: str | None = None) -> tuple[str, list]:
+    """``(task, items)`` from a jsonl file: ``MultipleChoiceItem``s or texts, by ``task`` or by the fields."""
+    rows = read_jsonl(path)
+    task = detect_task(path, rows, task)
+    return task, multiple_choice_items(path, rows) if task == MULTIPLE_CHOICE else text_rows(path, rows)

@@ -1,0 +1,230 @@
+"""Scoring a causal LM: continuation log-likelihoods as EleutherAI's lm-eval computes them, shared by ranks.
+
+Tokenisation follows lm-eval's ``HFLM`` (0.4): a context's trailing spaces move to the continuation;
+context and context + continuation are encoded separately (the tokenizer's default special tokens, none
+when the text already starts with the BOS string) and the continuation is what the whole adds to the
+context; an empty context is the prefix token (BOS, else EOS). The model sees
+``(context + continuation)[-(L + 1):][:-1]`` (left-truncated to the maximum length ``L``) in right-padded
+batches without an attention mask: causal attention keeps padding out of every real token's logits.
+
+Requests are sorted longest first and cut into batches over the whole set; batch ``b`` goes to rank
+``b % world``. A batch is the same on 1 rank as on N, so each request's value is computed identically
+and the gathered results equal one process's exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rapidlite.distributed import DistributedContext
+from rapidlite.errors import ConfigError, DataError
+from rapidlite.evaluation.data import MULTIPLE_CHOICE, MultipleChoiceItem
+
+# lm-eval's default when neither the config nor the tokenizer gives a length.
+DEFAULT_MAX_LENGTH = 2048
+_TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
+
+Request = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
+
+
+def model_max_length(config: Any, tokenizer: Any) -> int:
+    """The context length lm-eval gives a model: the config's n_positions / max_position_embeddings / n_ctx,
+    else the tokenizer's model_max_length, else 2048."""
+    config = getattr(config, "text_config", None) or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if limit is not None and limit != _TOKENIZER_INFINITY else DEFAULT_MAX_LENGTH
+
+
+def mean_stderr(values: Sequence[float]) -> float | None:
+    """Standard error of the mean from the sample standard deviation (lm-eval's ``mean_stderr``); None
+    below two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mu = sum(values) / n
+    return math.sqrt(sum((x - mu) ** 2 for x in values) / (n - 1)) / math.sqrt(n)
+
+
+class CausalLMScorer:
+    """Log-likelihoods of continuations under a Hugging Face causal LM and its tokenizer."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_length: int | None = None,
+        batch_size: int = 8,
+        device: torch.device | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length or model_max_length(model.config, tokenizer)
+        self.batch_size = batch_size
+        self.device = device or next(model.parameters()).device
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token an empty context (and every text document) is conditioned on: BOS, else EOS."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's default special tokens, except when ``text`` already starts with the BOS string."""
+        bos = self.tokenizer.decode(self.prefix_token_id)
+        extra = {"add_special_tokens": False} if text.startswith(bos) else {}
+        return self.tokenizer.encode(text, **extra)
+
+    def encode_pair(self, context: str, continuation: str) -> Request:
+        """``(context tokens, continuation tokens)`` as lm-eval splits them (see the module docstring)."""
+        if context == "":
+            cont = self.tokenizer.encode(continuation, add_special_tokens=False)
+            if cont and cont[0] == self.prefix_token_id:
+                return cont[:1], cont[1:]
+            return [self.prefix_token_id], cont
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, ctx = self.encode(context + continuation), self.encode(context)
+        return ctx, whole[len(ctx) :]
+
+    def _check(self, requests: Sequence[Request]) -> None:
+        for ctx, cont in requests:
+            if not ctx or not cont:
+                raise DataError("--data: an ending encodes to no tokens; give every ending some text")
+            if len(cont) > self.max_length:
+                raise DataError(
+                    f"an ending of {len(cont)} tokens is longer than the maximum length {self.max_length}; "
+                    "raise --seq-length or shorten the ending"
+                )
+
+    @torch.no_grad()
+    def _batch(self, requests: Sequence[Request]) -> list[float]:
+        inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont in requests]
+        width = max(len(x) for x in inputs)
+        batch = torch.zeros((len(inputs), width), dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            batch[row, : len(tokens)] = torch.tensor(tokens)
+        logits = self.model(batch.to(self.device)).logits
+        # float32 log-softmax: bf16 logits would round each log-probability before the sum.
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        out = []
+        for row, ((_, cont), tokens) in enumerate(zip(requests, inputs, strict=True)):
+            picked = logprobs[row, len(tokens) - len(cont) : len(tokens)]
+            target = torch.tensor(cont, device=picked.device).unsqueeze(-1)
+            out.append(float(picked.gather(-1, target).sum()))
+        return out
+
+    def loglikelihoods(self, requests: Sequence[Request], ctx: DistributedContext | None = None) -> list[float]:
+        """The summed log-probability of each request's continuation given its context, in request order, on
+        every rank; the batches are shared out over ``ctx``'s data-parallel ranks (see the module docstring)."""
+        self._check(requests)
+        rank, world = (ctx.dp_rank, ctx.dp_size) if ctx is not None else (0, 1)
+        order = sorted(range(len(requests)), key=lambda i: (-sum(map(len, requests[i])), requests[i]))
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        mine: list[tuple[int, float]] = []
+        for batch in batches[rank::world]:
+            mine += zip(batch, self._batch([requests[i] for i in batch]), strict=True)
+        local = torch.tensor(mine, dtype=torch.float64).reshape(-1, 2)
+        gathered = ctx.all_gather(local) if ctx is not None else local
+        values = [math.nan] * len(requests)
+        for index, value in gathered.tolist():
+            values[int(index)] = value
+        return values
+
+
+def multiple_choice(
+    scorer: CausalLMScorer,
+    items: Sequence[MultipleChoiceItem],
+    ctx: DistributedContext | None = None,
+    target_delimiter: str = " ",
+) -> dict[str, float | int | None]:
+    """acc (the ending with the highest summed log-likelihood is the label) and acc_norm (the same after
+    dividing by the ending's length in characters), their standard errors, and n: lm-eval's multiple_choice
+    with the continuation ``target_delimiter + ending``."""
+    requests = [scorer.encode_pair(item.context, target_delimiter + e) for item in items for e in item.endings]
+    lls = scorer.loglikelihoods(requests, ctx)
+    acc, acc_norm, start = [], [], 0
+    for item in items:
+        scores = np.array(lls[start : start + len(item.endings)], dtype=np.float64)
+        start += len(item.endings)
+        lengths = np.array([float(len(e)) for e in item.endings])
+        acc.append(1.0 if int(np.argmax(scores)) == item.label else 0.0)
+        acc_norm.append(1.0 if int(np.argmax(scores / lengths)) == item.label else 0.0)
+    return {
+        "acc": sum(acc) / len(acc),
+        "acc_stderr": mean_stderr(acc),
+        "acc_norm": sum(acc_norm) / len(acc_norm),
+        "acc_norm_stderr": mean_stderr(acc_norm),
+        "n": len(items),
+    }
+
+
+def text_windows(scorer: CausalLMScorer, text: str) -> list[Request]:
+    """One document as requests that predict each of its tokens once: conditioned on the prefix token (BOS,
+    else EOS), no EOS appended, in consecutive windows of ``max_length`` predicted tokens, each window seeing
+    its own tokens and the one before it (lm-eval's rolling windows with one token of context)."""
+    tokens = scorer.tokenizer.encode(text, add_special_tokens=False)
+    sequence = [scorer.prefix_token_id, *tokens]
+    step = scorer.max_length
+    return [(sequence[start : start + 1], tokens[start : start + step]) for start in range(0, len(tokens), step)]
+
+
+def perplexity(
+    scorer: CausalLMScorer, texts: Sequence[str], ctx: DistributedContext | None = None
+) -> dict[str, float | int]:
+    """Token-level perplexity over the documents, ``exp(total NLL / predicted tokens)``, with that mean loss,
+    the token count and n (documents)."""
+    requests = [request for text in texts for request in text_windows(scorer, text)]
+    if not requests:
+        raise DataError("every text is empty: there is no token to predict")
+    lls = scorer.loglikelihoods(requests, ctx)
+    tokens = sum(len(cont) for _, cont in requests)
+    loss = -sum(lls) / tokens
+    return {"perplexity": math.exp(loss), "loss": loss, "tokens": tokens, "n": len(texts)}
+
+
+def load_scorer(
+    model: str,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    bf16: bool = False,
+    device: torch.device | None = None,
+) -> CausalLMScorer:
+    """A scorer for an ``AutoModelForCausalLM`` directory or name and its tokenizer (SDPA attention, float32
+    weights unless ``bf16``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rapidlite.models.hf import load_hf_model
+
+    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
+        raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        net = load_hf_model(
+            AutoModelForCausalLM.from_pretrained, model, dtype=torch.bfloat16 if bf16 else torch.float32
+        )
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model {model}: cannot load a causal LM and its tokenizer ({reason})") from None
+    device = device or torch.device("cpu")
+    return CausalLMScorer(net.to(device), tokenizer, max_length, batch_size, device)
+
+
+def evaluate(
+    scorer: CausalLMScorer, task: str, items: Sequence[Any], ctx: DistributedContext | None = None
+) -> dict[str, Any]:
+    """The metrics of ``task`` (``multiple_choice`` or ``perplexity``) on ``items`` as ``load_eval_data``
+    returns them, equal on every rank."""
+    metrics = multiple_choice(scorer, items, ctx) if task == MULTIPLE_CHOICE else perplexity(scorer, items, ctx)
+    return {"task": task, **metrics}
