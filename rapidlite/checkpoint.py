@@ -473,9 +473,14 @@ def export_hf(
     tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     from rapidlite.models.hf import saved_config
+    from rapidlite.models.spec import spec_of
 
+    save = spec_of(model).save
     with saved_config(model):
-        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
+            save(model, full, tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     old = out_dir.with_name(f".tmp_old_{out_dir.name}_{os.getpid()}")

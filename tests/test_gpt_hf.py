@@ -72,3 +72,35 @@ def test_megatron_tokenizers_export_as_transformers_tokenizers(tmp_path):
         assert loaded.encode(text, add_special_tokens=False) == tok.tokenize(text), name
     assert AutoTokenizer.from_pretrained(tmp_path / "gpt2").eos_token_id == gpt2.eod
     assert AutoTokenizer.from_pretrained(tmp_path / "bert").mask_token_id == bert.mask
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_the_export_of_a_built_in_gpt_is_a_transformers_model(tmp_path, kw):
+    """What pretraining writes to DIR/hf: transformers loads it (and its tokenizer), GPTModel.from_pretrained too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rapidlite.checkpoint import export_hf
+    from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
+
+    tok = GPT2BPETokenizer(*train_byte_level_bpe(["the quick brown fox"] * 20, 280, tmp_path / "bpe"))
+    model = _model(**kw)
+    export_hf(model, tmp_path / "hf", tok.hf_tokenizer())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("the fox") == tok.tokenize("the fox")
+    again = GPTModel.from_pretrained(tmp_path / "hf").eval()
+    assert again.config == model.config
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_built_in_gpt_without_a_transformers_layout_is_exported_in_its_own_format_with_a_line(tmp_path, log_lines):
+    from rapidlite.checkpoint import export_hf
+
+    model = _model(normalization="RMSNorm")
+    export_hf(model, tmp_path / "hf")
+    assert any("has no Hugging Face layout" in line and "rapidlite's own format" in line for line in log_lines)
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(GPTModel.from_pretrained(tmp_path / "hf")(ids), model(ids), rtol=0, atol=0)

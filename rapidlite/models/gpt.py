@@ -465,7 +465,8 @@ class GPTModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, per_token_loss: bool = False, **_: Any) -> GPTModel:
-        """Load a model written by ``save_pretrained`` (weights in the config's fp32 parameters)."""
+        """Load a model written by ``save_pretrained``, or exported in Hugging Face's layout by rapidlite
+        (weights in the config's fp32 parameters)."""
         kwargs = {"per_token_loss": per_token_loss}
         from safetensors.torch import load_file
 
@@ -474,8 +475,15 @@ class GPTModel(nn.Module):
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path}: not found; expected a directory written by GPTModel.save_pretrained")
         with open(config_path) as f:
-            model = cls(GPTConfig.from_dict(json.load(f)), **kwargs)
-        state = load_file(weights_path)
+            saved = json.load(f)
+        from rapidlite.models import gpt_hf
+
+        if gpt_hf.CONFIG_KEY in saved:  # exported in Hugging Face's layout (see rapidlite.models.gpt_hf)
+            model = cls(GPTConfig.from_dict(saved[gpt_hf.CONFIG_KEY]), **kwargs)
+            state = gpt_hf.gpt_state_dict(model.config, load_file(weights_path))
+        else:
+            model = cls(GPTConfig.from_dict(saved), **kwargs)
+            state = load_file(weights_path)
         if model.tied:
             state["output.weight"] = state["embedding.word_embeddings.weight"]
         missing, unexpected = model.load_state_dict(state, strict=False)

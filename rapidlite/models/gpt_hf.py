@@ -10,13 +10,17 @@ no Hugging Face counterpart: ``hf_layout`` says which, and ``hf_model`` refuses 
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
 
 from rapidlite.errors import ConfigError
+from rapidlite.logging import LOGGER_NAME
 
 GPT2, LLAMA = "gpt2", "llama"
+HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
 
 
 def hf_layout(config: Any) -> str | None:
@@ -142,3 +146,84 @@ def hf_model(model: Any, special_tokens: dict[str, int] | None = None) -> Any:
     if hf.config.tie_word_embeddings:
         hf.tie_weights()
     return hf.eval()
+
+
+# The built-in config rides along in the Hugging Face config, so GPTModel.from_pretrained rebuilds the model
+# exactly (the tokenizer's vocabulary size under the padded one, its init and dropout settings).
+CONFIG_KEY = "rapidlite_gpt"
+
+
+def gpt_state_dict(config: Any, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf_state_dict`` reversed: a Hugging Face export's weights under the built-in model's keys."""
+    layout = hf_layout(config)
+    if layout is None:
+        raise ConfigError(_why_not(config))
+    out: dict[str, torch.Tensor] = {}
+    h = config.hidden_size
+    if layout == GPT2:
+        out["embedding.word_embeddings.weight"] = hf_state["transformer.wte.weight"]
+        out["embedding.position_embeddings.weight"] = hf_state["transformer.wpe.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"transformer.h.{i}.", f"layers.{i}."
+            for norm, hf_norm in (("input_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    out[f"{dst}{norm}.{kind}"] = hf_state[f"{src}{hf_norm}.{kind}"]
+            weights = hf_state[f"{src}attn.c_attn.weight"].t().split(h)
+            biases = hf_state[f"{src}attn.c_attn.bias"].split(h)
+            for p, weight, bias in zip("qkv", weights, biases, strict=True):
+                out[f"{dst}attention.{p}_proj.weight"] = weight.contiguous()
+                out[f"{dst}attention.{p}_proj.bias"] = bias
+            for mine, theirs in (
+                ("attention.out_proj", "attn.c_proj"),
+                ("mlp.up_proj", "mlp.c_fc"),
+                ("mlp.down_proj", "mlp.c_proj"),
+            ):
+                out[f"{dst}{mine}.weight"] = hf_state[f"{src}{theirs}.weight"].t().contiguous()
+                out[f"{dst}{mine}.bias"] = hf_state[f"{src}{theirs}.bias"]
+        out["final_norm.weight"] = hf_state["transformer.ln_f.weight"]
+        out["final_norm.bias"] = hf_state["transformer.ln_f.bias"]
+        embedding = out["embedding.word_embeddings.weight"]
+    else:
+        out["embedding.word_embeddings.weight"] = hf_state["model.embed_tokens.weight"]
+        for i in range(config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for p in ("q", "k", "v"):
+                out[f"{dst}attention.{p}_proj.weight"] = hf_state[f"{src}self_attn.{p}_proj.weight"]
+            out[f"{dst}attention.out_proj.weight"] = hf_state[f"{src}self_attn.o_proj.weight"]
+            for p in ("gate", "up", "down"):
+                out[f"{dst}mlp.{p}_proj.weight"] = hf_state[f"{src}mlp.{p}_proj.weight"]
+            out[f"{dst}input_norm.weight"] = hf_state[f"{src}input_layernorm.weight"]
+            out[f"{dst}mlp_norm.weight"] = hf_state[f"{src}post_attention_layernorm.weight"]
+        out["final_norm.weight"] = hf_state["model.norm.weight"]
+        embedding = out["embedding.word_embeddings.weight"]
+    out["output.weight"] = hf_state.get("lm_head.weight", embedding)
+    return out
+
+
+def save_hf(model: Any, state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """Write ``model`` (a built-in GPT, its full weights ``state``) as the matching ``transformers`` model:
+    ``config.json`` and ``model.safetensors``, which ``AutoModelForCausalLM.from_pretrained`` loads (and
+    ``GPTModel.from_pretrained`` too)."""
+    from safetensors.torch import save_file
+
+    config = hf_config(model.config)
+    config.architectures = [HF_CLASSES[hf_layout(model.config)]]
+    setattr(config, CONFIG_KEY, model.config.to_dict())
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    tensors = hf_state_dict(model.config, {k: v.detach().cpu() for k, v in full.items()})
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+
+
+def save_for_transformers(model: Any, state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """The export of a built-in GPT: Hugging Face's layout where one matches, else rapidlite's own format,
+    said in one line."""
+    if hf_layout(model.config) is None:
+        logging.getLogger(LOGGER_NAME).warning(
+            f"{_why_not(model.config)}: {directory} holds rapidlite's own format (GPTModel.from_pretrained loads it)"
+        )
+        model.save_pretrained(directory, state_dict=state)
+        return
+    save_hf(model, state, directory)

@@ -90,6 +90,8 @@ class ModelSpec:
     - ``tensor_parallel``: the plan (None: ``--tensor-model-parallel-size`` is refused for the family).
     - ``pipeline``: the split into stages (None: ``--pipeline-model-parallel-size`` is refused).
     - ``lora_targets``: default LoRA target modules; empty: every linear layer.
+    - ``save``: writes the model's full weights as a Hugging Face model directory, for the export
+      (``save(model, state_dict, directory)``); None: the model's own ``save_pretrained`` does.
     """
 
     family: str
@@ -103,6 +105,7 @@ class ModelSpec:
     pipeline: PipelineSplit | None = None
     flops_dims: Callable[[Any], tuple[int | None, int | None]] | None = None
     lora_targets: tuple[str, ...] = ()
+    save: Callable[[nn.Module, dict[str, Any], str], None] | None = None
 
     def layers_and_hidden(self, config: Any) -> tuple[int | None, int | None]:
         """(layers, hidden size) of the FLOPs formula's attention term, from a model's config (None where the

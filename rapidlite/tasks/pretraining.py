@@ -98,6 +98,7 @@ class GPTPretrainer(PreTrainer):
         args = self.args
         self.hf = args.pretrained_model_name_or_path is not None
         self.data_tokenizer = tokenizer_from_args(args)
+        self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
         _need_seq_length(args)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
@@ -161,6 +162,7 @@ class BertPretrainer(PreTrainer):
         super().__init__(engine)
         args = self.args
         self.data_tokenizer = tokenizer_from_args(args)
+        self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
         if getattr(self.data_tokenizer, "mask", None) is None or getattr(self.data_tokenizer, "cls", None) is None:
             raise ConfigError(
                 "BERT pretraining needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]: --tokenizer-type "

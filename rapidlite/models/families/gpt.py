@@ -10,6 +10,7 @@ from torch import nn
 
 from rapidlite.errors import ConfigError
 from rapidlite.models.gpt import GPTModel, rope_angles
+from rapidlite.models.gpt_hf import save_for_transformers
 from rapidlite.models.sharding import check_divisible, stack_blocks
 from rapidlite.models.spec import ModelSpec, blocks_at, register
 from rapidlite.models.staging import Call, Holder, bind_call
@@ -172,5 +173,6 @@ SPEC = register(
         tensor_parallel=gpt_plan,
         pipeline=GPTSplit(),
         lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "up_proj", "gate_proj", "down_proj"),
+        save=save_for_transformers,  # GPT-2's or LLaMA's layout, which transformers loads
     )
 )
