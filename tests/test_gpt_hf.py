@@ -29,6 +29,7 @@ def _model(**kw) -> GPTModel:
         ({"untie_embeddings_and_output_weights": True}, "gpt2", "GPT2LMHeadModel"),
         ({**LLAMA, "rotary_base": 500.0}, "llama", "LlamaForCausalLM"),
         ({**LLAMA, "untie_embeddings_and_output_weights": True}, "llama", "LlamaForCausalLM"),
+        ({**LLAMA, "bias": True}, "llama", "LlamaForCausalLM"),  # what the flags build: biases on
     ],
 )
 def test_transformers_loads_the_built_in_gpt_with_equal_logits(tmp_path, kw, layout, cls):

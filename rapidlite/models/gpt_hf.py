@@ -1,11 +1,12 @@
 """The built-in GPT in Hugging Face's own layouts, so ``transformers`` loads what rapidlite pretrains.
 
 A ``GPTModel`` whose blocks are GPT-2's (LayerNorm with biases, GELU MLP, learned absolute positions) is
-written as ``GPT2LMHeadModel``; one whose blocks are LLaMA's (RMSNorm, SwiGLU, rotary positions, no biases)
-as ``LlamaForCausalLM``. Both compute what the built-in model computes: the same weights (q/k/v fused and
-transposed into GPT-2's ``Conv1D`` layout), exact GELU, the same rotary angles (channel pairs ``(i, i + d/2)``,
-LLaMA's ``rotate_half``), the padded vocabulary kept (its rows get logits in both). Other combinations have
-no Hugging Face counterpart: ``hf_layout`` says which, and ``hf_model`` refuses them in one line.
+written as ``GPT2LMHeadModel``; one whose blocks are LLaMA's (RMSNorm, SwiGLU, rotary positions; linear
+biases or none) as ``LlamaForCausalLM``. Both compute what the built-in model computes: the same weights
+(q/k/v fused and transposed into GPT-2's ``Conv1D`` layout), exact GELU, the same rotary angles (channel
+pairs ``(i, i + d/2)``, LLaMA's ``rotate_half``), the padded vocabulary kept (its rows get logits in both).
+Other combinations have no Hugging Face counterpart: ``hf_layout`` says which, and ``hf_model`` refuses them
+in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def hf_layout(config: Any) -> str | None:
     learned = config.position_embedding_type == "learned_absolute"
     if config.normalization == "LayerNorm" and not config.swiglu and learned and config.bias:
         return GPT2
-    if config.normalization == "RMSNorm" and config.swiglu and not learned and not config.bias:
+    if config.normalization == "RMSNorm" and config.swiglu and not learned:
         return LLAMA
     return None
 
@@ -38,8 +39,7 @@ def _why_not(config: Any) -> str:
         f"the built-in GPT with --normalization {config.normalization}, "
         f"{'--swiglu' if config.swiglu else 'a GELU MLP'}, --position-embedding-type "
         f"{config.position_embedding_type} and {'biases' if config.bias else 'no biases'} has no Hugging Face "
-        "layout: GPT-2's is LayerNorm + GELU + learned_absolute + biases, LLaMA's is RMSNorm + --swiglu + rope "
-        "without biases"
+        "layout: GPT-2's is LayerNorm + GELU + learned_absolute + biases, LLaMA's is RMSNorm + --swiglu + rope"
     )
 
 
@@ -80,8 +80,8 @@ def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
             rms_norm_eps=config.layernorm_epsilon,
             rope_theta=config.rotary_base,
             attention_dropout=config.attention_dropout,
-            attention_bias=False,
-            mlp_bias=False,
+            attention_bias=config.bias,
+            mlp_bias=config.bias,
             hidden_act="silu",
             initializer_range=config.init_method_std,
             tie_word_embeddings=tied,
@@ -121,11 +121,12 @@ def hf_state_dict(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torc
         out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
         for i in range(config.num_layers):
             src, dst = f"layers.{i}.", f"model.layers.{i}."
-            for p in ("q", "k", "v"):
-                out[f"{dst}self_attn.{p}_proj.weight"] = state[f"{src}attention.{p}_proj.weight"]
-            out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}attention.out_proj.weight"]
-            for p in ("gate", "up", "down"):
-                out[f"{dst}mlp.{p}_proj.weight"] = state[f"{src}mlp.{p}_proj.weight"]
+            pairs = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
+            pairs += [("attention.out_proj", "self_attn.o_proj")]
+            pairs += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
+            for mine, theirs in pairs:
+                for kind in ("weight", "bias") if config.bias else ("weight",):
+                    out[f"{dst}{theirs}.{kind}"] = state[f"{src}{mine}.{kind}"]
             out[f"{dst}input_layernorm.weight"] = state[f"{src}input_norm.weight"]
             out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}mlp_norm.weight"]
         out["model.norm.weight"] = state["final_norm.weight"]
@@ -187,11 +188,12 @@ def gpt_state_dict(config: Any, hf_state: dict[str, torch.Tensor]) -> dict[str, 
         out["embedding.word_embeddings.weight"] = hf_state["model.embed_tokens.weight"]
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for p in ("q", "k", "v"):
-                out[f"{dst}attention.{p}_proj.weight"] = hf_state[f"{src}self_attn.{p}_proj.weight"]
-            out[f"{dst}attention.out_proj.weight"] = hf_state[f"{src}self_attn.o_proj.weight"]
-            for p in ("gate", "up", "down"):
-                out[f"{dst}mlp.{p}_proj.weight"] = hf_state[f"{src}mlp.{p}_proj.weight"]
+            pairs = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
+            pairs += [("attention.out_proj", "self_attn.o_proj")]
+            pairs += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
+            for mine, theirs in pairs:
+                for kind in ("weight", "bias") if config.bias else ("weight",):
+                    out[f"{dst}{mine}.{kind}"] = hf_state[f"{src}{theirs}.{kind}"]
             out[f"{dst}input_norm.weight"] = hf_state[f"{src}input_layernorm.weight"]
             out[f"{dst}mlp_norm.weight"] = hf_state[f"{src}post_attention_layernorm.weight"]
         out["final_norm.weight"] = hf_state["model.norm.weight"]
