@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from rapidlite.arguments import parse_known
-from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.entry import run_command
+from rapidlite.errors import ConfigError
 from rapidlite.launcher import launch_or_join
 from rapidlite.resolve import RunConfig, resolve, with_embedded_demo
 
@@ -74,34 +75,8 @@ def _run(argv: list[str]) -> int:
     return code if code is not None else run_user_script(script, argv)
 
 
-def _worker_failure(e: BaseException) -> int:
-    from rapidlite.distributed import report_worker_error
-
-    return report_worker_error(e)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    worker = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # started by torchrun
-    try:
-        code = _run(argv)
-    except RapidliteError as e:
-        code = _worker_failure(e) if worker else e.exit_code
-        if not worker:
-            sys.stdout.flush()
-            print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("rapidlite: interrupted", file=sys.stderr, flush=True)
-        code = 130
-    except Exception as e:
-        if not worker:
-            raise
-        code = _worker_failure(e)
-    if "torch" in sys.modules:  # --help and flag errors never loaded it
-        from rapidlite.distributed import shutdown
-
-        shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
-    return code
+    return run_command(_run, argv)
 
 
 if __name__ == "__main__":

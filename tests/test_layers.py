@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "base",
         (
             "rapidlite.errors",
+            "rapidlite.entry",
             "rapidlite.environ",
             "rapidlite.logging",
             "rapidlite.distributed",

@@ -18,7 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.entry import run_command
+from rapidlite.errors import ConfigError
 from rapidlite.evaluation.data import TASK_FIELDS, load_eval_data
 
 # What rapidlite.launcher and distributed.init_distributed read; evaluation has one data-parallel group
@@ -125,31 +126,7 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    worker = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # started by torchrun
-    try:
-        code = run(argv)
-    except RapidliteError as e:
-        from rapidlite.distributed import report_worker_error
-
-        code = report_worker_error(e) if worker else e.exit_code
-        if not worker:
-            sys.stdout.flush()
-            print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("rapidlite: interrupted", file=sys.stderr, flush=True)
-        code = 130
-    except Exception as e:
-        if not worker:
-            raise
-        from rapidlite.distributed import report_worker_error
-
-        code = report_worker_error(e)
-    if "torch" in sys.modules:  # --help and flag errors never loaded it
-        from rapidlite.distributed import shutdown
-
-        shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
-    return code
+    return run_command(run, argv)
 
 
 if __name__ == "__main__":

@@ -90,48 +90,54 @@ def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
     raise ConfigError(_why_not(config))
 
 
-def hf_state_dict(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The built-in model's full weights renamed (and for GPT-2 fused and transposed) into the layout's keys.
-    A tied output weight is left to the embedding, as ``transformers`` stores it."""
+def _renamed(config: Any) -> list[tuple[str, str, bool]]:
+    """``(built-in key, Hugging Face key, transposed)`` for every weight that maps one to one (all but GPT-2's
+    fused q/k/v)."""
     layout = hf_layout(config)
     if layout is None:
         raise ConfigError(_why_not(config))
-    out: dict[str, torch.Tensor] = {}
-    tied = not config.untie_embeddings_and_output_weights
+    pairs: list[tuple[str, str, bool]] = []
     if layout == GPT2:
-        out["transformer.wte.weight"] = state["embedding.word_embeddings.weight"]
-        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
+        pairs += [("embedding.word_embeddings.weight", "transformer.wte.weight", False)]
+        pairs += [("embedding.position_embeddings.weight", "transformer.wpe.weight", False)]
+        per_layer = [("input_norm", "ln_1", False), ("mlp_norm", "ln_2", False)]
+        # Conv1D keeps its weight as [in, out].
+        per_layer += [("attention.out_proj", "attn.c_proj", True), ("mlp.up_proj", "mlp.c_fc", True)]
+        per_layer += [("mlp.down_proj", "mlp.c_proj", True)]
         for i in range(config.num_layers):
-            src, dst = f"layers.{i}.", f"transformer.h.{i}."
-            for norm, hf_norm in (("input_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            for mine, theirs, transposed in per_layer:
                 for kind in ("weight", "bias"):
-                    out[f"{dst}{hf_norm}.{kind}"] = state[f"{src}{norm}.{kind}"]
-            qkv = [f"{src}attention.{p}_proj" for p in "qkv"]
-            # Conv1D keeps [in, out]; q, k and v side by side along out.
-            out[f"{dst}attn.c_attn.weight"] = torch.cat([state[f"{p}.weight"] for p in qkv]).t().contiguous()
-            out[f"{dst}attn.c_attn.bias"] = torch.cat([state[f"{p}.bias"] for p in qkv])
-            for mine, theirs in (("attention.out_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc")):
-                out[f"{dst}{theirs}.weight"] = state[f"{src}{mine}.weight"].t().contiguous()
-                out[f"{dst}{theirs}.bias"] = state[f"{src}{mine}.bias"]
-            out[f"{dst}mlp.c_proj.weight"] = state[f"{src}mlp.down_proj.weight"].t().contiguous()
-            out[f"{dst}mlp.c_proj.bias"] = state[f"{src}mlp.down_proj.bias"]
-        out["transformer.ln_f.weight"] = state["final_norm.weight"]
-        out["transformer.ln_f.bias"] = state["final_norm.bias"]
+                    pairs.append((f"layers.{i}.{mine}.{kind}", f"transformer.h.{i}.{theirs}.{kind}", transposed))
+        pairs += [(f"final_norm.{kind}", f"transformer.ln_f.{kind}", False) for kind in ("weight", "bias")]
     else:
-        out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
+        pairs += [("embedding.word_embeddings.weight", "model.embed_tokens.weight", False)]
+        linear = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
+        linear += [("attention.out_proj", "self_attn.o_proj")]
+        linear += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
+        kinds = ("weight", "bias") if config.bias else ("weight",)
         for i in range(config.num_layers):
             src, dst = f"layers.{i}.", f"model.layers.{i}."
-            pairs = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
-            pairs += [("attention.out_proj", "self_attn.o_proj")]
-            pairs += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
-            for mine, theirs in pairs:
-                for kind in ("weight", "bias") if config.bias else ("weight",):
-                    out[f"{dst}{theirs}.{kind}"] = state[f"{src}{mine}.{kind}"]
-            out[f"{dst}input_layernorm.weight"] = state[f"{src}input_norm.weight"]
-            out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}mlp_norm.weight"]
-        out["model.norm.weight"] = state["final_norm.weight"]
-    if not tied:
-        out["lm_head.weight"] = state["output.weight"]
+            pairs += [(f"{src}{m}.{k}", f"{dst}{t}.{k}", False) for m, t in linear for k in kinds]
+            pairs += [(f"{src}input_norm.weight", f"{dst}input_layernorm.weight", False)]
+            pairs += [(f"{src}mlp_norm.weight", f"{dst}post_attention_layernorm.weight", False)]
+        pairs += [("final_norm.weight", "model.norm.weight", False)]
+    if config.untie_embeddings_and_output_weights:  # tied: transformers stores the embedding once
+        pairs += [("output.weight", "lm_head.weight", False)]
+    return pairs
+
+
+def _moved(tensor: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return tensor.t().contiguous() if transposed else tensor
+
+
+def hf_state_dict(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The built-in model's full weights under the layout's keys (GPT-2: q/k/v fused and transposed)."""
+    out = {theirs: _moved(state[mine], transposed) for mine, theirs, transposed in _renamed(config)}
+    if hf_layout(config) == GPT2:
+        for i in range(config.num_layers):
+            qkv = [f"layers.{i}.attention.{p}_proj" for p in "qkv"]
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = _moved(torch.cat([state[f"{p}.weight"] for p in qkv]), True)
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([state[f"{p}.bias"] for p in qkv])
     return out
 
 
@@ -156,49 +162,15 @@ CONFIG_KEY = "rapidlite_gpt"
 
 def gpt_state_dict(config: Any, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``hf_state_dict`` reversed: a Hugging Face export's weights under the built-in model's keys."""
-    layout = hf_layout(config)
-    if layout is None:
-        raise ConfigError(_why_not(config))
-    out: dict[str, torch.Tensor] = {}
-    h = config.hidden_size
-    if layout == GPT2:
-        out["embedding.word_embeddings.weight"] = hf_state["transformer.wte.weight"]
-        out["embedding.position_embeddings.weight"] = hf_state["transformer.wpe.weight"]
+    out = {mine: _moved(hf_state[theirs], transposed) for mine, theirs, transposed in _renamed(config)}
+    if hf_layout(config) == GPT2:
         for i in range(config.num_layers):
-            src, dst = f"transformer.h.{i}.", f"layers.{i}."
-            for norm, hf_norm in (("input_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                for kind in ("weight", "bias"):
-                    out[f"{dst}{norm}.{kind}"] = hf_state[f"{src}{hf_norm}.{kind}"]
-            weights = hf_state[f"{src}attn.c_attn.weight"].t().split(h)
-            biases = hf_state[f"{src}attn.c_attn.bias"].split(h)
+            weights = hf_state[f"transformer.h.{i}.attn.c_attn.weight"].t().split(config.hidden_size)
+            biases = hf_state[f"transformer.h.{i}.attn.c_attn.bias"].split(config.hidden_size)
             for p, weight, bias in zip("qkv", weights, biases, strict=True):
-                out[f"{dst}attention.{p}_proj.weight"] = weight.contiguous()
-                out[f"{dst}attention.{p}_proj.bias"] = bias
-            for mine, theirs in (
-                ("attention.out_proj", "attn.c_proj"),
-                ("mlp.up_proj", "mlp.c_fc"),
-                ("mlp.down_proj", "mlp.c_proj"),
-            ):
-                out[f"{dst}{mine}.weight"] = hf_state[f"{src}{theirs}.weight"].t().contiguous()
-                out[f"{dst}{mine}.bias"] = hf_state[f"{src}{theirs}.bias"]
-        out["final_norm.weight"] = hf_state["transformer.ln_f.weight"]
-        out["final_norm.bias"] = hf_state["transformer.ln_f.bias"]
-        embedding = out["embedding.word_embeddings.weight"]
-    else:
-        out["embedding.word_embeddings.weight"] = hf_state["model.embed_tokens.weight"]
-        for i in range(config.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            pairs = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
-            pairs += [("attention.out_proj", "self_attn.o_proj")]
-            pairs += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
-            for mine, theirs in pairs:
-                for kind in ("weight", "bias") if config.bias else ("weight",):
-                    out[f"{dst}{mine}.{kind}"] = hf_state[f"{src}{theirs}.{kind}"]
-            out[f"{dst}input_norm.weight"] = hf_state[f"{src}input_layernorm.weight"]
-            out[f"{dst}mlp_norm.weight"] = hf_state[f"{src}post_attention_layernorm.weight"]
-        out["final_norm.weight"] = hf_state["model.norm.weight"]
-        embedding = out["embedding.word_embeddings.weight"]
-    out["output.weight"] = hf_state.get("lm_head.weight", embedding)
+                out[f"layers.{i}.attention.{p}_proj.weight"] = weight.contiguous()
+                out[f"layers.{i}.attention.{p}_proj.bias"] = bias
+    out.setdefault("output.weight", out["embedding.word_embeddings.weight"])  # tied
     return out
 
 

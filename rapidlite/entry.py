@@ -1,0 +1,43 @@
+"""What every rapidlite command's ``main`` does around its work, in one place: a user error is one line and
+its exit code (2); in a torchrun worker every failure is recorded for the launcher instead of printed; the
+process ends through ``distributed.shutdown``'s clean teardown once torch is loaded (``--help`` and flag
+errors never load it, so they stay fast)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from rapidlite.errors import RapidliteError
+
+
+def _worker_failure(e: BaseException) -> int:
+    from rapidlite.distributed import report_worker_error
+
+    return report_worker_error(e)
+
+
+def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """``run(argv)`` (default: this process's arguments) with rapidlite's error handling and teardown."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker = bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))  # started by torchrun
+    try:
+        code = run(argv)
+    except RapidliteError as e:
+        code = _worker_failure(e) if worker else e.exit_code
+        if not worker:
+            sys.stdout.flush()
+            print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("rapidlite: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    except Exception as e:
+        if not worker:
+            raise
+        code = _worker_failure(e)
+    if "torch" in sys.modules:
+        from rapidlite.distributed import shutdown
+
+        shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
+    return code
