@@ -50,7 +50,9 @@ _STRING_DTYPES = ("string", "large_string")
 
 def _is_string_feature(feature: Any) -> bool:
     # datasets 5 infers CSV/JSON text as "large_string", not "string".
-    return getattr(feature, "dtype", None) in _STRING_DTYPES and type(feature).__name__ == "Value"
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype in _STRING_DTYPES
 
 
 def detect_columns(
