@@ -183,7 +183,18 @@ def test_two_ranks_train_and_evaluate_as_one_process(tiny_assets, tmp_path):
     """Data parallel over 2 ranks (unequal token counts per rank): the same updates and the same token-exact
     validation loss as one process with the same global batch."""
     model_dir, data_dir = tiny_assets
-    common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--global-batch-size", "8"]
+    common = [
+        "--train-iters",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--global-batch-size",
+        "8",
+        "--eval-generate",
+        "2",
+    ]
     losses = []
     for name, layout in (
         ("one", ["--micro-batch-size", "8"]),
@@ -193,3 +204,5 @@ def test_two_ranks_train_and_evaluate_as_one_process(tiny_assets, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses.append([r["loss"] for r in read_metrics(tmp_path / name) if r.get("split") in ("train", "validation")])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    # Greedy completions run on every rank (a forward may be collective) and end at the same token.
+    assert "exact_match" in [r for r in read_metrics(tmp_path / "two") if r.get("split") == "validation"][-1]
