@@ -13,7 +13,8 @@ token closes every row and is trained with the response. Packing (``pack``) conc
 sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention is kept
 inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
 no attention mask and no key/value cache so; the built-in GPT takes the block-diagonal mask that
-``packed_attention_mask`` builds).
+``packed_attention_mask`` builds). ``build_instruction_data`` does all of it for every split of a data set, and
+``CausalLMCollator`` pads the rows into batches (packed ones without an attention mask).
 """
 
 from __future__ import annotations
