@@ -316,6 +316,29 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--text-keys", nargs="+", default=None, help="text column(s) of tabular data")
     g.add_argument("--label-key", default=None, help="label column of tabular data")
+    g.add_argument("--prompt-key", default=None, help="causal_lm: the prompt column of prompt/response data")
+    g.add_argument("--response-key", default=None, help="causal_lm: the response column of prompt/response data")
+    g.add_argument(
+        "--prompt-template",
+        default="auto",
+        help="causal_lm: how prompt fields become text: auto, alpaca, chatml, none or a file with {prompt} fields",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="causal_lm: chat data's template when the tokenizer has none: chatml or FILE",
+    )
+    g.add_argument("--train-on-prompt", action="store_true", help="causal_lm: the prompt tokens train too")
+    g.add_argument(
+        "--packing", action="store_true", help="causal_lm: pack samples into full sequences (attention kept per sample)"
+    )
+    g.add_argument(
+        "--eval-generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="causal_lm: print N greedy completions of validation prompts at each evaluation (with exact match)",
+    )
 
 
 def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:

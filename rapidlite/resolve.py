@@ -196,7 +196,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    for name in ("num_workers", "max_restarts", "node_rank"):
+    for name in ("num_workers", "max_restarts", "node_rank", "eval_generate"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")

@@ -30,6 +30,7 @@ FLAGS = """
 --user-script
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization
+--prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
 """.split()
 
 

@@ -13,7 +13,8 @@ token closes every row and is trained with the response. Packing (``pack``) conc
 sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention is kept
 inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
 no attention mask and no key/value cache so; the built-in GPT takes the block-diagonal mask that
-``packed_attention_mask`` builds).
+``packed_attention_mask`` builds). ``build_instruction_data`` does all of it for every split of a data set, and
+``CausalLMCollator`` pads the rows into batches (packed ones without an attention mask).
 """
 
 from __future__ import annotations
@@ -242,3 +243,119 @@ def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     s = position_ids.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
     return (same_row & causal)[:, None]
+
+
+@dataclass
+class InstructionData:
+    """Encoded splits (lists of ``{"input_ids", "labels"[, "position_ids"]}``), the validation prompts with
+    their reference responses (for greedy completions), and what encoding did, for the log."""
+
+    train: list[dict[str, list[int]]]
+    validation: list[dict[str, list[int]]] | None
+    test: list[dict[str, list[int]]] | None
+    prompts: list[tuple[str, str]]
+    fmt: RowFormat
+    rows: int
+    truncated: int
+    dropped: int
+    trained_tokens: int
+    tokens: int
+
+
+def build_instruction_data(
+    raw: Any,
+    tokenizer: Any,
+    seq_length: int,
+    *,
+    prompt_key: str | None = None,
+    response_key: str | None = None,
+    template: str = "auto",
+    train_on_prompt: bool = False,
+    packing: bool = False,
+) -> InstructionData:
+    """Every split of ``raw`` (a ``datasets.DatasetDict``) rendered, encoded and, with ``packing``, packed.
+    Rows with no trained token left (a response cut away by ``seq_length``) are dropped: they cost FLOPs and
+    teach nothing."""
+    template = load_template(template)
+    fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
+    splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
+    prompts: list[tuple[str, str]] = []
+    rows = truncated = dropped = trained = tokens = 0
+    for name in splits:
+        if name not in raw:
+            continue
+        missing = sorted(set(fmt_columns(fmt)) - set(raw[name].column_names))
+        if missing:
+            raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its train split has")
+        encoded: list[Encoded] = []
+        for row in raw[name]:
+            segments = render(row, fmt, template, tokenizer)
+            enc = encode(segments, tokenizer, seq_length, train_on_prompt)
+            rows += 1
+            truncated += enc.truncated
+            if all(label == -100 for label in enc.labels[1:]):
+                dropped += 1
+                continue
+            encoded.append(enc)
+            trained += sum(label != -100 for label in enc.labels[1:])
+            tokens += len(enc.input_ids)
+            if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
+                prompts.append((segments[0][0], segments[1][0]))
+        if packing:
+            splits[name] = pack(encoded, seq_length)
+        else:
+            splits[name] = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
+    if not splits["train"] and dropped:
+        raise DataError(
+            f"no training row keeps a response token within --seq-length {seq_length} (prompts are cut there); "
+            "raise --seq-length"
+        )
+    return InstructionData(
+        splits["train"] or [],
+        splits["validation"],
+        splits["test"],
+        prompts,
+        fmt,
+        rows,
+        truncated,
+        dropped,
+        trained,
+        tokens,
+    )
+
+
+def fmt_columns(fmt: RowFormat) -> tuple[str, ...]:
+    """The columns a row of ``fmt`` is read from."""
+    if fmt.kind == ALPACA:
+        return ("instruction", "output")
+    if fmt.kind == TEXT:
+        return ("text",)
+    if fmt.kind == CHAT:
+        return (fmt.prompt_key,)
+    return (fmt.prompt_key, fmt.response_key)
+
+
+class CausalLMCollator:
+    """Right-pads encoded rows: ``input_ids`` with ``pad_token_id``, ``labels`` with -100. Unpacked batches get
+    an attention mask; packed ones (rows with ``position_ids``) get their position ids padded with 0, which
+    makes each padding token a one-token sample of its own, and no attention mask, so the model separates the
+    packed samples by their restarting positions. A class, so loader workers can pickle it."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        length = max(len(s["input_ids"]) for s in samples)
+        packed = "position_ids" in samples[0]
+        fill = {"input_ids": self.pad_token_id, "labels": -100, "position_ids": 0}
+        keys = ("input_ids", "labels", "position_ids") if packed else ("input_ids", "labels")
+        batch = {k: torch.full((len(samples), length), fill[k], dtype=torch.int64) for k in keys}
+        if not packed:
+            batch["attention_mask"] = torch.zeros((len(samples), length), dtype=torch.int64)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            for k in keys:
+                batch[k][i, :n] = torch.tensor(s[k], dtype=torch.int64)
+            if not packed:
+                batch["attention_mask"][i, :n] = 1
+        return batch

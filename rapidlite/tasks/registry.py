@@ -128,6 +128,15 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": _pretraining_seq_length},
             check=_check_pretraining,
         ),
+        TaskSpec(
+            name="causal_lm",
+            summary="fine-tune AutoModelForCausalLM on instructions, prompt/response pairs, chats or text",
+            trainer="rapidlite.tasks.causal_lm:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.causal_lm_demo:demo",
+            defaults={"seq_length": 512},
+            load_model_dir=True,
+        ),
     )
 }
 

@@ -1,0 +1,171 @@
+"""``--task causal_lm``: fine-tune any ``AutoModelForCausalLM`` on instructions, prompt/response pairs, chats or text.
+
+The black box is an ordinary ``Finetuner`` subclass. Rows become token ids whose labels train the response
+only (``rapidlite.data.instruction``); the forward step returns ``(loss_sum, num_items)`` so the loss is
+token-exact over micro-batches and ranks; evaluation adds perplexity and, with ``--eval-generate N``, greedy
+completions of N validation prompts with their exact-match score.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, set_chat_template
+from rapidlite.data.tabular import load_raw_datasets
+from rapidlite.errors import ConfigError
+from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.hf import load_hf_model
+from rapidlite.tasks.sequence_classification import _load_error, load_tokenizer
+from rapidlite.trainer import Finetuner
+from rapidlite.trainer.base import perplexity
+
+DEFAULT_SEQ_LENGTH = 512
+MAX_NEW_TOKENS = 64
+_CHATML_END = "<|im_end|>"
+
+
+def load_causal_lm(name: str) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from ``name``; attention through SDPA where the model class has it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return load_hf_model(AutoModelForCausalLM.from_pretrained, name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise _load_error("causal language model", name, e) from None
+
+
+def honours_packed_positions(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps attention inside each packed sample when given restarting position ids and no
+    attention mask: a sample's logits packed behind another equal its logits alone. Decided by running it (a
+    6-token forward), since which model classes read packed position ids differs between transformers
+    versions."""
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return False
+    ids = torch.arange(6, device=next(model.parameters()).device).remainder(vocab)[None]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=ids.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
+            alone = model(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).logits[0].float()
+    finally:
+        model.train(was_training)
+    return torch.allclose(packed, alone, rtol=1e-3, atol=1e-4 * max(1.0, float(alone.abs().max())))
+
+
+def _strip_end(text: str) -> str:
+    return text.split(_CHATML_END)[0].strip()
+
+
+class CausalLMFinetuner(Finetuner):
+    """Supervised fine-tuning of a causal language model; the loss trains the labelled (response) tokens."""
+
+    def train_valid_test_datasets_provider(self):
+        args = self.args
+        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # the custom for causal LMs: padding is masked
+        set_chat_template(self.tokenizer, args.chat_template)
+        raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+        seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+        self.data = build_instruction_data(
+            raw,
+            self.tokenizer,
+            seq_length,
+            prompt_key=args.prompt_key,
+            response_key=args.response_key,
+            template=args.prompt_template,
+            train_on_prompt=args.train_on_prompt,
+            packing=args.packing,
+        )
+        d = self.data
+        valid = len(d.validation) if d.validation is not None else 0
+        self.logger.info(
+            f"data: {d.rows} rows, format {d.fmt.kind}, template {args.prompt_template}"
+            f"{', chat template ' + args.chat_template if args.chat_template else ''}, "
+            f"{d.truncated} truncated to --seq-length {seq_length}"
+            f"{f', {d.dropped} dropped with no response token left' if d.dropped else ''}, "
+            f"{d.trained_tokens / max(d.tokens, 1):.1%} of tokens trained | "
+            f"{len(d.train)} train / {valid} validation {'packed sequences' if args.packing else 'samples'}"
+        )
+        if args.eval_generate and not d.prompts:
+            self.logger.info("--eval-generate: the validation data has no prompts to complete; nothing is generated")
+        return d.train, d.validation, d.test, CausalLMCollator(self.tokenizer.pad_token_id)
+
+    def model_optimizer_lr_scheduler_provider(self):
+        model = load_causal_lm(self.args.pretrained_model_name_or_path)
+        if getattr(model.config, "pad_token_id", None) is None:
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        if self.args.packing and not honours_packed_positions(model):
+            raise ConfigError(
+                f"--packing: {type(model).__name__} does not keep attention inside packed samples (it ignores "
+                "restarting position ids); drop --packing"
+            )
+        return model, None, None
+
+    def begin_training(self) -> None:
+        super().begin_training()
+        if self.args.demo and self.iteration == 0:
+            self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
+
+    def run_forward_step(self, batch, model):
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs, use_cache=False).logits
+        # Token t predicts token t+1; the sum over labelled targets is exact for any batching.
+        targets = labels[:, 1:].flatten()
+        with maybe_loss_parallel(logits):
+            loss_sum = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum"
+            )
+        if hasattr(loss_sum, "full_tensor"):
+            loss_sum = loss_sum.full_tensor()
+        return loss_sum, int((targets != -100).sum().item())
+
+    def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
+        metrics = super().run_compute_metrics(model, eval_dataloader)
+        metrics["ppl"] = perplexity(metrics["loss"])
+        if self.args.eval_generate and self.data.prompts:
+            metrics["exact_match"] = self.generate_and_score(model[0], self.data.prompts[: self.args.eval_generate])
+        return metrics
+
+    def generate(self, model: torch.nn.Module, prompt: str, max_new_tokens: int) -> str:
+        """Greedy completion of ``prompt`` until EOS, without a key/value cache (every rank runs it: under
+        FSDP or tensor parallelism a forward is collective)."""
+        tokenizer = self.tokenizer
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=self.engine.device)
+        start = ids.shape[1]
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+            token = logits.argmax(dim=-1, keepdim=True)
+            ids = torch.cat([ids, token.to(ids.dtype)], dim=1)
+            if int(token) == tokenizer.eos_token_id:
+                break
+        return tokenizer.decode(ids[0, start:], skip_special_tokens=True)
+
+    def generate_and_score(self, model: torch.nn.Module, prompts: list[tuple[str, str]]) -> float:
+        """The share of ``prompts`` whose greedy completion equals the reference response (stripped); the
+        completions are logged on the main process."""
+        hits = 0
+        lines = []
+        for prompt, reference in prompts:
+            budget = min(MAX_NEW_TOKENS, len(self.tokenizer(reference)["input_ids"]) + 16)
+            completion = _strip_end(self.generate(model, prompt, budget))
+            hit = completion == _strip_end(reference)
+            hits += hit
+            lines.append(f"  [{'ok' if hit else 'xx'}] {prompt.strip()[-60:]!r} -> {completion[:80]!r}")
+        if self.engine.is_main_process:
+            self.logger.info(f"greedy completions of {len(prompts)} validation prompts:\n" + "\n".join(lines))
+        return hits / len(prompts)
+
+
+def trainer_for(args: Any) -> type[CausalLMFinetuner]:
+    """The task registry's entry point: the trainer class for these flags."""
+    return CausalLMFinetuner
