@@ -206,3 +206,33 @@ def test_two_ranks_train_and_evaluate_as_one_process(tiny_assets, tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     # Greedy completions run on every rank (a forward may be collective) and end at the same token.
     assert "exact_match" in [r for r in read_metrics(tmp_path / "two") if r.get("split") == "validation"][-1]
+
+
+@pytest.mark.slow
+def test_a_model_pretrained_by_rapidlite_fine_tunes_and_generates_with_transformers(tmp_path):
+    """Pretraining's export (the built-in GPT in GPT-2's layout, with its tokenizer) is a causal LM that --task
+    causal_lm fine-tunes, and transformers generates with the result."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    size = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64"]
+    batch = ["--micro-batch-size", "4", "--global-batch-size", "8"]
+    pre = run_cli("--task", "pretraining", "--train-iters", "10", *size, *batch, "--save", str(tmp_path / "pt"))
+    assert pre.returncode == 0, pre.stderr[-2000:]
+    rows = [{"prompt": f"reverse: {a} {b}\n", "completion": f"{b} {a}"} for a in "abcdefgh" for b in "ijklmnop"]
+    data = tmp_path / "rev.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft = tmp_path / "sft"
+    proc = run_cli(
+        "--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "pt" / "hf"),
+        "--data-path", str(data), "--split", "90,10", "--epochs", "2", "--micro-batch-size", "8",
+        "--seq-length", "64", "--lr", "1e-3", "--log-interval", "1", "--packing", "--save", str(sft),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [r["loss"] for r in read_metrics(sft) if "lr" in r]
+    assert losses[-1] < losses[0]
+    model = AutoModelForCausalLM.from_pretrained(sft / "hf").eval()
+    tokenizer = AutoTokenizer.from_pretrained(sft / "hf")
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    ids = tokenizer("reverse: a i\n", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out.shape[1] > ids.shape[1]
