@@ -4,9 +4,38 @@ else ``~/.cache/rapidlite`` (embedded demo data, sample indices of read-only dat
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+COMPLETE = "COMPLETE"  # written last into a directory build_once made: the directory is whole
 
 
 def cache_root() -> str:
     return os.environ.get("RAPIDLITE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rapidlite"
     )
+
+
+def build_once(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+    """``final``, built once: ``build(scratch)`` fills a scratch directory beside it, which is marked complete
+    and put in place by one atomic rename. Safe when several ranks build at once (the first rename wins and the
+    others' results are as good); an incomplete directory left by a crash is built again."""
+    final = Path(final)
+    if (final / COMPLETE).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        build(scratch)
+        (scratch / COMPLETE).write_text("ok\n")
+        if final.exists() and not (final / COMPLETE).is_file():  # an earlier attempt that did not finish
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(scratch, final)
+        except OSError:  # a concurrent builder's rename came first
+            pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final

@@ -15,14 +15,12 @@ import os
 import pathlib
 import random
 import shutil
-import tempfile
 
-from rapidlite.cache import cache_root
+from rapidlite.cache import build_once, cache_root
 from rapidlite.tasks.registry import Demo
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
-COMPLETE = "COMPLETE"  # written last: the assets are whole
 VOCAB_SIZE = 400
 MODEL_SIZES = {
     "hidden_size": 128,
@@ -69,19 +67,7 @@ def write_demo_assets(
 ) -> tuple[pathlib.Path, pathlib.Path]:
     """Write (once) ``out_dir/model`` (tokenizer and tiny LLaMA) and ``out_dir/data`` (train/validation jsonl).
     Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = pathlib.Path(out_dir)
-    if not (final / COMPLETE).is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        scratch = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-        try:
-            _build(scratch, seed, num_train, num_validation)
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete earlier attempt
-            try:
-                os.rename(scratch, final)  # one atomic step; fails only if a concurrent builder won
-            except OSError:
-                pass
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation))
     return final / "model", final / "data"
 
 
@@ -115,7 +101,6 @@ def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int) ->
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(model_dir)
     shutil.rmtree(out / "bpe")
-    (out / COMPLETE).write_text("ok\n")
 
 
 def _demo_root() -> pathlib.Path:

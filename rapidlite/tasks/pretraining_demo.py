@@ -17,19 +17,16 @@ import json
 import os
 import pathlib
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 
-from rapidlite.cache import cache_root
+from rapidlite.cache import build_once, cache_root
 from rapidlite.tasks.registry import Demo
 
 # Bump when the extraction, tokenizer or preprocessing changes, so cached assets are rebuilt.
 CORPUS_VERSION = 1
 VOCAB_SIZE = 257  # byte-level: the 256 bytes and <|endoftext|>
-COMPLETE = "COMPLETE"  # written last: the assets are whole
 STATS = "stats.json"
 MIN_CHARS = 40  # shorter docstrings ("Return x.") carry little prose
 
@@ -129,38 +126,29 @@ def prepare_pretraining_demo() -> None:
     from rapidlite.data.preprocess import preprocess
     from rapidlite.data.tokenizers import build_tokenizer, train_byte_level_bpe
 
-    final = demo_dir()
-    if not (final / COMPLETE).is_file():
+    def build(scratch: pathlib.Path) -> None:
         print(
             f"rapidlite: preparing the embedded corpus (standard-library docstrings) in {final} — once",
             file=sys.stderr,
             flush=True,
         )
-        final.parent.mkdir(parents=True, exist_ok=True)
-        scratch = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
-        try:
-            corpus = scratch / "corpus.jsonl"
-            write_corpus(corpus)
-            with open(corpus, encoding="utf-8") as f:
-                texts = [json.loads(line)["text"] for line in f]
-            vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, scratch)
-            tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
-            workers = min(2, os.cpu_count() or 1)
-            preprocess(str(corpus), str(scratch / "corpus"), tokenizer, append_eod=True, workers=workers, log=None)
-            stats = {
-                "documents": len(texts),
-                "tokens": int(sum(len(s) for s in IndexedDataset(str(scratch / "corpus_text_document")))),
-                "unigram_entropy": unigram_entropy(str(scratch / "corpus_text_document")),
-            }
-            (scratch / STATS).write_text(json.dumps(stats))
-            (scratch / COMPLETE).write_text("ok\n")
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete earlier attempt
-            try:
-                os.rename(scratch, final)  # one atomic step; fails only if a concurrent builder won
-            except OSError:
-                pass
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        corpus = scratch / "corpus.jsonl"
+        write_corpus(corpus)
+        with open(corpus, encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f]
+        vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, scratch)
+        tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+        workers = min(2, os.cpu_count() or 1)
+        preprocess(str(corpus), str(scratch / "corpus"), tokenizer, append_eod=True, workers=workers, log=None)
+        stats = {
+            "documents": len(texts),
+            "tokens": int(sum(len(s) for s in IndexedDataset(str(scratch / "corpus_text_document")))),
+            "unigram_entropy": unigram_entropy(str(scratch / "corpus_text_document")),
+        }
+        (scratch / STATS).write_text(json.dumps(stats))
+
+    final = demo_dir()
+    build_once(final, build)
     stats = json.loads((final / STATS).read_text())
     print(
         f"rapidlite: embedded corpus: {stats['documents']} documents, {stats['tokens']} tokens (byte-level); "
