@@ -27,3 +27,10 @@ class CheckpointError(RapidliteError):
 
 class NotImplementedYetError(ConfigError):
     """A flag that is parsed but whose feature is not available in this version."""
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """An exception's first line (at most ``limit`` characters), or its type's name when it has no text: what a
+    one-line error quotes of a library's long message."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.distributed import DistributedContext
-from rapidlite.errors import ConfigError, DataError
+from rapidlite.errors import ConfigError, DataError, first_line
 from rapidlite.evaluation.data import MULTIPLE_CHOICE, MultipleChoiceItem
 
 # lm-eval's default when neither the config nor the tokenizer gives a length.
@@ -215,8 +215,7 @@ def load_scorer(
             AutoModelForCausalLM.from_pretrained, model, dtype=torch.bfloat16 if bf16 else torch.float32
         )
     except (OSError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--model {model}: cannot load a causal LM and its tokenizer ({reason})") from None
+        raise ConfigError(f"--model {model}: cannot load a causal LM and its tokenizer ({first_line(e)})") from None
     device = device or torch.device("cpu")
     return CausalLMScorer(net.to(device), tokenizer, max_length, batch_size, device)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from rapidlite.errors import ConfigError, first_line
 from rapidlite.logging import LOGGER_NAME
 
 ModelT = TypeVar("ModelT")
@@ -80,3 +81,21 @@ def saved_config(model: Any) -> Iterator[None]:
     finally:
         if restore:
             model.config.use_cache = False
+
+
+def load_error(what: str, name: str, error: Exception) -> ConfigError:
+    """The one line for a model or tokenizer that ``--pretrained-model-name-or-path`` names but cannot be loaded."""
+    return ConfigError(
+        f"--pretrained-model-name-or-path {name}: cannot load the {what} ({first_line(error, 160)}); pass a local "
+        "model directory or a hub name reachable from this machine"
+    )
+
+
+def load_tokenizer(name: str) -> Any:
+    """``AutoTokenizer`` from ``name``, or one line saying why not."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise load_error("tokenizer", name, e) from None

@@ -17,8 +17,7 @@ from rapidlite.data.instruction import CausalLMCollator, build_instruction_data,
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import load_hf_model
-from rapidlite.tasks.sequence_classification import _load_error, load_tokenizer
+from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -34,7 +33,7 @@ def load_causal_lm(name: str) -> torch.nn.Module:
     try:
         return load_hf_model(AutoModelForCausalLM.from_pretrained, name)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise _load_error("causal language model", name, e) from None
+        raise load_error("causal language model", name, e) from None
 
 
 def honours_packed_positions(model: torch.nn.Module) -> bool:

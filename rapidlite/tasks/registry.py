@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rapidlite.errors import ConfigError
+from rapidlite.errors import ConfigError, first_line
 
 
 def _import(target: str) -> Any:
@@ -81,8 +81,7 @@ def model_family(name: str | None) -> str:
     try:
         config = AutoConfig.from_pretrained(name)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first})") from None
+        raise ConfigError(f"--pretrained-model-name-or-path {name}: cannot load its config ({first_line(e)})") from None
     if config.model_type == "bert":
         return "bert"
     if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -11,29 +11,11 @@ import torch
 
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
-from rapidlite.errors import ConfigError
 from rapidlite.metrics import classification_metrics
-from rapidlite.models.hf import load_hf_model
+from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
-
-
-def _load_error(what: str, name: str, error: Exception) -> ConfigError:
-    reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-    return ConfigError(
-        f"--pretrained-model-name-or-path {name}: cannot load the {what} ({reason}); pass a local "
-        "model directory or a hub name reachable from this machine"
-    )
-
-
-def load_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise _load_error("tokenizer", name, e) from None
 
 
 def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> torch.nn.Module:
@@ -51,7 +33,7 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> tor
             ignore_mismatched_sizes=True,
         )
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise _load_error("model", name, e) from None
+        raise load_error("model", name, e) from None
 
 
 class SequenceClassificationFinetuner(Finetuner):
