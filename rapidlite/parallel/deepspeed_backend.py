@@ -93,10 +93,9 @@ class DeepSpeedOptimizer:
 
     ``backward`` runs DeepSpeed's backward and step for one micro-batch: DeepSpeed divides the loss by
     the accumulation steps and applies the update on the last micro-batch of the global batch. So a
-    micro-batch loss is always averaged, never summed (``averages_micro_batches``).
+    micro-batch loss is always averaged, never summed (``strategies.DeepSpeed`` turns a summed loss into its
+    micro-batch mean).
     """
-
-    averages_micro_batches = True
 
     def __init__(self, ds_engine: Any) -> None:
         self.engine = ds_engine
