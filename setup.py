@@ -25,6 +25,8 @@ setup(
         "tokenizers>=0.19",
         "safetensors>=0.4",
         "torchmetrics>=1.3",
+        # LoRA (--lora-rank) on every task: pure Python on top of torch and transformers
+        "peft>=0.10",
         "tensorboard>=2.14",
         "numpy>=1.24",
         "pandas>=2.0",
@@ -41,11 +43,14 @@ setup(
             "megatron-core>=0.10",
             "accelerate>=1.1",
             "lm_eval>=0.4.13,<0.5",
+            # --load-in-4bit/--load-in-8bit train on the CPU: QLoRA is tested
+            "bitsandbytes>=0.48",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
-        "quant": ["bitsandbytes>=0.43", "peft>=0.10"],
+        # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
+        "quant": ["bitsandbytes>=0.48"],
     },
     entry_points={
         "console_scripts": [

@@ -268,6 +268,50 @@ def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA and quantisation (peft; 4-bit/8-bit: pip install 'rapidlite[quant]')")
+    g.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train LoRA adapters of rank R instead of every weight (0: full fine-tuning)",
+    )
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input")
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="module names to adapt (e.g. q_proj v_proj, or all-linear; default: the model family's)",
+    )
+    g.add_argument(
+        "--lora-modules-to-save",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="modules trained in full beside the adapters (e.g. a classification head)",
+    )
+    g.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="also export the adapters merged into the base weights as one model in SAVE/hf",
+    )
+    g.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="frozen base weights in 4-bit NF4 (QLoRA); the compute dtype follows the precision flags",
+    )
+    g.add_argument("--bnb-4bit-quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit data type")
+    g.add_argument(
+        "--bnb-4bit-use-double-quant",
+        action="store_true",
+        help="quantise the 4-bit scales too (about 0.4 bit per weight less)",
+    )
+    g.add_argument("--load-in-8bit", action="store_true", help="frozen base weights in 8-bit (LLM.int8)")
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument(
@@ -401,6 +445,7 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         _add_precision_args,
         _add_memory_speed_args,
         _add_deepspeed_args,
+        _add_lora_args,
         _add_data_args,
         _add_checkpoint_logging_args,
         _add_distributed_args,

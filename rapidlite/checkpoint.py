@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pickle
 import random
@@ -56,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rapidlite.errors import CheckpointError
+from rapidlite.logging import LOGGER_NAME
 
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
@@ -153,6 +155,45 @@ def _flatten(model_sd: dict[str, Any], optim_state: dict[str, Any] | None) -> di
     return flat
 
 
+def _trainable_only(model: torch.nn.Module) -> bool:
+    """A LoRA model's checkpoint holds its trainable tensors only (the adapters and the modules trained in full):
+    the frozen base is what the run loads again from its pretrained weights, so a checkpoint of a 7B base is
+    megabytes."""
+    from rapidlite.models.lora import trainable_only
+
+    return trainable_only(model)
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "placements") for p in model.parameters())
+
+
+def model_tensors(model: torch.nn.Module, full: bool = False) -> dict[str, torch.Tensor]:
+    """The model's checkpoint tensors: its state dict (``full``: gathered whole into host memory, a collective),
+    or a LoRA model's trainable parameters. An unsharded LoRA model is read directly: torch's state-dict helpers
+    cannot walk bitsandbytes' 8-bit layers, whose state dict names attributes the layers do not have."""
+    trainable = _trainable_only(model)
+    if trainable and not _sharded(model):
+        return {n: p.detach().cpu() if full else p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable)
+    tensors = get_model_state_dict(model, options=options)
+    if trainable:  # a frozen weight tied to another (a language-model head) escapes ignore_frozen_params
+        names = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        tensors = {k: v for k, v in tensors.items() if k in names}
+    return tensors
+
+
+def _set_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], full: bool = False) -> None:
+    trainable = _trainable_only(model)
+    if trainable and not _sharded(model):
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in tensors.items():
+                params[name].copy_(value)
+        return
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=full, strict=not trainable))
+
+
 # ---------------------------------------------------------------------------------------- saving
 def _write_latest(save_dir: Path, iteration: int) -> None:
     tmp = save_dir / f".{LATEST_FILE}.tmp.{os.getpid()}"
@@ -203,7 +244,8 @@ def save_checkpoint(
         write_tensors(tmp)
     else:
         tensors = _flatten(
-            get_model_state_dict(model), _optimizer_tensors(model, optimizer, False) if optimizer else None
+            model_tensors(model),
+            _optimizer_tensors(model, optimizer, False) if optimizer else None,
         )
         with _one_process_is_fine():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
@@ -348,11 +390,11 @@ def load_checkpoint(
         if optimizer is not None:
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
         weights = deepspeed_weights(path, load_dir)
-        own = get_model_state_dict(model).keys()
+        own = model_tensors(model).keys()
         _check_keys(load_dir, own, weights.keys(), partial=partial)
         if partial:  # the other stages' weights stay in the file
             weights = {k: v for k, v in weights.items() if k in own}
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+        _set_model_tensors(model, weights, full=True)
         return iteration, None if weights_only else read_state(path, load_dir, optimizer_loaded=False)
     needed = [path / METADATA_FILE] + ([] if weights_only else [path / STATE_FILE])
     for f in needed:
@@ -363,7 +405,7 @@ def load_checkpoint(
     except Exception as e:
         raise CheckpointError(f"--load {load_dir}: cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
 
-    model_sd = get_model_state_dict(model)
+    model_sd = model_tensors(model)
     _check_keys(load_dir, model_sd, [k[len(MODEL) :] for k in saved if k.startswith(MODEL)], partial=partial)
     optim_state = None
     if optimizer is not None and any(k.startswith(OPTIM) for k in saved):
@@ -371,7 +413,8 @@ def load_checkpoint(
     target = _flatten(model_sd, optim_state)
     _dcp_load(target, path, load_dir)
 
-    set_model_state_dict(model, {k[len(MODEL) :]: v for k, v in target.items() if k.startswith(MODEL)})
+    loaded = {k[len(MODEL) :]: v for k, v in target.items() if k.startswith(MODEL)}
+    _set_model_tensors(model, loaded)
     if optim_state is not None:
         local = _zero1_local(optimizer)
         if local is None:
@@ -455,40 +498,74 @@ def read_model_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Ten
 
 # ---------------------------------------------------------------------------------------- export
 def export_hf(
-    model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None, state_dict: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    tokenizer: Any = None,
+    state_dict: dict[str, Any] | None = None,
+    merge_adapters: bool = False,
 ) -> Path | None:
     """Save a Hugging Face model (and tokenizer) with ``save_pretrained`` in safetensors, atomically, from
     the full weights gathered on rank 0 (a collective). Returns None for models that are not Hugging Face
     models, and on ranks other than 0. ``state_dict``: the full weights, gathered already by a backend that
-    holds them elsewhere (a pipeline's stages, DeepSpeed's partitions)."""
-    if not hasattr(model, "save_pretrained"):
+    holds them elsewhere (a pipeline's stages, DeepSpeed's partitions).
+
+    A LoRA (peft) model is written as its adapter in peft's format in ``out_dir/adapter``, and with
+    ``merge_adapters`` also as the base model with the adapters merged in, in ``out_dir`` itself."""
+    from rapidlite.models import lora
+    from rapidlite.models.spec import spec_of
+
+    adapters = lora.is_peft_model(model)
+    base = lora.unwrap(model)
+    savable = hasattr(base, "save_pretrained") or spec_of(base).save is not None
+    if not savable and not adapters:
         return None
+    if merge_adapters and not savable:
+        if _rank() == 0:
+            logging.getLogger(LOGGER_NAME).warning(
+                f"--merge-lora: {type(base).__name__} is not a Hugging Face model, so there is no merged model to "
+                "write; the adapter alone is exported"
+            )
+        merge_adapters = False
     if state_dict is not None:
         full = state_dict
-    else:
+    elif adapters and merge_adapters and not _sharded(model):
+        full = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # base, quantised or not, and adapters
+    elif adapters and merge_adapters:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:  # the adapter alone needs none of the base's weights gathered
+        full = model_tensors(model, full=True)
     if _rank() != 0:
         return None
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    from rapidlite.models.hf import saved_config
-    from rapidlite.models.spec import spec_of
-
-    save = spec_of(model).save
-    with saved_config(model):
-        if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
-            save(model, full, tmp)
-        else:
-            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    if adapters:
+        lora.save_adapter(model, full, tmp / "adapter")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "adapter")
+    if not adapters or merge_adapters:
+        weights = lora.merged_state_dict(model, full) if adapters else full
+        _save_full_model(base, weights, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     old = out_dir.with_name(f".tmp_old_{out_dir.name}_{os.getpid()}")
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory: Path) -> None:
+    from rapidlite.models.hf import saved_config, unquantized
+    from rapidlite.models.spec import spec_of
+
+    save = spec_of(model).save
+    with saved_config(model):
+        if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
+            save(model, weights, directory)
+        else:
+            unquantized(model).save_pretrained(directory, state_dict=weights, safe_serialization=True)
 
 
 def _first_line(e: BaseException) -> str:

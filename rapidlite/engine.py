@@ -31,6 +31,7 @@ from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.flops import ModelFlops, device_peak_flops
 from rapidlite.global_vars import set_distributed_context, set_global_args
 from rapidlite.logging import Timers, setup_logger
+from rapidlite.models import lora
 from rapidlite.models.hf import disable_kv_cache
 from rapidlite.optim import build_lr_scheduler
 from rapidlite.parallel.data_parallel import DataParallelConfig
@@ -86,6 +87,7 @@ class RapidliteEngine:
         self.timers = Timers()
         set_global_args(args, self.timers)
         self.data_parallel = DataParallelConfig.from_args(args)
+        self.lora = lora.LoraSettings.from_args(args)
         owned = not distributed.dist.is_initialized()
         launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
         self.dist = distributed.init_distributed(
@@ -123,6 +125,10 @@ class RapidliteEngine:
             self.logger.info(f"TF32 matrix multiplies: {'on' if self.tf32 else 'off'} (--tf32/--no-tf32)")
         self.peak_flops = args.peak_flops or device_peak_flops(self.device, self.precision.dtype, self.tf32)
 
+    @property
+    def _main_logger(self) -> Any:
+        return self.logger if self.is_main_process else None
+
     @functools.cached_property
     def strategy(self) -> Strategy:
         """The backend that trains the model (``str()`` of it names it: "DDP", "ZeRO-3 (FSDP2) + CPU offload",
@@ -159,9 +165,11 @@ class RapidliteEngine:
         if model in self._composed:
             raise TypeError("compose() was given a model it has composed already: compose each model once")
         self._count_flops(model)  # the whole model, before any split
-        disable_kv_cache(model)
+        given = model
+        model = lora.prepare(model, self.lora, self.precision.dtype, self.device, self._main_logger)
+        disable_kv_cache(lora.unwrap(model))
         composed, wrapped = self.strategy.setup(model, optimizer, dynamic_shapes)
-        self._composed.add(model)
+        self._composed.update((given, model))
         self._optimizer = wrapped
         scheduler = self._scheduler(wrapped.optimizer, lr_scheduler_fn, total_iters)
         self._log_composition(wrapped, optimizer is not None, lr_scheduler_fn is not None)

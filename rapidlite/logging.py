@@ -17,6 +17,22 @@ import torch
 LOGGER_NAME = "rapidlite"
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is logged: a notebook or a test harness that replaces
+    it after the logger was set up still gets the log (and a closed earlier stream is never written to)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logger(rank: int = 0, log_file: str | None = None) -> logging.Logger:
     """Rank 0 logs to the console at INFO, other ranks only warnings, so N ranks do not print N copies.
     ``log_file``: this rank also writes its INFO log there (``--per-rank-logs``)."""
@@ -24,7 +40,7 @@ def setup_logger(rank: int = 0, log_file: str | None = None) -> logging.Logger:
     logger.propagate = False
     console = next((h for h in logger.handlers if getattr(h, "rapidlite", "") == "console"), None)
     if console is None:
-        console = logging.StreamHandler(sys.stdout)
+        console = _StdoutHandler()
         console.rapidlite = "console"
         logger.addHandler(console)
     console.setFormatter(

@@ -137,6 +137,8 @@ def build_optimizer(
                 pass
     elif cfg.name == "sgd":
         cls, defaults = torch.optim.SGD, {"momentum": cfg.sgd_momentum}
+        if any(hasattr(p, "placements") for p in params):  # DTensor has no sharding rule for the fused SGD kernel
+            kernels = {"fused": None, "foreach": True}
     else:
         raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
     if zero1_group is not None:

@@ -125,6 +125,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     _check_data_parallel(args)
     _resolve_batch(args)
     _resolve_load(args)
+    _check_lora(args)
     if task is not None:
         _check_task(task, args)
     _check_rest(args)
@@ -225,6 +226,75 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    """The LoRA and quantisation flags: consistent, installed, and on a layout that can take them."""
+    rank = args.lora_rank
+    if rank < 0:
+        raise ConfigError(f"--lora-rank {rank}: must be a positive integer (0 or absent: full fine-tuning)")
+    quant = "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit" if args.load_in_8bit else None
+    if rank == 0:
+        given = [
+            flag
+            for flag, on in (
+                ("--lora-alpha", args.lora_alpha is not None),
+                ("--lora-dropout", args.lora_dropout != 0.0),
+                ("--lora-target-modules", args.lora_target_modules is not None),
+                ("--lora-modules-to-save", args.lora_modules_to_save is not None),
+                ("--merge-lora", args.merge_lora),
+            )
+            if on
+        ]
+        if given:
+            raise ConfigError(f"{given[0]} configures LoRA adapters: add --lora-rank R (for example 8)")
+        if quant:
+            raise ConfigError(f"{quant} freezes the base weights: add --lora-rank R to train LoRA adapters on them")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha {args.lora_alpha}: must be positive")
+    if not 0 <= args.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
+    if args.load_in_4bit and args.load_in_8bit:
+        raise ConfigError("--load-in-4bit and --load-in-8bit are exclusive: choose one")
+    if args.bnb_4bit_use_double_quant and not args.load_in_4bit:
+        raise ConfigError("--bnb-4bit-use-double-quant quantises 4-bit scales: add --load-in-4bit")
+    if rank == 0:
+        return
+    from rapidlite.models.lora import require_bitsandbytes, require_peft
+
+    require_peft()
+    for flag, size in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+    ):
+        if size > 1:
+            raise ConfigError(
+                f"--lora-rank with {flag} {size}: LoRA trains with data parallelism (DDP, ZeRO, FSDP, DeepSpeed); "
+                f"drop {flag}"
+            )
+    if quant:
+        require_bitsandbytes(quant)
+        sharded = (
+            "--deepspeed"
+            if args.deepspeed
+            else next(
+                (
+                    flag
+                    for flag, on in (
+                        ("--zero-2-memory-optimization", args.zero_2_memory_optimization),
+                        ("--zero-3-memory-optimization", args.zero_3_memory_optimization),
+                        ("--fsdp-memory-optimization", args.fsdp_memory_optimization),
+                    )
+                    if on
+                ),
+                None,
+            )
+        )
+        if sharded:
+            raise ConfigError(
+                f"{quant} with {sharded}: quantised base weights are not sharded; train them on one process, with "
+                "DDP or with --zero-1-memory-optimization (drop one of the two)"
+            )
 
 
 def _check_task(task: TaskSpec, args: argparse.Namespace) -> None:

@@ -43,7 +43,7 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
     named = isinstance(source, (str, os.PathLike))
     first = source if named else copy.deepcopy(source)
     try:
-        return load(first, attn_implementation=SDPA, **kwargs)
+        model = load(first, attn_implementation=SDPA, **kwargs)
     except (ValueError, ImportError) as error:
         if not _refuses_sdpa(error):
             raise
@@ -51,7 +51,12 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
         logging.getLogger(LOGGER_NAME).info(
             f"{what}: the model class has no SDPA attention; using transformers' default"
         )
-    return load(source, **kwargs)
+        model = load(source, **kwargs)
+    if kwargs.get("quantization_config") is not None:
+        from rapidlite.models.lora import keep_training_kernel
+
+        keep_training_kernel(model)  # before anything evaluates it
+    return model
 
 
 def disable_kv_cache(model: Any) -> None:
@@ -99,3 +104,18 @@ def load_tokenizer(name: str) -> Any:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("tokenizer", name, e) from None
+
+
+def unquantized(model: Any) -> Any:
+    """A model to ``save_pretrained`` full-precision weights with: ``model`` itself, or for a model that
+    transformers loaded quantised (bitsandbytes), a weightless twin (on the meta device) whose config has no
+    quantisation, so the saved model loads as a plain one."""
+    config = getattr(model, "config", None)
+    if getattr(config, "quantization_config", None) is None and getattr(model, "hf_quantizer", None) is None:
+        return model
+    import torch
+
+    config = copy.deepcopy(config)
+    del config.quantization_config
+    with torch.device("meta"):
+        return type(model)._from_config(config)

@@ -157,7 +157,11 @@ def spec_for_config(config: Any) -> ModelSpec:
 
 
 def spec_of(model: nn.Module) -> ModelSpec:
-    """The family of a model: rapidlite's own by class, a Hugging Face model by its config, else generic."""
+    """The family of a model: rapidlite's own by class, a Hugging Face model by its config, else generic. A
+    peft wrapper (LoRA) is looked through to the model it adapts."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and type(model).__module__.startswith("peft."):
+        model = base()
     for spec in _REGISTRY:
         if spec.matches is not None and spec.matches(model):
             return spec

@@ -185,7 +185,7 @@ class Strategy:
 
     def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
         """The whole model in Hugging Face format on rank 0 (a collective); None for other models and ranks."""
-        return ckpt.export_hf(model, out_dir, tokenizer)
+        return ckpt.export_hf(model, out_dir, tokenizer, merge_adapters=self.args.merge_lora)
 
 
 def refuse_foreign_optimizer(strategy: Strategy, optimizer: Any, builds_it: bool) -> None:

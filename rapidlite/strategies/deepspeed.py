@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
+from rapidlite.models import lora
 from rapidlite.optim import OptimizerConfig, build_optimizer
 from rapidlite.parallel import deepspeed_backend
 from rapidlite.strategies.base import Strategy
@@ -51,7 +52,7 @@ class DeepSpeed(Strategy):
         model.to(self.device)
         self._prepare_module(model, dynamic_shapes, split=None)
         if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
-            model.load_state_dict(self._resume_weights)
+            model.load_state_dict(self._resume_weights, strict=not lora.trainable_only(model))
             self._resume_weights = None
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
@@ -89,7 +90,12 @@ class DeepSpeed(Strategy):
         self, save_dir: str, iteration: int, model: Any, optimizer: Any, state: dict[str, Any], with_optimizer: bool
     ) -> Path:
         def write(directory: Path) -> None:
-            model.save_checkpoint(str(directory), tag=ckpt.DEEPSPEED_TAG, save_latest=False)
+            model.save_checkpoint(
+                str(directory),
+                tag=ckpt.DEEPSPEED_TAG,
+                save_latest=False,
+                exclude_frozen_parameters=lora.trainable_only(model.module),
+            )
 
         return ckpt.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write)
 
@@ -106,6 +112,7 @@ class DeepSpeed(Strategy):
                 load_optimizer_states=with_optimizer,
                 load_lr_scheduler_states=False,
                 load_module_only=weights_only,
+                load_module_strict=not lora.trainable_only(model.module),
             )
             if loaded is None:
                 raise ckpt.CheckpointError(f"--load {load_dir}: DeepSpeed could not read the checkpoint in {path}")
@@ -119,4 +126,5 @@ class DeepSpeed(Strategy):
         if not hasattr(module, "save_pretrained"):
             return None
         full = deepspeed_backend.full_state_dict(model)  # a collective under ZeRO-3; None off rank 0
-        return ckpt.export_hf(module, out_dir, tokenizer, full) if full is not None else None
+        merge = self.args.merge_lora
+        return ckpt.export_hf(module, out_dir, tokenizer, full, merge_adapters=merge) if full is not None else None

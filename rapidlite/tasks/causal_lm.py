@@ -26,12 +26,13 @@ MAX_NEW_TOKENS = 64
 _CHATML_END = "<|im_end|>"
 
 
-def load_causal_lm(name: str) -> torch.nn.Module:
-    """``AutoModelForCausalLM`` from ``name``; attention through SDPA where the model class has it."""
+def load_causal_lm(name: str, **kwargs: Any) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from ``name``; attention through SDPA where the model class has it. ``kwargs``:
+    more ``from_pretrained`` arguments (``Trainer.pretrained_load_kwargs``)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return load_hf_model(AutoModelForCausalLM.from_pretrained, name)
+        return load_hf_model(AutoModelForCausalLM.from_pretrained, name, **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("causal language model", name, e) from None
 
@@ -97,7 +98,7 @@ class CausalLMFinetuner(Finetuner):
         return d.train, d.validation, d.test, CausalLMCollator(self.tokenizer.pad_token_id)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_causal_lm(self.args.pretrained_model_name_or_path)
+        model = load_causal_lm(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         if self.args.packing and not honours_packed_positions(model):

@@ -18,9 +18,9 @@ from rapidlite.trainer import Finetuner
 DEFAULT_SEQ_LENGTH = 128
 
 
-def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> torch.nn.Module:
+def load_classifier(name: str, num_labels: int, id2label: dict[int, str], **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForSequenceClassification`` from ``name`` with a fresh head for these labels; attention
-    through SDPA where the model class has it."""
+    through SDPA where the model class has it. ``kwargs``: more ``from_pretrained`` arguments."""
     from transformers import AutoModelForSequenceClassification
 
     try:
@@ -31,6 +31,7 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str]) -> tor
             id2label=id2label,
             label2id={v: k for k, v in id2label.items()},
             ignore_mismatched_sizes=True,
+            **kwargs,
         )
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("model", name, e) from None
@@ -62,7 +63,9 @@ class SequenceClassificationFinetuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         id2label = {int(k): str(v) for k, v in self.data.id2label.items()}
-        model = load_classifier(self.args.pretrained_model_name_or_path, self.data.num_labels, id2label)
+        model = load_classifier(
+            self.args.pretrained_model_name_or_path, self.data.num_labels, id2label, **self.pretrained_load_kwargs()
+        )
         if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id  # GPT-style models need it to pool
         return model, None, None

@@ -22,6 +22,7 @@ from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+from rapidlite.models import lora
 
 
 class CountingIterator:
@@ -124,6 +125,12 @@ class BaseTrainer:
         raise NotImplementedError(f"{type(self).__name__} must implement run_forward_step")
 
     # ------------------------------------------------------------------ helpers for subclasses
+    def pretrained_load_kwargs(self) -> dict[str, Any]:
+        """``from_pretrained`` arguments for the model to fine-tune: fp32 weights for full fine-tuning; with
+        ``--lora-rank`` the frozen base in the compute dtype, quantised while it loads under
+        ``--load-in-4bit``/``--load-in-8bit`` (``rapidlite.models.lora.load_kwargs``)."""
+        return lora.load_kwargs(self.engine.lora, self.engine.precision.dtype, self.engine.device)
+
     def build_data_loader(
         self,
         dataset: Any,

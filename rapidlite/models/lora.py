@@ -1,0 +1,429 @@
+"""LoRA and QLoRA on any model: peft adapters over frozen base weights, optionally held in 4-bit or 8-bit by
+bitsandbytes.
+
+``prepare(model, settings, ...)`` is what ``engine.compose`` applies first when ``--lora-rank`` is given:
+
+1. ``--load-in-4bit`` / ``--load-in-8bit``: a model whose linear layers are still full precision (a user
+   script's own model) has them replaced by bitsandbytes layers, quantised on the run's device. The black-box
+   tasks load the base quantised already (``load_kwargs``: ``from_pretrained(quantization_config=...)``,
+   which never holds the whole model in full precision), and such a model is left as it is. Output heads
+   (the language-model head, a classifier) stay in full precision, as transformers keeps them.
+2. ``peft.get_peft_model`` with a ``LoraConfig`` from the flags; the target modules default to the model
+   family's (``ModelSpec.lora_targets``; "all-linear": every linear layer but the output heads). A model
+   that is a peft model already (a user's provider built it) is respected as it is.
+3. Every trainable parameter is kept in fp32 (the adapters, ``--lora-modules-to-save`` copies), whatever
+   dtype the frozen base was loaded in, so fp16/bf16 autocast updates fp32 weights.
+
+Checkpoints of a peft model hold its trainable tensors only (``trainable_only``); the export writes the
+adapter in peft's own format (``save_adapter``) and, with ``--merge-lora``, the merged model
+(``merged_state_dict``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rapidlite.errors import ConfigError
+
+# bitsandbytes logs a warning on import on AVX-512 BF16 CPUs when an optional hub-fetched kernel for its packed
+# inference path is missing; rapidlite keeps the training kernel in evaluation (keep_training_kernel) and never
+# uses that path.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+ALL_LINEAR = "all-linear"
+ADAPTER_NAME = "default"
+QUANT_INSTALL = "pip install 'rapidlite[quant]'"
+# Output heads keep full precision and are not adapted by "all-linear" (transformers keeps its output
+# embeddings unquantised too); a classification head is usually trained in full (--lora-modules-to-save).
+HEAD_NAMES = ("lm_head", "output", "classifier", "score", "qa_outputs")
+# peft's task types by the Hugging Face head class: the type decides which heads peft trains in full
+# (a sequence classifier's "classifier"/"score") and the forward signature of the wrapper.
+_TASK_TYPES = {
+    "ForCausalLM": "CAUSAL_LM",
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA and quantisation flags. ``rank`` 0: no adapters (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = ()
+    merge: bool = False
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    quant_type: str = "nf4"
+    double_quant: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> LoraSettings:
+        return cls(
+            rank=getattr(args, "lora_rank", 0) or 0,
+            alpha=getattr(args, "lora_alpha", None),
+            dropout=getattr(args, "lora_dropout", 0.0) or 0.0,
+            target_modules=tuple(getattr(args, "lora_target_modules", None) or ()),
+            modules_to_save=tuple(getattr(args, "lora_modules_to_save", None) or ()),
+            merge=bool(getattr(args, "merge_lora", False)),
+            load_in_4bit=bool(getattr(args, "load_in_4bit", False)),
+            load_in_8bit=bool(getattr(args, "load_in_8bit", False)),
+            quant_type=getattr(args, "bnb_4bit_quant_type", "nf4"),
+            double_quant=bool(getattr(args, "bnb_4bit_use_double_quant", False)),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.load_in_4bit or self.load_in_8bit
+
+    @property
+    def quant_flag(self) -> str:
+        return "--load-in-4bit" if self.load_in_4bit else "--load-in-8bit"
+
+
+def split_names(values: Iterable[str]) -> tuple[str, ...]:
+    """Module names given as separate words or comma-separated (``q_proj,v_proj``)."""
+    return tuple(name for value in values for name in value.replace(",", " ").split())
+
+
+def require_bitsandbytes(flag: str) -> None:
+    """One line naming the install command when bitsandbytes is missing (checked without importing it)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{flag} needs bitsandbytes, which is not installed: {QUANT_INSTALL}")
+
+
+def require_peft() -> None:
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("--lora-rank needs peft, which is not installed: pip install peft")
+
+
+# ------------------------------------------------------------------------------------------- loading
+def load_kwargs(settings: LoraSettings, compute_dtype: torch.dtype | None, device: torch.device) -> dict[str, Any]:
+    """Extra ``from_pretrained`` arguments for the base model of a black-box task.
+
+    Full fine-tuning loads fp32 weights (transformers 5 would otherwise keep a bf16 checkpoint in bf16, and
+    AdamW on bf16 weights loses small updates); with LoRA the frozen base is loaded in the compute dtype
+    (half the memory under bf16/fp16) and, with ``--load-in-4bit``/``--load-in-8bit``, quantised while it is
+    read, onto this rank's device."""
+    if not settings.enabled:
+        return {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": compute_dtype or torch.float32}
+    if settings.quantized:
+        require_bitsandbytes(settings.quant_flag)
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=settings.load_in_4bit,
+            load_in_8bit=settings.load_in_8bit,
+            bnb_4bit_quant_type=settings.quant_type,
+            bnb_4bit_use_double_quant=settings.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype or torch.float32,
+        )
+        kwargs["device_map"] = {"": str(device)}
+    return kwargs
+
+
+# ------------------------------------------------------------------------------------- quantisation
+def _is_bnb_linear(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("bitsandbytes") and type(module).__name__ in (
+        "Linear4bit",
+        "Linear8bitLt",
+        "LinearNF4",
+        "LinearFP4",
+    )
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` holds bitsandbytes 4-bit or 8-bit layers."""
+    return any(_is_bnb_linear(m) for m in model.modules())
+
+
+def _linear_like(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, Conv1D)) or _is_bnb_linear(module)
+
+
+def output_heads(model: nn.Module) -> set[str]:
+    """Qualified names of the model's output heads: the language-model head (Hugging Face's output
+    embeddings, or a linear layer sharing the input embedding's weight or giving one output per token of its
+    vocabulary) and the usual classifier names."""
+    heads = {name for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in HEAD_NAMES and _linear_like(m)}
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    tied = {id(m.weight) for m in embeddings}
+    vocab = {m.num_embeddings for m in embeddings if m.num_embeddings > 2}
+    for name, module in model.named_modules():
+        if module is output:
+            heads.add(name)
+        elif isinstance(module, nn.Linear) and (id(module.weight) in tied or module.out_features in vocab):
+            heads.add(name)  # a language-model head: tied to the input embedding, or one logit per token
+    return heads
+
+
+def quantize(model: nn.Module, settings: LoraSettings, compute_dtype: torch.dtype | None, device: torch.device) -> int:
+    """Replace the full-precision linear layers (not the output heads or the modules trained in full) by
+    bitsandbytes 4-bit or 8-bit layers holding the same weights, quantised on ``device``. Returns how many."""
+    require_bitsandbytes(settings.quant_flag)
+    import bitsandbytes as bnb
+
+    keep = output_heads(model)
+    saved = set(settings.modules_to_save)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name in keep or name.rsplit(".", 1)[-1] in saved:
+            continue
+        has_bias = module.bias is not None
+        weight = module.weight.data
+        if settings.load_in_4bit:
+            layer = bnb.nn.Linear4bit(
+                module.in_features,
+                module.out_features,
+                bias=has_bias,
+                compute_dtype=compute_dtype or torch.float32,
+                quant_type=settings.quant_type,
+                compress_statistics=settings.double_quant,
+                device="meta",
+            )
+            layer.weight = bnb.nn.Params4bit(
+                weight.float().cpu(),
+                requires_grad=False,
+                quant_type=settings.quant_type,
+                compress_statistics=settings.double_quant,
+            )
+        else:
+            layer = bnb.nn.Linear8bitLt(
+                module.in_features, module.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
+            )
+            layer.weight = bnb.nn.Int8Params(weight.float().cpu(), requires_grad=False, has_fp16_weights=False)
+        if has_bias:
+            layer.bias = nn.Parameter(module.bias.data.clone(), requires_grad=False)
+        layer = layer.to(device)  # bitsandbytes quantises a weight when it is moved to its device
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        replaced += 1
+    return replaced
+
+
+def keep_training_kernel(model: nn.Module) -> None:
+    """bitsandbytes repacks a 4-bit weight for a bf16 inference kernel the first time a layer runs in evaluation
+    on a CPU with AVX-512 BF16: evaluation would then compute in bf16 whatever the compute dtype, and the repacked
+    weight is inverted for saving only approximately. The layers keep the training kernel instead."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _dequantized_weight(layer: nn.Module) -> torch.Tensor:
+    """The full-precision weight a bitsandbytes layer computes with."""
+    import bitsandbytes as bnb
+
+    weight = layer.weight
+    if getattr(weight, "quant_state", None) is not None:  # 4-bit
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    scb = getattr(weight, "SCB", None)
+    if scb is None:
+        scb = getattr(layer.state, "SCB", None)
+    return weight.data.float() * (scb.float().unsqueeze(1) / 127.0)
+
+
+# -------------------------------------------------------------------------------------------- adapters
+def is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper adapts (itself for other models)."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _task_type(model: nn.Module) -> str | None:
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The short names of the model's linear layers (what ``--lora-target-modules`` chooses from), output
+    heads excluded."""
+    heads = output_heads(model)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _linear_like(m) and n not in heads}
+    return sorted(names)
+
+
+def target_modules(model: nn.Module, settings: LoraSettings) -> list[str]:
+    """The qualified names of the layers to adapt: the flags' names, else the family's defaults, else every
+    linear layer; one line naming the choices when a name matches no linear layer."""
+    from rapidlite.models.spec import spec_of
+
+    heads = output_heads(model)
+    linears = [n for n, m in model.named_modules() if _linear_like(m) and n]
+    requested = split_names(settings.target_modules)
+    if not requested:
+        requested = spec_of(model).lora_targets or (ALL_LINEAR,)
+        defaulted = True
+    else:
+        defaulted = False
+    if ALL_LINEAR in requested:
+        return [n for n in linears if n not in heads]
+    chosen = [n for n in linears if n.rsplit(".", 1)[-1] in requested or n in requested]
+    missing = [r for r in requested if not any(n.rsplit(".", 1)[-1] == r or n == r for n in linears)]
+    if missing and not defaulted:
+        raise ConfigError(
+            f"--lora-target-modules: no linear layer named {', '.join(missing)} in the model; its linear layers "
+            f"are {', '.join(linear_module_names(model)) or 'none'} (or pass all-linear)"
+        )
+    if not chosen:  # a family default that this model (a variant) does not have
+        return [n for n in linears if n not in heads]
+    return chosen
+
+
+def _check_modules_to_save(model: nn.Module, names: tuple[str, ...]) -> None:
+    short = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n} | {n for n, _ in model.named_modules()}
+    missing = [name for name in names if name not in short]
+    if missing:
+        heads = sorted(h.rsplit(".", 1)[-1] for h in output_heads(model))
+        raise ConfigError(
+            f"--lora-modules-to-save: no module named {', '.join(missing)} in the model"
+            + (f" (its output heads: {', '.join(heads)})" if heads else "")
+        )
+
+
+def prepare(
+    model: nn.Module,
+    settings: LoraSettings,
+    compute_dtype: torch.dtype | None,
+    device: torch.device,
+    logger: logging.Logger | None = None,
+) -> nn.Module:
+    """The model with the LoRA and quantisation flags applied (see the module docstring); ``model`` itself
+    when no adapters are asked for and it is not a peft model."""
+    if is_peft_model(model):
+        _keep_trainable_fp32(model)
+        keep_training_kernel(model)
+        if logger is not None:
+            logger.info(f"LoRA: the model is a peft model already, trained as it is; {trainable_summary(model)}")
+        return model
+    if not settings.enabled:
+        return model
+    require_peft()
+    from peft import LoraConfig, get_peft_model
+
+    quantized = 0
+    if settings.quantized and not is_quantized(model):
+        quantized = quantize(model, settings, compute_dtype, device)
+    keep_training_kernel(model)
+    modules_to_save = split_names(settings.modules_to_save)
+    _check_modules_to_save(model, modules_to_save)
+    targets = target_modules(model, settings)
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.rank,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        modules_to_save=list(modules_to_save) or None,
+        task_type=_task_type(model),
+    )
+    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in transformers 5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
+    _keep_trainable_fp32(peft_model)
+    if logger is not None:
+        bits = settings.quant_flag[len("--load-in-") :]
+        what = f"; {quantized} linear layers quantised to {bits}" if quantized else ""
+        logger.info(
+            f"LoRA: rank {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on "
+            f"{len(targets)} layers ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}){what}; "
+            f"{trainable_summary(peft_model)}"
+        )
+    return peft_model
+
+
+def _keep_trainable_fp32(model: nn.Module) -> None:
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def trainable_summary(model: nn.Module) -> str:
+    """peft's ``print_trainable_parameters`` line (4-bit weights counted by their unpacked size)."""
+    if is_peft_model(model):
+        trainable, total = model.get_nb_trainable_parameters()
+    else:
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    share = 100.0 * trainable / total if total else 0.0
+    return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}"
+
+
+# --------------------------------------------------------------------------------------- saving
+def trainable_only(model: nn.Module) -> bool:
+    """Checkpoints of this model hold its trainable tensors only (the adapters; the base is loaded again)."""
+    return is_peft_model(model)
+
+
+def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """The adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``):
+    ``PeftModel.from_pretrained(base, directory)`` loads it. ``state_dict``: the model's full trainable
+    tensors, gathered."""
+    model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
+
+
+def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights with every adapter merged in (``W + scaling * B @ A``), keyed as the base
+    model's own state dict, from ``state_dict`` (the peft model's full tensors, gathered). Quantised base
+    layers are dequantised first (they are whole on every rank: quantised runs do not shard the model)."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad), None)
+    out: dict[str, torch.Tensor] = {}
+    skip: list[str] = []
+    for name, layer in layers.items():
+        base = layer.get_base_layer()
+        if ADAPTER_NAME not in layer.lora_A:
+            continue
+        a = state_dict[f"{name}.lora_A.{ADAPTER_NAME}.weight"].float()
+        b = state_dict[f"{name}.lora_B.{ADAPTER_NAME}.weight"].float()
+        delta = (b @ a) * layer.scaling[ADAPTER_NAME]
+        if getattr(layer, "fan_in_fan_out", False):
+            delta = delta.T
+        weight_key = f"{name}.base_layer.weight"
+        weight = _dequantized_weight(base) if _is_bnb_linear(base) else state_dict[weight_key].float()
+        dtype = state_dict[weight_key].dtype if state_dict[weight_key].is_floating_point() else float_dtype
+        out[_base_key(name[len(prefix) :] + ".weight")] = (weight + delta).to(dtype or torch.float32)
+        skip.append(weight_key + ".")  # bitsandbytes' quantisation state
+    for key, value in state_dict.items():
+        if ".lora_" in key or ".original_module." in key or any(key.startswith(s) for s in skip):
+            continue
+        if key.endswith((".SCB", ".weight_format")):
+            continue
+        short = _base_key(key[len(prefix) :] if key.startswith(prefix) else key)
+        out.setdefault(short, value)
+    return out
+
+
+def _base_key(key: str) -> str:
+    return key.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER_NAME}.", ".")
