@@ -31,6 +31,8 @@ FLAGS = """
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization
 --prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
+--lora-rank --lora-alpha --lora-dropout --lora-target-modules --lora-modules-to-save --merge-lora --load-in-4bit
+--bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
 """.split()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -142,12 +143,11 @@ def load_kwargs(settings: LoraSettings, compute_dtype: torch.dtype | None, devic
 
 # ------------------------------------------------------------------------------------- quantisation
 def _is_bnb_linear(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("bitsandbytes") and type(module).__name__ in (
-        "Linear4bit",
-        "Linear8bitLt",
-        "LinearNF4",
-        "LinearFP4",
-    )
+    if "bitsandbytes" not in sys.modules:  # a model holding its layers has imported it
+        return False
+    import bitsandbytes as bnb
+
+    return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -50,7 +50,7 @@ def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
 
     name = args.pretrained_model_name_or_path
     if args.load_pretrained_weights:
-        return load_hf_model(AutoModelForCausalLM.from_pretrained, name)
+        return load_hf_model(AutoModelForCausalLM.from_pretrained, name, dtype=torch.float32)  # a bf16 file too
     config = AutoConfig.from_pretrained(name)
     _override_sizes(config, args)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
@@ -73,7 +73,7 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
     name = args.pretrained_model_name_or_path
     if args.load_pretrained_weights:
         cls = BertForPreTraining if args.binary_head else BertForMaskedLM
-        return load_hf_model(cls.from_pretrained, name)
+        return load_hf_model(cls.from_pretrained, name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(name)
     _override_sizes(config, args)
     config.vocab_size = max(config.vocab_size, vocab_size)
