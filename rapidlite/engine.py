@@ -164,9 +164,9 @@ class RapidliteEngine:
             raise TypeError("compose() needs a model")
         if model in self._composed:
             raise TypeError("compose() was given a model it has composed already: compose each model once")
-        self._count_flops(model)  # the whole model, before any split
         given = model
         model = lora.prepare(model, self.lora, self.precision.dtype, self.device, self._main_logger)
+        self._count_flops(model)  # the whole model, before any split
         disable_kv_cache(lora.unwrap(model))
         composed, wrapped = self.strategy.setup(model, optimizer, dynamic_shapes)
         self._composed.update((given, model))

@@ -24,6 +24,7 @@ else the datasheet dense peak of a known GPU at the training precision; on CPU t
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -55,40 +56,51 @@ GPU_PEAKS: list[tuple[str, float, float | None, float]] = [
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """The terms of ``6 N + 12 L d T`` for one model."""
+    """The terms of ``6 N + 12 L d T`` for one model; ``frozen_params`` of the ``N`` get no weight gradient (a
+    LoRA base), which saves their third matrix multiply: ``6 N - 2 N_frozen``."""
 
     matmul_params: int
     num_layers: int | None
     hidden_size: int | None
+    frozen_params: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFlops:
         layers, hidden = spec_of(model).layers_and_hidden(getattr(model, "config", None))
-        return cls(matmul_parameters(model), layers, hidden)
+        return cls(matmul_parameters(model), layers, hidden, matmul_parameters(model, frozen=True))
 
     def per_token(self, seq_length: float) -> float:
         """Training FLOPs per token for sequences of ``seq_length`` tokens."""
         attention = (
             12.0 * self.num_layers * self.hidden_size * seq_length if self.num_layers and self.hidden_size else 0
         )
-        return 6.0 * self.matmul_params + attention
+        return 6.0 * self.matmul_params - 2.0 * self.frozen_params + attention
 
     def describe(self) -> str:
         n = f"N={self.matmul_params / 1e6:.2f}M"
+        six = "6 N"
+        if self.frozen_params:
+            six, n = "6 N - 2 N_frozen", f"{n}, N_frozen={self.frozen_params / 1e6:.2f}M"
         if self.num_layers and self.hidden_size:
-            return f"6 N + 12 L d T ({n}, L={self.num_layers}, d={self.hidden_size})"
-        return f"6 N ({n}; no layer count or hidden size in the model's config)"
+            return f"{six} + 12 L d T ({n}, L={self.num_layers}, d={self.hidden_size})"
+        return f"{six} ({n}; no layer count or hidden size in the model's config)"
 
 
-def matmul_parameters(model: nn.Module) -> int:
+def _numel(param: torch.Tensor) -> int:
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)  # a packed 4-bit weight: its true shape
+    return math.prod(shape) if shape is not None else param.numel()
+
+
+def matmul_parameters(model: nn.Module, frozen: bool = False) -> int:
     """Parameters used in matrix multiplies: all but embedding tables; a tied output layer counts once.
-    Sharded parameters (DTensor) count whole."""
+    Sharded parameters (DTensor) count whole; ``frozen``: only those that do not train."""
     in_matmul: dict[int, int] = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         for param in module.parameters(recurse=False):
-            in_matmul[id(param)] = param.numel()
+            if not frozen or not param.requires_grad:
+                in_matmul[id(param)] = _numel(param)
     return sum(in_matmul.values())
 
 
