@@ -31,6 +31,7 @@ FLAGS = """
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization
 --prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
+--eval-only
 """.split()
 
 
@@ -157,6 +158,11 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
     (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),
     ([], "no task given"),
+    (["--task", "pretraining", "--demo", "--eval-only"], "--eval-only evaluates fine-tuning tasks"),
+    (
+        ["--task", "causal_lm", "--demo", "--eval-only", "--save", "/tmp/x", "--save-interval", "5"],
+        "--save-interval: --eval-only trains nothing",
+    ),
 ]
 
 
