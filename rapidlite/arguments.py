@@ -329,7 +329,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         help="hub dataset configuration, e.g. mrpc (also args.dataset_name)",
     )
     g.add_argument("--data-dir", default=None, help="hub dataset data_dir")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights used to split a single data source")
+    g.add_argument(
+        "--split",
+        default="969,30,1",
+        help="train,valid,test weights used to split a single data source (default %(default)s; under --eval-only "
+        "without --split the data is not split: it is evaluated whole unless it has a validation split of its own)",
+    )
     g.add_argument("--data-impl", choices=("mmap", "infer", "lazy", "cached"), default="mmap")
     g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
     g.add_argument(
@@ -402,6 +407,12 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
         help="iterations between evaluations (PreTrainer; Finetuner evaluates each epoch)",
     )
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation (PreTrainer)")
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="fine-tuning tasks and Finetuner scripts: evaluate the model on the validation data without training "
+        "(data with no validation split is evaluated whole); no checkpoint or export is written",
+    )
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
         "--peak-flops",

@@ -52,9 +52,9 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
     trainer = trainer_class(engine=RapidliteEngine(args=config))
     metrics = trainer.train()
     if metrics:
-        shown = {k: v for k, v in metrics.items() if k != "split"}
+        shown = {k: v for k, v in metrics.items() if k not in ("split", "eval_only")}
         trainer.logger.info(
-            "final validation: "
+            ("validation (--eval-only): " if config.eval_only else "final validation: ")
             + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
         )
     return 0

@@ -109,6 +109,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
         if not os.path.isfile(args.user_script):
             raise ConfigError(f"--user-script {args.user_script}: file not found")
     _check_ranges(args)
+    _resolve_eval_only(task, args)
 
     # Rapidformer's page reads these names: load_dataset(args.dataset_path, args.dataset_name).
     paths = args.data_path
@@ -165,6 +166,23 @@ def _apply_task_defaults(task: TaskSpec, args: argparse.Namespace) -> None:
     for dest, default in task.defaults.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default(args) if callable(default) else default)
+
+
+def _resolve_eval_only(task: TaskSpec | None, args: argparse.Namespace) -> None:
+    """``--eval-only``: refused where the trainer does not honour it; without ``--split``, data that has no
+    validation split of its own is not split (``100,0,0``): a user who asks to evaluate a file means all of
+    it, not the 3% a training run would carve out (``--split`` as in training evaluates that share)."""
+    if not args.eval_only:
+        return
+    if task is not None and not task.eval_only:
+        raise ConfigError(
+            f"--eval-only evaluates fine-tuning tasks ({', '.join(t for t in task_names() if get_task(t).eval_only)});"
+            f" --task {task.name} evaluates every --eval-interval while it trains: drop --eval-only"
+        )
+    if args.save_interval is not None:
+        raise ConfigError("--save-interval: --eval-only trains nothing and writes no checkpoint; drop the flag")
+    if args.explicit_flags is not None and "split" not in args.explicit_flags:
+        args.split = "100,0,0"
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

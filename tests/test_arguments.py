@@ -33,6 +33,7 @@ FLAGS = """
 --prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
 --lora-rank --lora-alpha --lora-dropout --lora-target-modules --lora-modules-to-save --merge-lora --load-in-4bit
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
+--eval-only
 """.split()
 
 
@@ -159,6 +160,11 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
     (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),
     ([], "no task given"),
+    (["--task", "pretraining", "--demo", "--eval-only"], "--eval-only evaluates fine-tuning tasks"),
+    (
+        ["--task", "causal_lm", "--demo", "--eval-only", "--save", "/tmp/x", "--save-interval", "5"],
+        "--save-interval: --eval-only trains nothing",
+    ),
 ]
 
 

@@ -109,3 +109,24 @@ def test_peak_benchmark_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[1].split() == ["precision", "GFLOP/s", "at", "size"]
     assert "pass --peak-flops" in proc.stdout
+
+
+@pytest.mark.slow
+def test_packing_benchmark_quick():
+    """Packed, padded and the Trainer's padded batches train the same per-token loss curve (checked before any
+    speed is printed); the table and the ratio lines are there (nothing is asserted on speed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "packing.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    checks = [line for line in lines if line.startswith("check loss ") and " vs " in line]
+    assert len(checks) == 3 and all(line.endswith(": ok") for line in checks), proc.stdout
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "contender" not in line]
+    assert rows == ["rapidlite --packing", "rapidlite padded", "HF Trainer"], proc.stdout
+    for ratio in ("packing vs padded useful tokens/s: x", "packing vs HF Trainer useful tokens/s: x"):
+        assert any(line.startswith(ratio) for line in lines), proc.stdout

@@ -1,6 +1,8 @@
 """The black box ``--task causal_lm`` end to end, on the demo's tiny LLaMA and generated instruction data."""
 
 import json
+import logging
+import math
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from helpers import read_metrics, run_cli
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.cli import main
+from rapidlite.logging import LOGGER_NAME
 from rapidlite.tasks.causal_lm import CausalLMFinetuner, honours_packed_positions, load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
@@ -236,3 +239,77 @@ def test_a_model_pretrained_by_rapidlite_fine_tunes_and_generates_with_transform
     ids = tokenizer("reverse: a i\n", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert out.shape[1] > ids.shape[1]
+
+
+def _eval_only(model_dir, data_dir, save, *flags):
+    proc = run_cli(*task_args(model_dir, data_dir, "--eval-only", "--save", str(save), *flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr, [r for r in read_metrics(save) if r.get("eval_only")]
+
+
+def test_eval_only_scores_the_model_as_it_is_and_writes_no_checkpoint(tiny_assets, tmp_path):
+    """``--eval-only``: the token-exact validation loss of the model as given (computed here by hand), its
+    perplexity and the exact match of greedy completions, printed and appended to the metrics of --save, where
+    nothing else is written or overwritten."""
+    model_dir, data_dir = tiny_assets
+    save = tmp_path / "save"
+    save.mkdir()
+    earlier = {"iteration": 7, "loss": 1.5}
+    (save / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")
+    batch = ["--micro-batch-size", "3", "--global-batch-size", "3"]  # 40 rows: a last batch of one
+    log, records = _eval_only(model_dir, data_dir, save, *batch, "--eval-generate", "2")
+    trainer, _, valid, collate = trainer_and_data(model_dir, data_dir)
+    by_hand, _ = _loss(trainer, load_causal_lm(str(model_dir)).eval(), valid, collate, len(valid))
+    assert read_metrics(save)[0] == earlier and [r["split"] for r in records] == ["validation"]
+    assert records[0]["iteration"] == 0 and records[0]["loss"] == pytest.approx(by_hand, rel=1e-6)
+    assert records[0]["ppl"] == pytest.approx(math.exp(by_hand)) and "exact_match" in records[0]
+    assert "greedy completions of 2 validation prompts" in log and "validation (--eval-only): iteration 0" in log
+    assert sorted(p.name for p in save.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_assets, tmp_path_factory):
+    """A 3-step training run of the tiny model (its last evaluation and its export)."""
+    model_dir, data_dir = tiny_assets
+    save = tmp_path_factory.mktemp("trained")
+    proc = run_cli(*task_args(model_dir, data_dir, "--train-iters", "3", "--save", str(save)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return save, [r for r in read_metrics(save) if r.get("split") == "validation"][-1]
+
+
+def test_eval_only_of_a_trained_export_gives_the_runs_validation_loss(tiny_assets, trained_run, tmp_path):
+    _, data_dir = tiny_assets
+    run, final = trained_run
+    _, records = _eval_only(run / "hf", data_dir, tmp_path / "eval")
+    assert final["loss"] < 5.5 and records[0]["loss"] == pytest.approx(final["loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_eval_only_on_two_ranks_gives_the_one_process_loss(tiny_assets, trained_run, tmp_path):
+    """Two ranks evaluate half the batches each (40 rows in micro-batches of 3: uneven) and the result is
+    gathered: the one-process, token-exact loss."""
+    _, data_dir = tiny_assets
+    run, final = trained_run
+    two = ["--micro-batch-size", "3", "--global-batch-size", "6", "--nproc-per-node", "2", "--eval-generate", "1"]
+    _, records = _eval_only(run / "hf", data_dir, tmp_path / "eval", *two)
+    assert records[0]["loss"] == pytest.approx(final["loss"], rel=1e-6) and "exact_match" in records[0]
+
+
+def test_eval_only_without_a_validation_split_evaluates_all_the_data(tiny_assets, tmp_path, caplog):
+    """One file and no --split: every row is evaluated, and the log says so; --split as in training evaluates
+    the share a training run carves out."""
+    model_dir, data_dir = tiny_assets
+    data = tmp_path / "all.jsonl"
+    data.write_text((data_dir / "train.jsonl").read_text())
+    model = load_causal_lm(str(model_dir)).eval()
+    for split, rows in (([], 240), (["--split", "90,10"], 24)):
+        args = parse_args(task_args(model_dir, data, "--eval-only", *split))
+        with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+            final = CausalLMFinetuner(RapidliteEngine(args=args)).train()
+        # The rows a training run with the same --split would hold (no --split: all of them, in its train split).
+        trainer, train, valid, collate = trainer_and_data(model_dir, data, *(split or ["--split", "100,0,0"]))
+        expected = valid if split else train
+        assert len(expected) == rows
+        assert final["loss"] == pytest.approx(_loss(trainer, model, expected, collate, 8)[0], rel=1e-6)
+        assert ("evaluating all 240 samples of its train split" in caplog.text) == (not split)
+        caplog.clear()

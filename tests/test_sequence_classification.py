@@ -64,6 +64,13 @@ def test_learns_and_exports_hugging_face_model(tiny_assets, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(exported(**batch).logits, trainer.model(**batch).logits, rtol=1e-5, atol=1e-5)
 
+    # --eval-only on the export scores the validation data as the run's last evaluation did, and trains nothing.
+    args = parse_args(task_args(tmp_path / "hf", data_dir, "--eval-only", "--save", str(tmp_path / "eval")))
+    rescored = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "accuracy", "f1"):
+        assert rescored[key] == pytest.approx(final[key], rel=1e-6), key
+    assert [r["split"] for r in read_metrics(tmp_path / "eval")] == ["validation", "test"]
+
 
 def test_cli_with_pairs_jsonl_and_overrides(tmp_path, tiny_assets):
     """A local directory of jsonl with two text columns named by flags, integer labels, via the CLI."""

@@ -46,6 +46,7 @@ class TaskSpec:
     Hugging Face model directory given to ``--load`` is the model to start from. ``check``: task-specific
     validation of the parsed flags (torch-free). ``defaults``: the task's values of flags left unset (by
     destination; each a value or a function of the otherwise resolved flags), applied by ``resolve``.
+    ``eval_only``: the trainer honours ``--eval-only`` (a ``Finetuner`` does).
     """
 
     name: str
@@ -59,6 +60,7 @@ class TaskSpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     load_model_dir: bool = False
     check: Callable[[Any], None] | None = None
+    eval_only: bool = False
 
     def trainer_class(self, args: Any) -> type:
         return _import(self.trainer)(args)
@@ -115,6 +117,7 @@ TASKS: dict[str, TaskSpec] = {
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.demo:demo",
             load_model_dir=True,
+            eval_only=True,
         ),
         TaskSpec(
             name="pretraining",
@@ -135,6 +138,7 @@ TASKS: dict[str, TaskSpec] = {
             demo="rapidlite.tasks.causal_lm_demo:demo",
             defaults={"seq_length": 512},
             load_model_dir=True,
+            eval_only=True,
         ),
     )
 }

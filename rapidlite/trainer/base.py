@@ -163,8 +163,9 @@ class BaseTrainer:
         if resume:
             self.engine.strategy.prepare_resume(self.args.load)
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
-            model, optimizer, scheduler, total_iters=total_iters, dynamic_shapes=self.variable_length_batches
+            model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
         )
         if resume:
             self.load_checkpoint()
@@ -178,7 +179,7 @@ class BaseTrainer:
             f"device: {self.engine.device} | "
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
-            f"{a.global_batch_size} | iterations: {total_iters}"
+            f"{a.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
             + (f" (resuming at {self.iteration})" if self.iteration else "")
         )
 

@@ -62,6 +62,8 @@ class Finetuner(BaseTrainer):
         with torch.no_grad():
             metrics = self.run_compute_metrics([self.model], loader)
         self.model.train(was_training)
+        if self.args.eval_only:
+            return self.log_evaluation(split, metrics or {}, eval_only=True)
         epoch = self.iteration / max(self.steps_per_epoch, 1)
         return self.log_evaluation(split, metrics or {}, epoch=round(epoch, 4))
 
@@ -78,13 +80,12 @@ class Finetuner(BaseTrainer):
                 "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
             )
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
-        if train_ds is None or len(train_ds) == 0:
+        if args.eval_only:
+            return self.evaluate_only(train_ds, valid_ds, test_ds, collate_fn)
+        if not _has_rows(train_ds):
             raise DataError("the training dataset is empty")
         self.train_dataloader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn)
-        if valid_ds is not None and len(valid_ds) > 0:
-            self.valid_dataloader = self.build_data_loader(valid_ds, shuffle=False, collate_fn=collate_fn)
-        if test_ds is not None and len(test_ds) > 0:
-            self.test_dataloader = self.build_data_loader(test_ds, shuffle=False, collate_fn=collate_fn)
+        self._build_eval_loaders(valid_ds, test_ds, collate_fn)
 
         accumulation = args.gradient_accumulation_steps
         micro_per_epoch = len(self.train_dataloader)
@@ -114,3 +115,35 @@ class Finetuner(BaseTrainer):
             self.evaluate("test")
         self.finish()
         return self.last_evaluation
+
+    def evaluate_only(self, train_ds: Any, valid_ds: Any, test_ds: Any, collate_fn: Any) -> dict[str, Any]:
+        """``--eval-only``: the model's scores on the validation split (and the test split if the data has
+        one), gathered over the ranks and logged and written to the metrics as a training run's evaluations
+        are; nothing is trained, saved or exported. Data with no validation split is evaluated whole (it is
+        all in the train split: ``resolve`` does not split it)."""
+        if not _has_rows(valid_ds):
+            if not _has_rows(train_ds):
+                raise DataError("--eval-only: the data has no rows to evaluate")
+            self.logger.info(
+                f"--eval-only: the data has no validation split: evaluating all {len(train_ds)} samples of its train "
+                "split (--split as in training evaluates the share a training run carves out)"
+            )
+            valid_ds = train_ds
+        self._build_eval_loaders(valid_ds, test_ds, collate_fn)
+        self.setup_model(0)
+        self.evaluate("validation")
+        if self.test_dataloader is not None:
+            self.evaluate("test")
+        if self._metrics is not None:
+            self._metrics.close()
+        return self.last_evaluation
+
+    def _build_eval_loaders(self, valid_ds: Any, test_ds: Any, collate_fn: Any) -> None:
+        if _has_rows(valid_ds):
+            self.valid_dataloader = self.build_data_loader(valid_ds, shuffle=False, collate_fn=collate_fn)
+        if _has_rows(test_ds):
+            self.test_dataloader = self.build_data_loader(test_ds, shuffle=False, collate_fn=collate_fn)
+
+
+def _has_rows(dataset: Any) -> bool:
+    return dataset is not None and len(dataset) > 0

@@ -80,6 +80,11 @@ class PreTrainer(BaseTrainer):
     def train(self) -> dict[str, Any]:
         """Run the pretraining; returns the last validation metrics."""
         args = self.args
+        if args.eval_only:
+            raise ConfigError(
+                "--eval-only runs Finetuner jobs; a PreTrainer evaluates every --eval-interval while it trains: drop "
+                "--eval-only"
+            )
         if args.train_iters is None:
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
         eval_interval = args.eval_interval or args.train_iters
