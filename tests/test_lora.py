@@ -251,6 +251,27 @@ def test_sequence_classification_trains_the_head_in_full_and_merges(tmp_path):
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_4bit_classification_keeps_the_head_full_precision_and_trains_it(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from rapidlite.tasks.demo import write_demo_assets as write_classification_assets
+    from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
+
+    model_dir, data_dir = write_classification_assets(tmp_path / "a", seed=3, num_train=64, num_validation=16)
+    argv = [
+        "--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir),
+        "--data-path", str(data_dir), "--micro-batch-size", "8", "--lr", "5e-3", "--seq-length", "32",
+        "--train-iters", "2", "--lora-rank", "4", "--load-in-4bit",
+    ]  # fmt: skip
+    t = SequenceClassificationFinetuner(RapidliteEngine(args=parse_args(argv)))
+    t.train()
+    base = t.model.get_base_model()
+    assert isinstance(base.bert.encoder.layer[0].attention.self.query.base_layer, bnb.nn.Linear4bit)
+    head = base.classifier.modules_to_save["default"]
+    assert type(head) is torch.nn.Linear and head.weight.requires_grad and head.weight.dtype == torch.float32
+
+
 # ------------------------------------------------------------------------------------------ bad input
 def one_line_error(capsys, argv, up_front=True):
     """The error line of a refused command: the only line on stderr when refused before anything runs."""
@@ -367,3 +388,22 @@ def test_lora_on_two_ranks_equals_one_process(layout_run, layout):
             torch.testing.assert_close(merged_got[name].float(), value.float(), rtol=1e-4, atol=1e-5, msg=name)
     if "deepspeed" not in layout:
         assert all("lora_" in k for k in checkpoint_keys(run))  # sharded or not, the adapters only
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_two_sharded_ranks_resumes_on_one_process(layout_run, assets, tmp_path):
+    """The ZeRO-3 run's adapter checkpoint (iteration 3) continues on one process as the one-process run's does."""
+
+    def resume(name):
+        shutil.copytree(layout_run(name), tmp_path / name)
+        args = [*task_args(assets), *COMMON, "--micro-batch-size", "8", "--load", str(tmp_path / name)]
+        args[args.index("--train-iters") + 1] = "4"
+        t = CausalLMFinetuner(RapidliteEngine(args=parse_args([*args, "--save", str(tmp_path / name)])))
+        t.train()
+        assert t.iteration == 4
+        return train_losses(tmp_path / name)[-1], adapter_params(t.model)
+
+    (loss, adapters), (want_loss, want) = resume("zero3"), resume("one")
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for name, value in want.items():
+        torch.testing.assert_close(adapters[name], value, rtol=1e-4, atol=1e-5, msg=name)

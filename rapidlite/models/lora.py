@@ -46,6 +46,9 @@ QUANT_INSTALL = "pip install 'rapidlite[quant]'"
 # Output heads keep full precision and are not adapted by "all-linear" (transformers keeps its output
 # embeddings unquantised too); a classification head is usually trained in full (--lora-modules-to-save).
 HEAD_NAMES = ("lm_head", "output", "classifier", "score", "qa_outputs")
+# What transformers leaves unquantised when it loads a base quantised: the heads by their usual names (GPT-NeoX's
+# is embed_out), matched as a suffix of a module's name.
+SKIP_ON_LOAD = ("lm_head", "embed_out", "classifier", "score", "qa_outputs")
 # peft's task types by the Hugging Face head class: the type decides which heads peft trains in full
 # (a sequence classifier's "classifier"/"score") and the forward signature of the wrapper.
 _TASK_TYPES = {
@@ -136,6 +139,8 @@ def load_kwargs(settings: LoraSettings, compute_dtype: torch.dtype | None, devic
             bnb_4bit_quant_type=settings.quant_type,
             bnb_4bit_use_double_quant=settings.double_quant,
             bnb_4bit_compute_dtype=compute_dtype or torch.float32,
+            # transformers' own guess keeps only the last module; a classifier head is trained in full
+            llm_int8_skip_modules=[*SKIP_ON_LOAD, *split_names(settings.modules_to_save)],
         )
         kwargs["device_map"] = {"": str(device)}
     return kwargs
