@@ -175,7 +175,12 @@ def _add_precision_args(p: argparse.ArgumentParser) -> None:
         help="fp32 matrix multiplies on TF32 tensor cores (CUDA; default: on for Ampere and newer GPUs)",
     )
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale for fp16 (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**16,
+        help="fp16's first dynamic loss scale (2^16, as DeepSpeed and Apex start)",
+    )
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles")
     g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale halves")
@@ -396,6 +401,19 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR/latest")
     g.add_argument("--finetune", action="store_true", help="with --load: load weights only and restart at iteration 0")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a --save directory that holds another run (its checkpoints, export and metrics "
+        "are removed); without it such a directory is refused unless --load resumes it",
+    )
+    g.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=10,
+        metavar="N",
+        help="stop after N optimizer steps in a row skipped for NaN/inf loss or gradients (0: never stop)",
+    )
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")

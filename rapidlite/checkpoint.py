@@ -313,6 +313,20 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def clear_run(save_dir: str | os.PathLike) -> str:
+    """Remove a run's checkpoints, tracker, export and metrics from ``save_dir`` (``--overwrite``); other files
+    stay. Returns what was removed, for the log."""
+    save_dir = Path(save_dir)
+    removed = []
+    for path in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
+        name = path.name
+        if name.startswith(("iter_", ".tmp_")) or name in (LATEST_FILE, "hf", "metrics.jsonl"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(name)
+    _fsync_dir(save_dir)
+    return ", ".join(removed) or "nothing"
+
+
 def is_pretrained_model_dir(load_dir: str | os.PathLike) -> bool:
     """A directory holding a Hugging Face model (``config.json``) and no rapidlite checkpoint: what
     Rapidformer's page passes as ``--load`` to load with ``from_pretrained(args.load)``."""

@@ -156,8 +156,10 @@ def all_reduce_world(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     work = tensor.detach().clone()
+    if dist.get_backend() == "nccl" and not work.is_cuda:  # nccl reduces device tensors only
+        work = work.cuda()
     dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return work
+    return work.to(tensor.device)
 
 
 def default_backend(device: torch.device) -> str:

@@ -25,6 +25,12 @@ class CheckpointError(RapidliteError):
     """Missing or corrupt checkpoint."""
 
 
+class TrainingDiverged(RapidliteError):
+    """The loss or the gradients stayed non-finite (NaN/inf): the run stops without saving them."""
+
+    exit_code = 3
+
+
 class NotImplementedYetError(ConfigError):
     """A flag that is parsed but whose feature is not available in this version."""
 

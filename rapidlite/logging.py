@@ -103,12 +103,28 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def _json_safe(value: Any) -> Any:
+    """Valid JSON for a record: NaN and inf (which ``json`` writes as bare NaN/Infinity) become null."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if getattr(value, "shape", None) in ((), (1,)) and hasattr(value, "item"):  # torch/numpy scalars
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value
+
+
 class MetricsWriter:
     """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard. Rank 0 only."""
 
-    def __init__(self, save_dir: str | None, tensorboard_dir: str | None, enabled: bool = True) -> None:
+    def __init__(
+        self, save_dir: str | None, tensorboard_dir: str | None, enabled: bool = True, run_id: str | None = None
+    ) -> None:
         self._file = None
         self._tb = None
+        self.run_id = run_id  # on every record: two runs' lines in one file stay apart
         if not enabled:
             return
         if save_dir is not None:
@@ -121,7 +137,8 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any], tb_prefix: str = "train") -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, default=float) + "\n")
+            line = _json_safe({**record, "run_id": self.run_id} if self.run_id else record)
+            self._file.write(json.dumps(line, allow_nan=False) + "\n")
             self._file.flush()
         if self._tb is not None:
             step = record.get("iteration", 0)

@@ -300,6 +300,12 @@ class StepHooks:
     reduce_norm_sq: Callable[[torch.Tensor], torch.Tensor] | None = None
     norm_exclude: frozenset[int] = field(default_factory=frozenset)
     reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Max over every rank of the job: ranks hold different losses, and all must skip a step together.
+    any_rank: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class RapidliteOptimizer:
@@ -331,6 +337,7 @@ class RapidliteOptimizer:
         self.loss_scaler = loss_scaler
         self.hooks = hooks or StepHooks()
         self.skipped_steps = 0
+        self.nonfinite_steps = 0  # steps skipped for a NaN/inf loss or gradient norm (not fp16 overflows)
         self.last_grad_norm: torch.Tensor | None = None
         self._grads_scaled = False  # the gradients since the last step came through a scaled backward
         self._unscaled_warned = False
@@ -395,21 +402,34 @@ class RapidliteOptimizer:
             found = self.hooks.reduce_found_inf(found)
         return bool(found.item())
 
-    def _clip(self, params: list[torch.Tensor]) -> torch.Tensor | None:
-        """The global gradient norm (over every shard of every rank), clipping to ``clip_grad`` if set."""
+    def _norm(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The global gradient norm (over every shard of every rank)."""
         grads = [p.grad for p in params if id(p) not in self.hooks.norm_exclude]
         if not params:
             return None
         norm = _global_norm(grads) if grads else torch.zeros((), device=params[0].grad.device)
         if self.hooks.reduce_norm_sq is not None:
             norm = self.hooks.reduce_norm_sq(norm.float() ** 2).sqrt()
+        return norm
+
+    def _clip(self, params: list[torch.Tensor], norm: torch.Tensor) -> None:
         if self.clip_grad > 0:
             for group in _by_layout(params, lambda p: p.grad).values():
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip_grad, norm, foreach=True)
-        return norm
 
-    def step(self, grad_divisor: float = 1.0) -> bool:
-        """Returns False when the step was skipped because the gradients overflowed."""
+    def _non_finite(self, norm: torch.Tensor | None, loss: torch.Tensor | None) -> bool:
+        """Whether the loss or the gradient norm is NaN/inf on any rank: one flag, reduced once per step."""
+        values = [_whole(v).detach().float().reshape(()) for v in (norm, loss) if v is not None]
+        if not values:
+            return False
+        flag = (~torch.isfinite(torch.stack([v.to(values[0].device) for v in values]))).any().float().reshape(1)
+        if self.hooks.any_rank is not None:
+            flag = self.hooks.any_rank(flag)
+        return bool(flag.item())
+
+    def step(self, grad_divisor: float = 1.0, loss: torch.Tensor | None = None) -> bool:
+        """Returns False when the step was skipped: the gradients overflowed (fp16), or the loss (``loss``, this
+        rank's) or the gradient norm is not finite on some rank (``nonfinite_steps`` counts those)."""
         params = self._params()
         if self.hooks.sync_grads is not None:
             self.hooks.sync_grads(params)
@@ -423,7 +443,14 @@ class RapidliteOptimizer:
                 self.loss_scaler.update(found_inf=True)
             self.last_grad_norm = None
             return False
-        self.last_grad_norm = self._clip(params)
+        norm = self._norm(params)
+        if self._non_finite(norm, loss):  # the update would write NaN/inf into the weights
+            self.skipped_steps += 1
+            self.nonfinite_steps += 1
+            self.last_grad_norm = None
+            return False
+        self._clip(params, norm)
+        self.last_grad_norm = norm
         self.optimizer.step()
         if scaled:
             self.loss_scaler.update(found_inf=False)

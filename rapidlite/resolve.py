@@ -126,6 +126,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     _check_data_parallel(args)
     _resolve_batch(args)
     _resolve_load(args)
+    _check_save_dir(args)
     _check_lora(args)
     if task is not None:
         _check_task(task, args)
@@ -215,7 +216,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    for name in ("num_workers", "max_restarts", "node_rank", "eval_generate"):
+    for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
@@ -370,6 +371,37 @@ def _resolve_load(args: argparse.Namespace) -> None:
         f"--load {args.load} holds a Hugging Face model, not a rapidlite checkpoint (no 'latest'): start from it "
         f"with {hint}; --load resumes a --save directory"
     )
+
+
+def _check_save_dir(args: argparse.Namespace) -> None:
+    """``--save``: a directory that can be written, and not another run's unless this one resumes it (``--load``
+    the same directory) or replaces it (``--overwrite``, carried out by the trainer when the run starts).
+    ``--eval-only`` only appends to ``metrics.jsonl``."""
+    args.overwrite_save = False
+    if args.save is None:
+        return
+    save = os.path.abspath(args.save)
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"--save {args.save}: is a file, not a directory; pass a directory for the checkpoints")
+    existing = save
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {args.save}: {existing} is not writable; pass a directory you can write to")
+    if args.eval_only or not os.path.isdir(save):
+        return
+    names = os.listdir(save)
+    iterations = sorted(n for n in names if n.startswith("iter_"))
+    held = [*iterations[-1:], *(n for n in ("latest", "metrics.jsonl", "hf") if n in names)]
+    resumes = args.load is not None and os.path.abspath(args.load) == save
+    if not held or resumes:
+        return
+    if not args.overwrite:
+        raise ConfigError(
+            f"--save {args.save} holds another run ({', '.join(held)}): pass --load {args.save} to resume it, "
+            "--overwrite to replace it, or a new --save directory"
+        )
+    args.overwrite_save = True
 
 
 def _check_lr(args: argparse.Namespace) -> list[str]:

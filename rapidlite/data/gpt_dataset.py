@@ -273,6 +273,17 @@ def check_mmap_data(data_prefix: Sequence[str] | str, data_impl: str, skip_warmu
                     pass
 
 
+def check_token_ids(indexed: IndexedDataset, prefix: str, vocab_size: int) -> None:
+    if np.iinfo(indexed.dtype).max < vocab_size:  # the dtype cannot hold an id outside the vocabulary
+        return
+    largest = indexed.max_token_id()
+    if largest >= vocab_size:
+        raise DataError(
+            f"--data-path {prefix}: token id {largest} is outside the tokenizer's vocabulary ({vocab_size} ids): the "
+            "data was made with another tokenizer; preprocess it with this one or pass the one it was made with"
+        )
+
+
 def build_train_valid_test_datasets(
     data_prefix: Sequence[str],
     splits_string: str,
@@ -281,12 +292,18 @@ def build_train_valid_test_datasets(
     seed: int,
     data_impl: str = "mmap",
     skip_warmup: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """Megatron's entry point: GPT train/valid/test datasets from one or more (weighted) prefixes.
 
-    ``skip_warmup=False`` (``--mmap-warmup``) reads each ``.bin`` once first, so the page cache holds it."""
+    ``skip_warmup=False`` (``--mmap-warmup``) reads each ``.bin`` once first, so the page cache holds it.
+    ``vocab_size``: every token id must be below it (checked when the data is opened: one pass over each
+    ``.bin``), so data made with another tokenizer is one line, not an index error mid-step."""
     check_mmap_data(data_prefix, data_impl, skip_warmup)
     blend = parse_data_path(data_prefix)
+    if vocab_size is not None:
+        for _, prefix in blend:
+            check_token_ids(IndexedDataset(prefix), prefix, vocab_size)
     names = ("train", "valid", "test")
     if len(blend) == 1:
         (_, prefix), out = blend[0], []

@@ -141,6 +141,15 @@ class IndexedDataset:
                 "the index is corrupt"
             )
 
+        if sequence_count and bool((self.sequence_lengths < 0).any()):
+            raise DataError(f"{idx_path}: negative sequence lengths; the index is corrupt (re-run the preprocessing)")
+        if sequence_count > 1:
+            ends = self.sequence_pointers[:-1] + self.sequence_lengths[:-1].astype(np.int64) * self.dtype.itemsize
+            if bool((self.sequence_pointers[1:] != ends).any()) or self.sequence_pointers[0] != 0:
+                raise DataError(
+                    f"{idx_path}: sequence pointers do not follow the sequence lengths; the index is corrupt "
+                    "(re-run the preprocessing)"
+                )
         bin_size = os.path.getsize(bin_path)
         expected = 0
         if sequence_count:
@@ -204,6 +213,12 @@ class IndexedDataset:
                 f"{data_file_path(self.path_prefix)}; the index is corrupt"
             )
         return view.view(self.dtype)
+
+    def max_token_id(self) -> int:
+        """The largest token id in the ``.bin`` (one pass over it, in chunks; -1 when empty)."""
+        tokens = self.bin_buffer.view(self.dtype) if len(self.bin_buffer) else np.zeros(0, self.dtype)
+        chunk = 1 << 26
+        return max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 
     def get_document_indices(self) -> np.ndarray:
         return self.document_indices

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets, parse_split  # noqa: F401 (re-exported)
@@ -119,6 +119,8 @@ class TextClassificationData:
     text_keys: tuple[str, ...]
     label_key: str
     collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]]
+    # Rows dropped per split for a missing or negative label: ``{"train": (dropped, rows)}``.
+    dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class PadCollator:
@@ -285,6 +287,7 @@ def build_text_classification_data(
 
     plan = _plan_labels(splits, label)
     out: dict[str, datasets.Dataset | None] = {"train": None, "validation": None, "test": None}
+    dropped: dict[str, tuple[int, int]] = {}
     for name, ds in splits.items():
         has_label = label in ds.column_names
         if name != "test":
@@ -296,6 +299,7 @@ def build_text_classification_data(
                     "negative); add labels or use another file"
                 )
             if len(keep) < len(ds):
+                dropped[name] = (len(ds) - len(keep), len(ds))
                 ds = ds.select(keep, keep_in_memory=True)
         out[name] = ds.map(
             _tokenize_batch,
@@ -325,4 +329,5 @@ def build_text_classification_data(
         text_keys=keys,
         label_key=label,
         collate_fn=PadCollator(tokenizer),
+        dropped=dropped,
     )

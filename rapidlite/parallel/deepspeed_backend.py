@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import sys
 import warnings
@@ -102,6 +103,7 @@ class DeepSpeedOptimizer:
         self.optimizer = base_optimizer(ds_engine)
         self.clip_grad = float(ds_engine.gradient_clipping() or 0.0)
         self.loss_scaler = None  # DeepSpeed's scaler lives in its optimizer and checkpoint
+        self.nonfinite_steps = 0
         self._fp16 = ds_engine.fp16_enabled()
         self.last_grad_norm: torch.Tensor | None = None
         self._backward_calls = 0  # micro-batches that went through DeepSpeed's backward since the last step
@@ -130,8 +132,10 @@ class DeepSpeedOptimizer:
         self.engine.step()
         self._backward_calls += 1
 
-    def step(self, grad_divisor: float = 1.0) -> bool:
-        """The update already ran in the last ``backward``; report whether it was applied."""
+    def step(self, grad_divisor: float = 1.0, loss: torch.Tensor | None = None) -> bool:
+        """The update already ran in the last ``backward``; report whether it was applied. DeepSpeed (bf16, fp32)
+        applies a NaN/inf update too: such a step counts in ``nonfinite_steps`` and reports not applied, so the
+        trainer stops after ``--max-skipped-steps`` of them and never saves the weights it wrote."""
         calls, self._backward_calls = self._backward_calls, 0
         if calls == 0:
             # A plain loss.backward() fills gradients DeepSpeed never reduces, scales or applies.
@@ -148,6 +152,14 @@ class DeepSpeedOptimizer:
         applied = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
         self.last_grad_norm = torch.as_tensor(float(norm)) if applied and norm is not None else None
+        values = [float(norm) if norm is not None else 0.0, float(loss.detach()) if loss is not None else 0.0]
+        from rapidlite.distributed import all_reduce_world
+
+        flag = torch.tensor([0.0 if all(math.isfinite(v) for v in values) else 1.0])
+        if applied and all_reduce_world(flag, op="max").item():
+            self.nonfinite_steps += 1
+            self.last_grad_norm = None
+            return False
         return applied
 
     def state_dict(self) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class DataParallel(Strategy):
             sync_grads=self._replica_averager(),
             # Split weights overflow on some ranks only: every rank must agree to skip the step.
             reduce_found_inf=functools.partial(distributed.all_reduce_world, op="max") if self.model_parallel else None,
+            any_rank=functools.partial(distributed.all_reduce_world, op="max") if self.dist.initialized else None,
         )
 
     def _replica_averager(self) -> Any:

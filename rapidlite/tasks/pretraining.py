@@ -111,6 +111,7 @@ class GPTPretrainer(PreTrainer):
             seed=args.seed,
             data_impl=args.data_impl,
             skip_warmup=not args.mmap_warmup,
+            vocab_size=self.data_tokenizer.vocab_size,
         )
 
     def model_optimizer_lr_scheduler_provider(self):

@@ -56,6 +56,11 @@ class SequenceClassificationFinetuner(Finetuner):
             f"{len(self.data.validation) if self.data.validation is not None else 0} validation "
             f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels"
         )
+        for split, (dropped, rows) in self.data.dropped.items():
+            self.logger.warning(
+                f"data: dropped {dropped} of {rows} {split} rows whose label ({self.data.label_key}) is missing or "
+                "negative"
+            )
         test = self.data.test
         if test is not None and not any(label >= 0 for label in test["labels"]):
             test = None  # unlabelled test split (GLUE style): nothing to score

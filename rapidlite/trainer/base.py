@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -17,9 +18,11 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
+from rapidlite import distributed
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
+from rapidlite.errors import TrainingDiverged
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
 from rapidlite.models import lora
@@ -108,6 +111,9 @@ class BaseTrainer:
         self._state_bytes_logged = False
         self._first_step_start: float | None = None  # set when training begins; reports the compile step
         self._graphs = 0  # graphs torch.compile had built after the first step (recompiles are logged)
+        self._skip_streak = 0  # consecutive steps skipped for NaN/inf (see _watch_divergence)
+        # On every line of metrics.jsonl, so records of two runs in one file stay apart.
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -170,7 +176,11 @@ class BaseTrainer:
         if resume:
             self.load_checkpoint()
         if self.engine.is_main_process:
-            self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir)
+            if getattr(self.args, "overwrite_save", False):
+                removed = ckpt.clear_run(self.args.save)
+                self.logger.info(f"--overwrite: removed the earlier run in {self.args.save} ({removed})")
+            self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir, run_id=self.run_id)
+        self.engine.barrier()
         strategy = self.engine.strategy
         n_params = strategy.parameter_count(self.model)
         a = self.args
@@ -181,6 +191,7 @@ class BaseTrainer:
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
             f"{a.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
             + (f" (resuming at {self.iteration})" if self.iteration else "")
+            + f" | run id {self.run_id}"
         )
 
     # ------------------------------------------------------------------ one step
@@ -197,16 +208,60 @@ class BaseTrainer:
         return self._apply_step(loss_total, divisor)
 
     def _apply_step(self, loss_total: torch.Tensor, divisor: float) -> bool:
-        applied = self.optimizer.step(grad_divisor=divisor)
+        nonfinite_before = self.optimizer.nonfinite_steps
+        applied = self.optimizer.step(grad_divisor=divisor, loss=loss_total)
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.iteration += 1
+        self._watch_divergence(applied, self.optimizer.nonfinite_steps > nonfinite_before)
         interval = self._interval
         # Out of place: the zero-dim start tensor takes the loss's device, so no per-step host sync.
         interval["loss"] = interval["loss"] + loss_total / divisor
         interval["steps"] += 1
         interval["skipped"] += 0 if applied else 1
         return applied
+
+    def _watch_divergence(self, applied: bool, nonfinite: bool) -> None:
+        """Count consecutive steps that could not be applied: NaN/inf losses or gradients, and fp16 overflows once
+        the loss scale is at its minimum (before that, skipping is how the scaler finds its scale). After
+        ``--max-skipped-steps`` of them the run stops (``TrainingDiverged``, exit code 3), with nothing saved."""
+        scaler = self.optimizer.loss_scaler
+        stuck = not applied and scaler is not None and scaler.scale <= scaler.min_scale
+        if applied or not (nonfinite or stuck):
+            self._skip_streak = 0
+            return
+        self._skip_streak += 1
+        limit = self.args.max_skipped_steps
+        if self._skip_streak == 1 and self.engine.is_main_process:
+            what = "non-finite loss or gradients" if nonfinite else "fp16 overflow at the minimum loss scale"
+            self.logger.warning(
+                f"iteration {self.iteration}: {what}; step skipped, weights unchanged (the run stops after "
+                f"{limit} such steps in a row: --max-skipped-steps)"
+            )
+        if limit and self._skip_streak >= limit:
+            first = self.iteration - self._skip_streak + 1
+            raise TrainingDiverged(
+                f"the loss or the gradients were NaN/inf for {self._skip_streak} steps in a row (iterations "
+                f"{first}-{self.iteration}): stopped without saving them; {self._last_good_checkpoint()} (lower "
+                "--lr, clip gradients with --clip-grad, or use bf16 instead of fp16)"
+            )
+
+    def _last_good_checkpoint(self) -> str:
+        if self.args.save is None:
+            return "no --save directory"
+        if self._last_saved >= 0:
+            return f"the last checkpoint is iteration {self._last_saved} in {self.args.save}"
+        return f"no checkpoint was written to {self.args.save}"
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (checked before each save: a cheap pass next to the write)."""
+        module = self.engine.strategy.module(self.model)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+        checks = [torch.isfinite(t).all() for t in local if t.is_floating_point() and t.numel()]
+        if not checks:
+            return True
+        ok = torch.stack([c.to(checks[0].device) for c in checks]).all().float().reshape(1)
+        return bool(distributed.all_reduce_world(1 - ok, op="max").item() == 0)
 
     # ------------------------------------------------------------------ logging
     @staticmethod
@@ -250,7 +305,8 @@ class BaseTrainer:
             self.log_interval()
         if self.args.eval_interval and self.iteration % self.args.eval_interval == 0:
             self.evaluate("validation")
-        if self.args.save_interval and self.iteration % self.args.save_interval == 0:
+        # Not while steps are being skipped for NaN/inf: latest stays at the last step that trained.
+        if self.args.save_interval and self.iteration % self.args.save_interval == 0 and not self._skip_streak:
             self.save_checkpoint()
 
     def _log_recompiles(self) -> None:
@@ -351,6 +407,11 @@ class BaseTrainer:
         """Every rank writes its shards (a collective); rank 0 the trainer, schedule and scaler state."""
         if self.args.save is None or self._last_saved == self.iteration:
             return
+        if not self._weights_finite():
+            raise TrainingDiverged(
+                f"iteration {self.iteration}: the weights hold NaN/inf, so no checkpoint is written; "
+                f"{self._last_good_checkpoint()} (lower --lr, clip gradients with --clip-grad)"
+            )
         state: dict[str, Any] = {"trainer": self.trainer_state(), "skipped_steps": self.optimizer.skipped_steps}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = self.lr_scheduler.state_dict()

@@ -86,6 +86,9 @@ class Finetuner(BaseTrainer):
             raise DataError("the training dataset is empty")
         self.train_dataloader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn)
         self._build_eval_loaders(valid_ds, test_ds, collate_fn)
+        if self.valid_dataloader is None:
+            split = f" (--split {args.split} gives it none)" if args.split else ""
+            self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
         accumulation = args.gradient_accumulation_steps
         micro_per_epoch = len(self.train_dataloader)

@@ -109,6 +109,9 @@ class PreTrainer(BaseTrainer):
         self.test_data_iterator = (
             self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
         )
+        if self.valid_data_iterator is None:
+            split = f" (--split {args.split} gives it none)" if getattr(args, "split", None) else ""
+            self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
         self.begin_training()
         iterator = self.train_data_iterator
