@@ -65,7 +65,7 @@ def test_flags_given_win_with_a_notice(tmp_path):
     assert config["fp16"] == {
         "enabled": True,
         "loss_scale": 0,
-        "initial_scale_power": 32,
+        "initial_scale_power": 16,
         "loss_scale_window": 50,
         "hysteresis": 2,
         "min_loss_scale": 1.0,
