@@ -204,3 +204,44 @@ def test_a_split_without_validation_is_said(tmp_path, capfd):
 
 def test_training_diverged_is_exit_code_3():
     assert TrainingDiverged("x").exit_code == 3
+
+
+# ------------------------------------------------------------------------------------ bad-input battery
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 3-iteration run: every bad command below points at it and must leave it as it was."""
+    root = tmp_path_factory.mktemp("finished")
+    save = root / "run"
+    assert main([*pretrain(root, "--train-iters", "3", "--save-interval", "1"), "--save", str(save)]) == 0
+    return root, save
+
+
+BAD = {
+    "negative lr": ["--lr", "-1"],
+    "unknown flag": ["--no-such-flag"],
+    "global batch not a multiple": ["--global-batch-size", "6"],
+    "4-bit without LoRA": ["--load-in-4bit"],
+    "LoRA alpha without rank": ["--lora-alpha", "8"],
+    "two ZeRO stages": ["--zero-1-memory-optimization", "--zero-2-memory-optimization"],
+    "warmup fraction and iterations": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+    "cpu offload without ZeRO": ["--cpu-offload"],
+    "tensor parallel on one process": ["--tensor-model-parallel-size", "2"],
+    "missing data": ["--data-path", "/nonexistent/corpus"],
+    "bad split": ["--split", "a,b"],
+    "min lr above lr": ["--min-lr", "1", "--lr", "0.1"],
+    "negative max skipped steps": ["--max-skipped-steps", "-1"],
+    "load of a missing run": ["--load", "/nonexistent/run"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_exit_2_and_leaves_the_run_untouched(finished_run, capsys, case):
+    root, save = finished_run
+    before = tree_digest(save)
+    argv = pretrain(root, "--train-iters", "6", "--save", str(save), "--load", str(save), *BAD[case])
+    if case == "load of a missing run":
+        argv = pretrain(root, "--train-iters", "6", "--save", str(save), *BAD[case])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("rapidlite: error: "), err
+    assert tree_digest(save) == before
