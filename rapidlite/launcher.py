@@ -8,7 +8,10 @@ variables of Megatron-style scripts) span nodes. A process that a launcher alrea
 Slurm ``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is set) just joins.
 
 Workers do not print their failures; they record them (``distributed.report_worker_error``) and the
-launcher prints the first one: one line for a user error, the failing rank's traceback for a bug.
+launcher prints the first one: one line for a user error, the failing rank's traceback for a bug, one line
+naming the rank and the signal for a rank killed by one (an out-of-memory kill), not its peers' "Connection
+reset". SIGTERM and SIGUSR1 to the launcher are passed on to the workers, which stop after a step, save and
+exit with ``preemption.EXIT_CODE`` (143); the launcher ends with it, without a restart or a traceback.
 
 ``launch_or_join`` is the one place that decides, from the resolved settings: the ``rapidlite`` command calls
 it once after resolving, and a user's ``python my_trainer.py`` calls it through ``launch_script_or_join``
@@ -17,12 +20,16 @@ when its ``RapidliteEngine()`` parses the flags. A worker never decides again: i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from rapidlite.environ import env_int
+from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
 from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size
 
 
@@ -58,6 +65,98 @@ def _threads_per_worker(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // nproc, 1))
 
 
+class _Supervisor:
+    """What rapidlite's launcher adds to torchrun's agent, which has no hook for either:
+
+    - SIGTERM and SIGUSR1 (a scheduler's preemption, Slurm's ``--signal``) are passed on to the workers, which
+      stop together after a step, save and exit with ``preemption.EXIT_CODE``; that is not a failure to restart
+      under ``--max-restarts``, nor one to print a traceback for;
+    - the ranks found dead at the first look after a failure, before the agent stops the others: a rank killed
+      by a signal (SIGKILL: an out-of-memory kill) is the cause, not the healthy ranks' "Connection reset".
+    """
+
+    def __init__(self) -> None:
+        self.signal = 0  # the first preemption signal this launcher received
+        self.agent: Any = None
+        self.first_deaths: dict[int, int] = {}  # global rank -> exit code, at the first look that found any
+
+    # ------------------------------------------------------------ signals
+    def handle(self, signum: int, frame: Any) -> None:
+        self.signal = self.signal or signum
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
+        pcontext = getattr(self.agent, "_pcontext", None)
+        for pid in pcontext.pids().values() if pcontext is not None else ():
+            try:
+                os.kill(pid, signum)  # the worker only: its data-loader processes keep serving the last step
+            except ProcessLookupError:
+                pass
+
+    def stopped_on_purpose(self, failures: dict[int, Any]) -> bool:
+        """The workers ended because of a preemption signal (to the launcher, or to them directly)."""
+        return bool(self.signal) or all(f.exitcode == EXIT_CODE for f in failures.values())
+
+    # ------------------------------------------------------------ the agent
+    def note_deaths(self, pcontext: Any, worker_group: Any) -> None:
+        if self.first_deaths or pcontext is None:
+            return
+        for local_rank, handler in getattr(pcontext, "subprocess_handlers", {}).items():
+            code = handler.proc.poll()  # the agent's own poll reads the same cached code afterwards
+            if code:
+                self.first_deaths[worker_group.workers[local_rank].global_rank] = code
+
+    def agent_class(self) -> type:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        supervisor = self
+
+        class Agent(LocalElasticAgent):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                supervisor.agent = self
+
+            def _start_workers(self, worker_group: Any) -> Any:
+                supervisor.first_deaths = {}
+                started = super()._start_workers(worker_group)
+                if supervisor.signal:  # arrived between two attempts: this one stops at once
+                    supervisor.forward(supervisor.signal)
+                return started
+
+            def _monitor_workers(self, worker_group: Any) -> Any:
+                supervisor.note_deaths(self._pcontext, worker_group)
+                result = super()._monitor_workers(worker_group)
+                if result.is_failed() and supervisor.stopped_on_purpose(result.failures):
+                    self._remaining_restarts = 0  # a preempted job is resumed by its scheduler, not restarted
+                return result
+
+        return Agent
+
+    # ------------------------------------------------------------ the report
+    def report(self, error: Any) -> tuple[str | None, int]:
+        """The line to print (None: rank 0 has said it) and the exit code, for the group's failure."""
+        failures = error.failures
+        if self.stopped_on_purpose(failures):
+            if all(f.exitcode == EXIT_CODE for f in failures.values()):
+                return None, EXIT_CODE  # every rank stopped after the same step; rank 0 logged where it saved
+            killed = [f for f in failures.values() if f.exitcode < 0 and -f.exitcode in SIGNALS]
+            if killed:
+                name = signal_name(-killed[0].exitcode)
+                return f"rapidlite: {name} before the training loop began: nothing to save (exit code {EXIT_CODE})", (
+                    EXIT_CODE
+                )
+        signalled = {rank: code for rank, code in self.first_deaths.items() if code < 0}
+        if signalled:
+            rank = min(signalled)
+            number = -signalled[rank]
+            return (
+                f"rapidlite: error: rank {rank} was killed by {signal_name(number)}, the first rank to end "
+                f"(an out-of-memory kill looks like this); the other ranks were stopped",
+                128 + number,
+            )
+        return _report(_first_failure(error))
+
+
 def _report(failure: Any) -> tuple[str, int]:
     """The text and exit code for one worker's failure record."""
     data = failure.error_file_data or {}
@@ -71,11 +170,7 @@ def _report(failure: Any) -> tuple[str, int]:
     if callstack:
         return f"rapidlite: error: rank {rank} failed: {text}\n{callstack.rstrip()}", 1
     if failure.exitcode < 0:
-        return (
-            f"rapidlite: error: rank {rank} was killed by signal {failure.signal_name()} "
-            f"(exit code {failure.exitcode})",
-            1,
-        )
+        return f"rapidlite: error: rank {rank} was killed by {signal_name(-failure.exitcode)}", 128 - failure.exitcode
     return f"rapidlite: error: rank {rank} exited with code {failure.exitcode}", failure.exitcode or 1
 
 
@@ -89,9 +184,36 @@ def _first_failure(error: Any) -> Any:
     return min(with_file or failures, key=lambda f: f.timestamp)
 
 
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torchrun's default minus SIGTERM, which the supervisor handles
+
+
+@contextlib.contextmanager
+def _supervised(supervisor: _Supervisor) -> Iterator[None]:
+    """torchrun's agent with the supervisor's hooks, and SIGTERM/SIGUSR1 handled by it (the agent would turn
+    SIGTERM into a traceback after killing the workers 30 s later, and SIGUSR1 would end the launcher alone)."""
+    import torch.distributed.launcher.api as launcher_api
+
+    agent_class = launcher_api.LocalElasticAgent
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
+    previous = {sig: signal.signal(sig, supervisor.handle) for sig in SIGNALS}
+    launcher_api.LocalElasticAgent = supervisor.agent_class()
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = agent_class
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if handled is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
+
+
 def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
     """Run ``entry argv`` (a module with ``module``, else a script path) as a torchrun worker group; return
-    the exit code to end with. Prints the first failure as described in the module docstring."""
+    the exit code to end with. Prints the first failure as described in the module docstring; workers that
+    stopped on SIGTERM/SIGUSR1 end it with ``preemption.EXIT_CODE``."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -99,12 +221,16 @@ def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
     _threads_per_worker(nproc_per_node(args))
     _quiet_agent()
     parsed = get_args_parser().parse_args([*launch_args, *(["-m"] if module else []), entry, *argv])
+    parsed.signals_to_handle = AGENT_SIGNALS  # torch >= 2.7 passes this to the agent's environment
+    supervisor = _Supervisor()
     try:
-        run(parsed)
+        with _supervised(supervisor):
+            run(parsed)
     except ChildFailedError as e:
-        text, code = _report(_first_failure(e))
+        text, code = supervisor.report(e)
         sys.stdout.flush()
-        print(text, file=sys.stderr, flush=True)
+        if text is not None:
+            print(text, file=sys.stderr, flush=True)
         return code
     return 0
 

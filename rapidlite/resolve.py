@@ -125,8 +125,9 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     _check_precision(args)
     _check_data_parallel(args)
     _resolve_batch(args)
-    _resolve_load(args)
-    _check_save_dir(args)
+    given_load = args.load  # before a first launch's --save D --load D drops it
+    notices += _resolve_load(args)
+    _check_save_dir(args, given_load)
     _check_lora(args)
     if task is not None:
         _check_task(task, args)
@@ -346,26 +347,35 @@ def _resolve_graph(args: argparse.Namespace) -> list[str]:
     return [f"--onnx-runtime-training: {reason}; using torch.compile"]
 
 
-def _resolve_load(args: argparse.Namespace) -> None:
+def _resolve_load(args: argparse.Namespace) -> list[str]:
     """``--load``: a checkpoint to resume (checked now, before any loading), or, as on Rapidformer's page, a
     Hugging Face model directory that a fine-tuning job loads with ``from_pretrained(args.load)``
-    (``args.load_is_pretrained_model``: nothing is resumed)."""
-    args.load_is_pretrained_model = False
-    if args.load is None:
-        return
+    (``args.load_is_pretrained_model``: nothing is resumed).
+
+    ``--save D --load D`` with no checkpoint in ``D`` yet (or no ``D``) starts fresh, so one command both starts
+    and resumes a requeued job; ``--load D`` alone still has to exist (a mistyped path must not start over). A
+    worker group restarted by ``--max-restarts`` resumes from ``--save``'s latest checkpoint."""
     from rapidlite.checkpoint import is_pretrained_model_dir, latest_iteration
 
+    args.load_is_pretrained_model = False
+    notices = _resume_restarted_attempt(args)
+    if args.load is None:
+        return notices
+    if _same_dir(args.load, args.save) and not args.finetune and _no_checkpoint_yet(args.load):
+        where = "does not exist yet" if not os.path.exists(args.load) else "holds no checkpoint yet"
+        args.load = None
+        return [f"--load {args.save} {where}: starting fresh (the same command resumes from its checkpoints)"]
     if not is_pretrained_model_dir(args.load):
         latest_iteration(args.load)  # a missing or corrupt checkpoint fails here
-        return
+        return notices
     args.load_is_pretrained_model = True
     if args.user_script is not None:
-        return
+        return notices
     model = args.pretrained_model_name_or_path
     task = get_task(args.task) if args.task is not None else None
     if task is not None and task.load_model_dir and model in (None, args.load):
         args.pretrained_model_name_or_path = args.load
-        return
+        return notices
     hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if args.task == "pretraining" else "")
     raise ConfigError(
         f"--load {args.load} holds a Hugging Face model, not a rapidlite checkpoint (no 'latest'): start from it "
@@ -373,7 +383,46 @@ def _resolve_load(args: argparse.Namespace) -> None:
     )
 
 
-def _check_save_dir(args: argparse.Namespace) -> None:
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _no_checkpoint_yet(path: str) -> bool:
+    """No directory, or an empty start of one: no 'latest', no iter_* and no Hugging Face model (a crash during
+    the first save leaves only a .tmp_ directory, which is never loaded)."""
+    from rapidlite.checkpoint import LATEST_FILE, is_pretrained_model_dir
+
+    if not os.path.exists(path):
+        return True
+    if not os.path.isdir(path) or is_pretrained_model_dir(path):
+        return False
+    return not os.path.exists(os.path.join(path, LATEST_FILE)) and not any(
+        name.startswith("iter_") for name in os.listdir(path)
+    )
+
+
+def _resume_restarted_attempt(args: argparse.Namespace) -> list[str]:
+    """In a worker group that torchrun restarted (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0): resume
+    from ``--save``'s latest checkpoint, whatever ``--load`` said for the first attempt."""
+    from rapidlite.checkpoint import LATEST_FILE, is_pretrained_model_dir
+
+    attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if not attempt:
+        return []
+    restarted = f"restarted attempt {attempt} (--max-restarts)"
+    if args.save is None or not os.path.isfile(os.path.join(args.save, LATEST_FILE)):
+        why = "no --save" if args.save is None else f"no checkpoint in {args.save} yet"
+        return [f"{restarted}: {why}, so training starts again from iteration 0"]
+    if args.load is not None and not _same_dir(args.load, args.save) and is_pretrained_model_dir(args.load):
+        return [
+            f"{restarted}: --load {args.load} is the Hugging Face model the run starts from, so training starts "
+            f"again from it; to resume instead, pass it as --pretrained-model-name-or-path with --load {args.save}"
+        ]
+    args.load, args.finetune = args.save, False
+    return [f"{restarted}: resuming from the latest checkpoint in {args.save}"]
+
+
+def _check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> None:
     """``--save``: a directory that can be written, and not another run's unless this one resumes it (``--load``
     the same directory) or replaces it (``--overwrite``, carried out by the trainer when the run starts).
     ``--eval-only`` only appends to ``metrics.jsonl``."""
@@ -393,7 +442,7 @@ def _check_save_dir(args: argparse.Namespace) -> None:
     names = os.listdir(save)
     iterations = sorted(n for n in names if n.startswith("iter_"))
     held = [*iterations[-1:], *(n for n in ("latest", "metrics.jsonl", "hf") if n in names)]
-    resumes = args.load is not None and os.path.abspath(args.load) == save
+    resumes = _same_dir(given_load, args.save) or _same_dir(args.load, args.save)
     if not held or resumes:
         return
     if not args.overwrite:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
-from rapidlite import distributed
+from rapidlite import distributed, preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
@@ -114,6 +114,7 @@ class BaseTrainer:
         self._skip_streak = 0  # consecutive steps skipped for NaN/inf (see _watch_divergence)
         # On every line of metrics.jsonl, so records of two runs in one file stay apart.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+        self._stop_signals = preemption.StopSignals()
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -463,6 +464,7 @@ class BaseTrainer:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
             self._metrics.close()
+        self._stop_signals.restore()  # a signal during the final save was ignored: the run is complete
 
     def begin_training(self) -> None:
         """Called once everything is built, right before the first step."""
@@ -472,6 +474,32 @@ class BaseTrainer:
             self._resume_rng = None
         self._progress = progress_bar(self.total_iters, self.iteration, self.engine.is_main_process)
         self._first_step_start = time.perf_counter()
+        self._stop_signals.install()
+
+    def stop_if_signalled(self) -> None:
+        """Called by the loops after each optimizer step. When SIGTERM or SIGUSR1 reached any rank, every rank
+        stops here, after the same iteration: the checkpoint is saved (with --save), one line says how to resume,
+        and the process ends with exit code 143 (``rapidlite.preemption``). Returns when no signal came."""
+        signum = self._stop_signals.agreed(self.engine.device)
+        if not signum:
+            return
+        self.log_interval()  # the steps since the last logged interval (none when they were just logged)
+        if self._progress is not None:
+            self._progress.close()
+        save = self.args.save
+        if save is not None:
+            self.save_checkpoint()
+            self.engine.barrier()  # no rank ends (and gets its peers stopped) before every shard is written
+            how = f"saved a checkpoint in {save}; the same command with --save {save} --load {save} resumes it"
+        else:
+            how = "nothing saved (no --save): a rerun starts over"
+        self.logger.info(
+            f"{preemption.signal_name(signum)}: stopped after iteration {self.iteration} of {self.total_iters} and "
+            f"{how} (exit code {preemption.EXIT_CODE})"
+        )
+        if self._metrics is not None:
+            self._metrics.close()
+        preemption.exit_preempted()
 
 
 def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:

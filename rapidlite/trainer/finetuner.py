@@ -112,6 +112,7 @@ class Finetuner(BaseTrainer):
                     break
                 self.train_step(functools.partial(self._forward_batch, b) for b in micro)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
+                self.stop_if_signalled()
             if self.iteration % self.steps_per_epoch == 0 or self.iteration >= total:
                 self.evaluate("validation")
         if self.test_dataloader is not None:

@@ -120,6 +120,7 @@ class PreTrainer(BaseTrainer):
             samples, tokens = iterator.take_counts()
             self.count_batch(samples, tokens)
             self.after_step(samples)
+            self.stop_if_signalled()
         if not args.eval_interval or self.iteration % args.eval_interval:
             self.evaluate("validation")
         if self.test_data_iterator is not None:

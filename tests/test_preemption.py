@@ -1,0 +1,273 @@
+"""Never lose a run: SIGTERM/SIGUSR1 stop every rank after the same step with a checkpoint and exit code 143;
+``--save D --load D`` starts fresh on the first launch; ``--max-restarts`` resumes from the latest checkpoint;
+a rank killed by SIGKILL is named in one line; kill -9 at random moments (also mid-save) loses nothing.
+Real signals to real processes; every resumed run is compared bit for bit with an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import DP_COMMON, DP_ONE, DP_TWO, REPO, read_metrics
+from rapidlite.arguments import parse_args
+from rapidlite.checkpoint import read_model_tensors
+from rapidlite.errors import CheckpointError
+from rapidlite.preemption import EXIT_CODE
+
+SCRIPT = str(REPO / "tests" / "scripts" / "preemptible.py")
+ITERS = 24
+FLAGS = [*DP_COMMON, "--train-iters", str(ITERS), "--lr-decay-iters", str(ITERS)]
+LAYOUTS = {"one": DP_ONE, "two": DP_TWO}
+
+
+def start(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``rapidlite --user-script preemptible.py ARGV`` in the background, output read line by line."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rapidlite", "--user-script", SCRIPT, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+    )
+
+
+def wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> list[str]:
+    """Stdout lines up to and including the first one matching ``pattern``."""
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+        assert time.monotonic() < deadline, "".join(lines)
+    raise AssertionError(f"no line matching {pattern!r}:\n{''.join(lines)}\n{proc.stderr.read()[-3000:]}")
+
+
+def finish(proc: subprocess.Popen, earlier: list[str]) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=180)
+    return proc.returncode, "".join(earlier) + out, err
+
+
+def run(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = start(*argv, env=env)
+    return finish(proc, [])
+
+
+def losses(save: Path) -> dict[int, float]:
+    """Training loss per iteration; a record written again after a resume replaces the earlier one."""
+    return {r["iteration"]: r["loss"] for r in read_metrics(save) if "split" not in r}
+
+
+def assert_same_run(save: Path, reference: Path) -> None:
+    assert losses(save) == losses(reference)
+    expected = read_model_tensors(reference / f"iter_{ITERS:07d}")
+    actual = read_model_tensors(save / f"iter_{ITERS:07d}")
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of each layout, trained once."""
+    root, done = tmp_path_factory.mktemp("reference"), {}
+
+    def get(layout: str) -> Path:
+        if layout not in done:
+            code, out, err = run(*FLAGS, *LAYOUTS[layout], "--save", str(root / layout))
+            assert code == 0, err[-3000:]
+            done[layout] = root / layout
+        return done[layout]
+
+    return get
+
+
+def stop_with_signal(layout: str, sig: signal.Signals, save: Path | None) -> tuple[int, str, str]:
+    """Start a run and send ``sig`` to the process the user started once iteration 4 is logged."""
+    keep = ["--save", str(save), "--load", str(save)] if save is not None else []
+    proc = start(*FLAGS, *LAYOUTS[layout], *keep, env={"STEP_SLEEP": "0.05"})
+    earlier = wait_for(proc, r"iteration: 4 \|")
+    proc.send_signal(sig)
+    return finish(proc, earlier)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,sig",
+    [
+        ("one", signal.SIGTERM),
+        ("one", signal.SIGUSR1),
+        pytest.param("two", signal.SIGTERM, marks=pytest.mark.distributed),
+    ],
+)
+def test_signal_saves_stops_and_the_same_command_resumes_bit_exact(tmp_path, reference, layout, sig):
+    save = tmp_path / "run"
+    code, out, err = stop_with_signal(layout, sig, save)
+    assert code == EXIT_CODE, err[-3000:]
+    assert f"--load {save} does not exist yet: starting fresh" in out  # the first launch of the requeue command
+    (stopped,) = [line for line in out.splitlines() if "stopped after iteration" in line]
+    stopped_at = int(re.search(r"stopped after iteration (\d+)", stopped).group(1))
+    assert sig.name in stopped and f"saved a checkpoint in {save}" in stopped and "exit code 143" in stopped
+    assert 4 <= stopped_at < ITERS
+    assert (save / "latest").read_text().strip() == str(stopped_at)
+    assert sorted(losses(save)) == list(range(1, stopped_at + 1))  # every rank stopped after that step
+    assert "Traceback" not in err and "rapidlite: error" not in err, err[-3000:]
+
+    code, out, err = run(*FLAGS, *LAYOUTS[layout], "--save", str(save), "--load", str(save))  # the same command
+    assert code == 0, err[-3000:]
+    assert f"resumed from {save} at iteration {stopped_at}" in out
+    assert_same_run(save, reference(layout))
+
+
+@pytest.mark.slow
+def test_signal_without_save_says_nothing_was_saved(tmp_path):
+    code, out, err = stop_with_signal("one", signal.SIGTERM, None)
+    assert code == EXIT_CODE, err[-3000:]
+    (stopped,) = [line for line in out.splitlines() if "stopped after iteration" in line]
+    assert "nothing saved (no --save)" in stopped
+
+
+def test_save_and_load_of_one_directory_start_fresh_only_when_it_holds_no_checkpoint(tmp_path):
+    """The first launch of a requeue command starts fresh (also after a crash in the first save); --load alone
+    still names a checkpoint that must exist."""
+    script = ["--user-script", SCRIPT, "--train-iters", "2"]
+    d = tmp_path / "d"
+    for prepare in (lambda: None, d.mkdir, lambda: (d / ".tmp_iter_0000001").mkdir()):
+        prepare()
+        config = parse_args([*script, "--save", str(d), "--load", str(d)])
+        assert config.load is None
+        assert any("starting fresh" in n for n in config.notices)
+    with pytest.raises(CheckpointError, match="directory not found"):
+        parse_args([*script, "--load", str(tmp_path / "missing")])
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        parse_args([*script, "--load", str(d)])  # not the --save directory: a mistake, not a first launch
+    (d / "iter_0000001").mkdir()  # checkpoints but no 'latest': something is wrong, said so
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        parse_args([*script, "--save", str(d), "--load", str(d)])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_max_restarts_resumes_from_the_latest_checkpoint(tmp_path, reference):
+    """Rank 1 crashes in iteration 7 of the first attempt; the restarted attempt resumes at the checkpoint of
+    iteration 6 (--save only, no --load) and the run ends as the uninterrupted one."""
+    save = tmp_path / "run"
+    argv = [*FLAGS, *DP_TWO, "--save-interval", "3", "--save", str(save), "--max-restarts", "1"]
+    code, out, err = run(*argv, env={"CRASH_AT": "7"})
+    assert code == 0, err[-3000:]
+    assert f"restarted attempt 1 (--max-restarts): resuming from the latest checkpoint in {save}" in out
+    assert f"resumed from {save} at iteration 6" in out
+    assert_same_run(save, reference("two"))
+
+
+def worker_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker of ``rank`` that the launcher started (its child with RANK=rank)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} worker under pid {launcher}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_killed_by_sigkill_is_named_once(tmp_path):
+    """What an out-of-memory kill looks like: the dead rank and its signal, not its peer's gloo traceback."""
+    for _ in range(2):
+        proc = start(*FLAGS, *DP_TWO, env={"STEP_SLEEP": "0.05"})
+        earlier = wait_for(proc, r"iteration: 3 \|")
+        os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
+        code, out, err = finish(proc, earlier)
+        assert code == 128 + signal.SIGKILL, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("rapidlite: error:")]
+        assert len(errors) == 1 and "rank 1 was killed by SIGKILL" in errors[0], err[-3000:]
+        assert "Traceback" not in err and "Connection reset" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_loses_nothing(tmp_path, reference):
+    """A checkpoint every step, so some kills land mid-save; every resume is the same command, and the run
+    ends as the uninterrupted one. The moments are seeded, so a failure can be replayed."""
+    rng = random.Random(20240611)
+    save = tmp_path / "run"
+    argv = [*FLAGS, *DP_ONE, "--save-interval", "1", "--save", str(save), "--load", str(save)]
+    kills = 0
+    for _ in range(4):
+        proc = start(*argv, env={"STEP_SLEEP": "0.02"})
+        earlier = wait_for(proc, r"iteration: \d+ \||evaluation \(validation\)")
+        if "evaluation" in earlier[-1]:
+            break  # the run reached its end before this kill
+        time.sleep(rng.uniform(0, 0.6))
+        proc.kill()
+        finish(proc, earlier)
+        kills += 1
+    assert kills >= 3
+    code, out, err = run(*argv)
+    assert code == 0, err[-3000:]
+    assert_same_run(save, reference("one"))
+    assert not list(save.glob(".tmp_*"))
+
+
+STUBS = {
+    # srun forwards signals to its tasks; the stub becomes its task instead.
+    "srun": 'while [[ $1 == --* ]]; do shift; done; exec "$@"',
+    "scontrol": 'if [ "$1" = show ]; then echo node1; else echo "$*" >> "$STUB_LOG"; fi',
+    # rapidlite as it behaves: stops with 143 on USR1/TERM (after its step and save), else finishes with 0.
+    "rapidlite": 'trap "exit 143" USR1 TERM; echo "$*" > "$STUB_READY"; for _ in $(seq 30); do sleep 0.1; done',
+}
+
+
+@pytest.mark.parametrize("sig,requeued", [(None, False), (signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_slurm_script_passes_signals_on_and_requeues_after_the_time_limit_signal(tmp_path, sig, requeued):
+    """launch/slurm.sbatch with stand-ins for srun, scontrol and rapidlite: USR1 (--signal=B:USR1@120) reaches
+    rapidlite and the job is requeued after its exit 143; TERM (scancel) reaches it and nothing is requeued."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    log, ready = tmp_path / "scontrol.log", tmp_path / "ready"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "STUB_LOG": str(log),
+        "STUB_READY": str(ready),
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NODEID": "0",
+    }
+    script = subprocess.run(["bash", "-n", str(REPO / "launch" / "slurm.sbatch")], capture_output=True, text=True)
+    assert script.returncode == 0, script.stderr
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "launch" / "slurm.sbatch"), "--task", "pretraining", "--save", "d", "--load", "d"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ready.read_text().split() == ["--nproc-per-node", "1", "--task", "pretraining", "--save", "d", "--load", "d"]
+    if sig is not None:
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == (0 if sig is None else EXIT_CODE), err
+    assert (log.read_text() if log.exists() else "") == ("requeue 42\n" if requeued else "")
