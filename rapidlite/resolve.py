@@ -201,6 +201,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         "eval_interval",
         "eval_iters",
         "save_interval",
+        "keep_last",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "loss_scale_window",
@@ -242,6 +243,8 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
+    if args.keep_last is not None and args.save is None:
+        raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
@@ -352,10 +355,10 @@ def _resolve_load(args: argparse.Namespace) -> None:
     args.load_is_pretrained_model = False
     if args.load is None:
         return
-    from rapidlite.checkpoint import is_pretrained_model_dir, latest_iteration
+    from rapidlite.checkpoint import check_loadable, is_pretrained_model_dir
 
     if not is_pretrained_model_dir(args.load):
-        latest_iteration(args.load)  # a missing or corrupt checkpoint fails here
+        check_loadable(args.load)  # nothing to resume fails here; verifying waits for the load
         return
     args.load_is_pretrained_model = True
     if args.user_script is not None:
