@@ -674,9 +674,8 @@ def check_shapes(load_dir: Any, own: dict[str, Any], saved: dict[str, Any]) -> N
     """The first tensor of ``own`` whose shape in ``saved`` (tensors or DCP's metadata) differs, named in one
     line."""
     for name, tensor in own.items():
-        shape = getattr(saved.get(name), "size", None)
-        if shape is None and isinstance(saved.get(name), torch.Tensor):
-            shape = saved[name].shape
+        entry = saved.get(name)
+        shape = entry.shape if isinstance(entry, torch.Tensor) else getattr(entry, "size", None)
         if shape is not None and tuple(shape) != tuple(tensor.shape):
             if name.startswith(MODEL):
                 name = name[len(MODEL) :]

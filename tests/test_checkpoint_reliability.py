@@ -155,6 +155,38 @@ def test_latest_behind_a_newer_complete_checkpoint(copy, log_lines):
     assert any("names iteration 4 but iter_0000006 was completed after it" in line for line in log_lines)
 
 
+KILL_BEFORE_LATEST = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from helpers import ToyFinetuner, engine
+from rapidlite import checkpoint as ckpt
+real, calls = ckpt._write_latest, []
+def dying(save_dir, iteration):
+    calls.append(iteration)
+    if len(calls) == {kill_at}:  # iter_N is complete and renamed into place; the machine dies before 'latest'
+        os._exit(9)
+    real(save_dir, iteration)
+ckpt._write_latest = dying
+ToyFinetuner(engine(*sys.argv[1:])).train()
+"""
+
+
+@pytest.mark.parametrize("kill_at", [1, 2])
+def test_killed_before_latest_is_written_resumes_from_the_complete_checkpoint(tmp_path, kill_at, log_lines):
+    save = tmp_path / "run"
+    script = tmp_path / "die.py"
+    script.write_text(KILL_BEFORE_LATEST.format(tests=str(ckpt.Path(__file__).parent), kill_at=kill_at))
+    argv = [*ARGV, "--train-iters", "6", "--save-interval", "2", "--save", str(save)]
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    newest = ckpt.checkpoint_name(2 * kill_at)
+    assert (save / "latest").is_file() == (kill_at > 1) and (save / newest / "manifest.json").is_file()
+    trainer = ToyFinetuner(engine(*ARGV, "--train-iters", "6", "--load", str(save)))
+    trainer.setup_model(6)
+    assert trainer.iteration == 2 * kill_at
+    assert any(f"loading {newest} instead" in line for line in log_lines), log_lines
+
+
 def test_latest_written_after_a_newer_checkpoint_is_obeyed(copy, log_lines):
     """A 'latest' set back by hand (or a run resumed from an earlier checkpoint into the same directory) wins over
     the older newer-numbered checkpoint."""
@@ -223,6 +255,13 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(base):
         WideFinetuner(engine(*ARGV, "--train-iters", "8", "--load", str(base))).setup_model(8)
     assert "parameter net.0.weight has shape (32, 8) in the checkpoint but (48, 8) in the model" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_shapes_are_checked_against_tensors_too():
+    """The weights of a DeepSpeed checkpoint (or one loaded into DeepSpeed) are tensors, not DCP metadata."""
+    ckpt.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.ones(2, 3), "other": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match=r"parameter w has shape \(3, 3\) in the checkpoint but \(2, 3\)"):
+        ckpt.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.zeros(3, 3)})
 
 
 def _no_space(*args, **kwargs):
