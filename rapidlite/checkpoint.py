@@ -28,7 +28,8 @@ share of the files. A checkpoint that does not verify is named in one warning li
 that does is loaded; none: a one-line error. ``latest`` missing, unreadable, or behind a complete newer
 checkpoint (one whose manifest was written after ``latest``: a save killed between the rename and ``latest``)
 gives way to the newest checkpoint that verifies. A checkpoint without a manifest (an earlier version's)
-loads unverified, said once.
+loads unverified, said once. ``--keep-last N`` (``prune_checkpoints``) deletes older checkpoints after a
+save, never the one just saved.
 
 A DeepSpeed checkpoint resumes under DeepSpeed (same layout); its weights (consolidated by DeepSpeed's
 ``zero_to_fp32``) also load without DeepSpeed, and a DCP checkpoint's weights load under DeepSpeed:
