@@ -399,6 +399,13 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints, logging and evaluation")
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory (also metrics.jsonl)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after each save, delete the checkpoints older than the newest N (the one just saved always stays)",
+    )
     g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR/latest")
     g.add_argument("--finetune", action="store_true", help="with --load: load weights only and restart at iteration 0")
     g.add_argument(

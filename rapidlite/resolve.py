@@ -203,6 +203,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         "eval_interval",
         "eval_iters",
         "save_interval",
+        "keep_last",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "loss_scale_window",
@@ -244,6 +245,8 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
+    if args.keep_last is not None and args.save is None:
+        raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
@@ -355,7 +358,7 @@ def _resolve_load(args: argparse.Namespace) -> list[str]:
     ``--save D --load D`` with no checkpoint in ``D`` yet (or no ``D``) starts fresh, so one command both starts
     and resumes a requeued job; ``--load D`` alone still has to exist (a mistyped path must not start over). A
     worker group restarted by ``--max-restarts`` resumes from ``--save``'s latest checkpoint."""
-    from rapidlite.checkpoint import is_pretrained_model_dir, latest_iteration
+    from rapidlite.checkpoint import check_loadable, is_pretrained_model_dir
 
     args.load_is_pretrained_model = False
     notices = _resume_restarted_attempt(args)
@@ -366,7 +369,7 @@ def _resolve_load(args: argparse.Namespace) -> list[str]:
         args.load = None
         return [f"--load {args.save} {where}: starting fresh (the same command resumes from its checkpoints)"]
     if not is_pretrained_model_dir(args.load):
-        latest_iteration(args.load)  # a missing or corrupt checkpoint fails here
+        check_loadable(args.load)  # nothing to resume fails here; verifying waits for the load
         return notices
     args.load_is_pretrained_model = True
     if args.user_script is not None:

@@ -34,6 +34,7 @@ FLAGS = """
 --lora-rank --lora-alpha --lora-dropout --lora-target-modules --lora-modules-to-save --merge-lora --load-in-4bit
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
 --eval-only --overwrite --max-skipped-steps
+--keep-last
 """.split()
 
 

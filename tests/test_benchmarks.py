@@ -130,3 +130,16 @@ def test_packing_benchmark_quick():
     assert rows == ["rapidlite --packing", "rapidlite padded", "HF Trainer"], proc.stdout
     for ratio in ("packing vs padded useful tokens/s: x", "packing vs HF Trainer useful tokens/s: x"):
         assert any(line.startswith(ratio) for line in lines), proc.stdout
+
+
+@pytest.mark.slow
+def test_checkpoint_hashing_benchmark_quick():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "checkpoint_hashing.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):
+        assert row in proc.stdout, proc.stdout

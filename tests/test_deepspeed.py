@@ -11,7 +11,7 @@ from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
 from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint import read_model_tensors, verify_checkpoint
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 
@@ -103,6 +103,12 @@ def test_resume_under_deepspeed_is_bit_exact(runs, tmp_path):
     assert train_losses(save) == train_losses(runs("ds_zero2"))
     for k, v in read_model_tensors(runs("ds_zero2") / "iter_0000006").items():
         assert torch.equal(v, read_model_tensors(save / "iter_0000006")[k]), k
+    # DeepSpeed's files are in the manifest (each rank hashed its own partition) and verify
+    files = json.loads((save / "iter_0000006" / "manifest.json").read_text())["files"]
+    assert {n for n in files if "zero_pp_rank_" in n} == {
+        f"deepspeed/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)
+    }, files
+    assert verify_checkpoint(save / "iter_0000006") is None
 
 
 @pytest.mark.parametrize("first,then", [("ds_zero2", "single"), ("single", "ds_zero3")])

@@ -22,6 +22,7 @@ class DeepSpeed(Strategy):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self._resume_weights: dict[str, torch.Tensor] | None = None
+        self._resume_from: tuple[int, Path] | None = None  # the checkpoint prepare_resume verified
         self._per_micro_mean_warned = False
 
     @property
@@ -32,7 +33,8 @@ class DeepSpeed(Strategy):
         """A checkpoint written without DeepSpeed: its weights go into the model before DeepSpeed builds its
         fp32 copies from them (the optimizer state does not carry over)."""
         args = self.args
-        path = ckpt.checkpoint_path(load_dir)
+        self._resume_from = ckpt.select_checkpoint(load_dir)
+        path = self._resume_from[1]
         if ckpt.is_deepspeed_checkpoint(path):
             return
         if not (args.finetune or args.no_load_optim):
@@ -52,6 +54,7 @@ class DeepSpeed(Strategy):
         model.to(self.device)
         self._prepare_module(model, dynamic_shapes, split=None)
         if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
+            ckpt.check_shapes(self.args.load, model.state_dict(), self._resume_weights)
             model.load_state_dict(self._resume_weights, strict=not lora.trainable_only(model))
             self._resume_weights = None
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
@@ -102,8 +105,7 @@ class DeepSpeed(Strategy):
     def load_checkpoint(
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
     ) -> tuple[int, dict[str, Any] | None]:
-        iteration = ckpt.latest_iteration(load_dir)
-        path = ckpt.checkpoint_path(load_dir)
+        iteration, path = self._resume_from or ckpt.select_checkpoint(load_dir)
         native = ckpt.is_deepspeed_checkpoint(path)
         if native:
             loaded, _ = model.load_checkpoint(

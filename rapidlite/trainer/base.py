@@ -423,6 +423,9 @@ class BaseTrainer:
         )
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
+        if self.args.keep_last:
+            for old in ckpt.prune_checkpoints(self.args.save, self.args.keep_last, self.iteration):
+                self.logger.info(f"--keep-last {self.args.keep_last}: deleted {old}")
 
     def load_checkpoint(self) -> None:
         args = self.args
