@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
+if TYPE_CHECKING:  # the launcher imports this module: flag errors and --help stay free of torch
+    import torch
 
 EXIT_CODE = 143
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -55,6 +56,7 @@ class StopSignals:
 
     def agreed(self, device: torch.device) -> int:
         """The signal number any rank of the job received (0: none), the same on every rank (a collective)."""
+        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
