@@ -1,7 +1,8 @@
 """LoRA and QLoRA fine-tuning: rapidlite against a plain peft + PyTorch loop and ``transformers.Trainer``.
 
-    python benchmarks/lora.py            # workload L, 8 or 10 contenders: about 10 minutes on 2 cores
+    python benchmarks/lora.py            # workload L, 7 or 9 contenders: 10 minutes on 2 idle cores
     python benchmarks/lora.py --quick    # a tiny model for a few steps: checks the script only
+    python benchmarks/lora.py --only trainer,plain_again    # some contenders (plain and rapidlite always run)
 
 Workload L (``benchmarks/lora_workload.py``): ``LlamaForCausalLM`` (4 layers, hidden 512, 8 heads, SwiGLU
 1376, vocabulary 8192, untied output layer, 21M parameters) built with the same seed in every contender, on
@@ -55,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_workload import LORA_SEED, QUICK, L, LoraWorkload, build_model, dataset, peft_config  # noqa: E402
-from speed import Running, Turns, child_env, lr_lambda, max_relative_difference, max_rss_bytes  # noqa: E402
+from speed import Running, Turns, child_env, lr_lambda, max_relative_difference  # noqa: E402
 
 WORKLOAD_SCRIPT = Path(__file__).resolve().with_name("lora_workload.py")
 LOSS_TOLERANCE = 1e-4  # relative, every step: fp32 contenders computing the same thing in the same order
@@ -115,6 +116,7 @@ class FirstStep:
     def __init__(self) -> None:
         self.fingerprint: float | None = None
         self.state: dict[str, int] | None = None
+        self.peak_before = 0
 
     def before(self, optimizer, args, kwargs) -> None:
         if self.fingerprint is None:
@@ -132,6 +134,7 @@ class FirstStep:
                     v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")
                 ),
             }
+            self.peak_before = peak_rss_kib() * 1024  # getrusage's ru_maxrss is reset with it
             reset_peak_rss()
 
 
@@ -249,7 +252,7 @@ def contender_main(key: str, result: str, quick: bool) -> None:
         "fingerprint": first.fingerprint,
         "state": first.state,
         "rss_start": rss_start,
-        "max_rss": max_rss_bytes(),
+        "max_rss": max(first.peak_before, peak_rss_kib() * 1024),
         "train_peak_rss": peak_rss_kib() * 1024,
     }
     Path(result).write_text(json.dumps(record))
@@ -317,7 +320,7 @@ def check(results: dict) -> bool:
             f"check adapters before step 1, {c.label} vs plain peft loop: "
             f"{res['fingerprint']:.9g} vs {reference['fingerprint']:.9g}: {'ok' if same else 'DIFFERENT'}"
         )
-    for key in CHECKED:
+    for key in (k for k in CHECKED if k in results):
         diff = max_relative_difference(results[key]["losses"], reference["losses"])
         good = diff <= LOSS_TOLERANCE
         ok &= good
@@ -362,6 +365,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny model for a few steps (checks the script)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per contender (default 2)")
+    p.add_argument("--only", default=None, help="comma-separated contender keys (plain and rapidlite always run)")
     p.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -376,7 +380,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     w = QUICK if args.quick else L
     fast_bf16 = cpu_bf16_is_fast()
-    contenders = [c for c in CONTENDERS if fast_bf16 or not c.bf16]
+    keys = set(args.only.split(",")) | {"plain", "rapidlite"} if args.only else set(BY_KEY)
+    if keys - set(BY_KEY):
+        raise SystemExit(f"--only: unknown contender(s) {sorted(keys - set(BY_KEY))}; choose from {list(BY_KEY)}")
+    contenders = [c for c in CONTENDERS if c.key in keys and (fast_bf16 or not c.bf16)]
     model = build_model(w)
     print(
         f"workload: LLaMA {w.layers} layers x {w.hidden} (SwiGLU {w.ffn}), vocab {w.vocab}, "
@@ -396,8 +403,8 @@ def main() -> int:
 
     first_timed = 3
     rates = {k: w.tokens_per_step / statistics.median(r["step_s"][first_timed - 2 :]) for k, r in results.items()}
-    full_state = results["full"]["state"]
-    full_trainable = full_state["param_bytes"] + full_state["grad_bytes"] + full_state["optimizer_bytes"]
+    full = results.get("full", {}).get("state")
+    full_trainable = full["param_bytes"] + full["grad_bytes"] + full["optimizer_bytes"] if full else None
     print()
     print(
         "| contender | tokens/s | vs plain loop | vs rapidlite | trainable params | trainable state MiB | "
@@ -407,10 +414,11 @@ def main() -> int:
     for c in contenders:
         res, state = results[c.key], results[c.key]["state"]
         trainable = state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"]
+        vs_full = f"{trainable / full_trainable:.4f}" if full_trainable else "-"
         print(
             f"| {c.label} | {rates[c.key]:.0f} | {rates[c.key] / rates['plain']:.3f} | "
             f"{rates[c.key] / rates['rapidlite']:.3f} | {state['trainable_params']:,d} | {trainable / 2**20:.2f} | "
-            f"{trainable / full_trainable:.4f} | {res['max_rss'] / 2**20:.0f} | {res['train_peak_rss'] / 2**20:.0f} | "
+            f"{vs_full} | {res['max_rss'] / 2**20:.0f} | {res['train_peak_rss'] / 2**20:.0f} | "
             f"{res['losses'][0]:.4f} | {res['losses'][-1]:.4f} |"
         )
     print()
@@ -419,11 +427,12 @@ def main() -> int:
     for name, size in bytes_of.items():
         print(f"| {name} | {size / 2**20:.2f} | {size / bytes_of['bf16']:.3f} |")
     print()
-    for key, target in TARGETS.items():
+    for key, target in ((k, t) for k, t in TARGETS.items() if k in rates):
         ratio = rates["rapidlite"] / rates[key]
         verdict = "" if args.quick else f" (target >= {target:.2f}): {'met' if ratio >= target else 'MISSED'}"
         print(f"rapidlite vs {BY_KEY[key].label} tokens/s: x{ratio:.3f}{verdict}")
-    print(f"noise floor: the plain loop's second process ran at x{rates['plain_again'] / rates['plain']:.3f}")
+    if "plain_again" in rates:
+        print(f"noise floor: the plain loop's second process ran at x{rates['plain_again'] / rates['plain']:.3f}")
     for key in ("qlora4", "qlora8", "qlora4_bf16"):
         if key in rates:
             print(f"{BY_KEY[key].label} step time: x{rates['rapidlite'] / rates[key]:.2f} of fp32 LoRA's")
