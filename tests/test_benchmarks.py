@@ -143,3 +143,39 @@ def test_checkpoint_hashing_benchmark_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):
         assert row in proc.stdout, proc.stdout
+
+
+def test_lora_benchmark_quick():
+    """The LoRA contenders start from the same adapters and the plain peft loop, the Trainer and rapidlite
+    train the same loss curve (checked before any speed is printed); the tables and ratio lines are there
+    (nothing is asserted on speed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "lora.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    adapters = [line for line in lines if line.startswith("check adapters before step 1")]
+    assert len(adapters) >= 6 and all(line.endswith(": ok") for line in adapters), proc.stdout
+    losses = [line for line in lines if line.startswith("check loss ")]
+    assert len(losses) == 3 and all(line.endswith(": ok") for line in losses), proc.stdout
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")]
+    for row in (
+        "plain peft loop",
+        "HF Trainer + peft",
+        "rapidlite",
+        "rapidlite --load-in-4bit",
+        "rapidlite --load-in-8bit",
+        "rapidlite full fine-tuning",
+        "fp32",
+        "bf16",
+        "nf4",
+        "nf4 double quant",
+        "int8",
+    ):
+        assert row in rows, (row, proc.stdout)
+    for ratio in ("rapidlite vs plain peft loop tokens/s: x", "rapidlite vs HF Trainer + peft tokens/s: x"):
+        assert any(line.startswith(ratio) for line in lines), proc.stdout
