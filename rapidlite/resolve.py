@@ -440,7 +440,8 @@ def _check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> 
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {args.save}: {existing} is not writable; pass a directory you can write to")
-    if args.eval_only or not os.path.isdir(save):
+    # A worker group restarted by --max-restarts continues the run that owns the directory.
+    if args.eval_only or not os.path.isdir(save) or env_int("TORCHELASTIC_RESTART_COUNT", 0):
         return
     names = os.listdir(save)
     iterations = sorted(n for n in names if n.startswith("iter_"))

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.environ",
             "rapidlite.logging",
             "rapidlite.distributed",
+            "rapidlite.preemption",
             "rapidlite.losses",
             "rapidlite.metrics",
             "rapidlite.cache",
