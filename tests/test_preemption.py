@@ -150,9 +150,9 @@ def test_save_and_load_of_one_directory_start_fresh_only_when_it_holds_no_checkp
         parse_args([*script, "--load", str(tmp_path / "missing")])
     with pytest.raises(CheckpointError, match="no 'latest' file"):
         parse_args([*script, "--load", str(d)])  # not the --save directory: a mistake, not a first launch
-    (d / "iter_0000001").mkdir()  # checkpoints but no 'latest': something is wrong, said so
-    with pytest.raises(CheckpointError, match="no 'latest' file"):
-        parse_args([*script, "--save", str(d), "--load", str(d)])
+    (d / "iter_0000001").mkdir()  # a checkpoint but no 'latest': resumed (verified when loaded), not started over
+    config = parse_args([*script, "--save", str(d), "--load", str(d)])
+    assert config.load == str(d) and not any("starting fresh" in n for n in config.notices)
 
 
 @pytest.mark.slow
