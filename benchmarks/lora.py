@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_workload import LORA_SEED, QUICK, L, LoraWorkload, build_model, dataset, peft_config  # noqa: E402
-from speed import Running, Turns, child_env, lr_lambda, max_relative_difference  # noqa: E402
+from speed import Running, Turns, child_env, lr_lambda, max_relative_difference, take_turns  # noqa: E402
 
 WORKLOAD_SCRIPT = Path(__file__).resolve().with_name("lora_workload.py")
 LOSS_TOLERANCE = 1e-4  # relative, every step: fp32 contenders computing the same thing in the same order
@@ -278,30 +278,7 @@ def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
 
 def run_interleaved(contenders: list[Contender], w: LoraWorkload, quick: bool, threads: int, tmp: Path) -> dict:
     """Step 1 (start-up, building and quantising the model) side by side; then every contender in turn."""
-    running = [spawn(c, tmp, quick, threads) for c in contenders]
-    try:
-        for r in running:
-            r.wait_done()
-            r.first_step_s = time.perf_counter() - r.start
-        for step in range(2, w.steps + 1):
-            for r in running:
-                start = time.perf_counter()
-                r.go.write(b".")
-                r.wait_done()
-                r.step_s.append(time.perf_counter() - start)
-            print(f"  step {step}/{w.steps}", end="\r", file=sys.stderr, flush=True)
-        for r in running:
-            r.go.write(b".")
-        results = {}
-        for r in running:
-            if r.proc.wait() != 0 or not r.result.exists():
-                r.fail("did not finish")
-            results[r.contender.key] = {**json.loads(r.result.read_text()), "step_s": r.step_s}
-        return results
-    finally:
-        for r in running:
-            if r.proc.poll() is None:
-                r.proc.kill()
+    return take_turns([spawn(c, tmp, quick, threads) for c in contenders], w.steps)
 
 
 def check(results: dict) -> bool:

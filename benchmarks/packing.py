@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import Running, Turns, child_env, max_rss_bytes  # noqa: E402  (its turn-taking, shared)
+from speed import Running, Turns, child_env, max_rss_bytes, take_turns  # noqa: E402  (its turn-taking, shared)
 
 TARGET = 1.5
 LOSS_TOLERANCE = 1e-4  # relative, every step: rapidlite packed against padded, and the Trainer against both
@@ -238,29 +238,7 @@ def spawn(c: Contender, work: Path, quick: bool, batches: int, threads: int) -> 
 
 def run_interleaved(work: Path, s: Setup, quick: bool, batches: dict[str, int], threads: int) -> dict[str, dict]:
     """The contenders take turns step by step (each stops after its optimizer step until it is let go)."""
-    running = [spawn(c, work, quick, batches.get(c.key, 0), threads) for c in CONTENDERS]
-    try:
-        for r in running:  # step 1 (start-up, first shapes) runs side by side; then everyone waits
-            r.wait_done()
-        for step in range(2, s.steps + 1):
-            for r in running:
-                start = time.perf_counter()
-                r.go.write(b".")
-                r.wait_done()
-                r.step_s.append(time.perf_counter() - start)
-            print(f"  step {step}/{s.steps}", end="\r", file=sys.stderr, flush=True)
-        for r in running:
-            r.go.write(b".")
-        results = {}
-        for r in running:
-            if r.proc.wait() != 0 or not r.result.exists():
-                r.fail("did not finish")
-            results[r.contender.key] = {**json.loads(r.result.read_text()), "step_s": r.step_s}
-        return results
-    finally:
-        for r in running:
-            if r.proc.poll() is None:
-                r.proc.kill()
+    return take_turns([spawn(c, work, quick, batches.get(c.key, 0), threads) for c in CONTENDERS], s.steps)
 
 
 def max_relative(a: list[float], b: list[float]) -> float:

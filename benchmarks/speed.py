@@ -309,31 +309,37 @@ def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
     return Running(c, proc, go, done, log, result, time.perf_counter())
 
 
-def run_interleaved(contenders: list[Contender], w: Workload, quick: bool, threads: int, tmp: Path) -> dict:
-    running = [spawn(c, tmp, quick, threads) for c in contenders]
+def take_turns(running: list[Running], steps: int) -> dict[str, dict]:
+    """Step 1 (start-up, compilation) side by side; then steps 2..``steps`` one contender at a time, each step's
+    wall time recorded. Returns each contender's result file by key, with its ``run`` and ``step_s``; a contender
+    still running on the way out is killed. Shared by the benchmarks that interleave their contenders."""
     try:
-        for r in running:  # step 1 (start-up, compilation) runs side by side; then everyone waits
+        for r in running:
             r.wait_done()
             r.first_step_s = time.perf_counter() - r.start
-        for step in range(2, w.steps + 1):
+        for step in range(2, steps + 1):
             for r in running:
                 start = time.perf_counter()
                 r.go.write(b".")
                 r.wait_done()
                 r.step_s.append(time.perf_counter() - start)
-            print(f"  step {step}/{w.steps}", end="\r", file=sys.stderr, flush=True)
+            print(f"  step {step}/{steps}", end="\r", file=sys.stderr, flush=True)
         for r in running:
             r.go.write(b".")
         results = {}
         for r in running:
             if r.proc.wait() != 0 or not r.result.exists():
                 r.fail("did not finish")
-            results[r.contender.key] = {**json.loads(r.result.read_text()), "run": r}
+            results[r.contender.key] = {**json.loads(r.result.read_text()), "run": r, "step_s": r.step_s}
         return results
     finally:
         for r in running:
             if r.proc.poll() is None:
                 r.proc.kill()
+
+
+def run_interleaved(contenders: list[Contender], w: Workload, quick: bool, threads: int, tmp: Path) -> dict:
+    return take_turns([spawn(c, tmp, quick, threads) for c in contenders], w.steps)
 
 
 def memory_probe(seq: int, quick: bool, threads: int, tmp: Path) -> dict[str, int]:
