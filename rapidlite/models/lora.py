@@ -45,10 +45,11 @@ ADAPTER_NAME = "default"
 QUANT_INSTALL = "pip install 'rapidlite[quant]'"
 # Output heads keep full precision and are not adapted by "all-linear" (transformers keeps its output
 # embeddings unquantised too); a classification head is usually trained in full (--lora-modules-to-save).
-HEAD_NAMES = ("lm_head", "output", "classifier", "score", "qa_outputs")
-# What transformers leaves unquantised when it loads a base quantised: the heads by their usual names (GPT-NeoX's
-# is embed_out), matched as a suffix of a module's name.
-SKIP_ON_LOAD = ("lm_head", "embed_out", "classifier", "score", "qa_outputs")
+# (GPT-NeoX's language-model head is embed_out; the built-in GPT's is output.)
+HEAD_NAMES = ("lm_head", "embed_out", "output", "classifier", "score", "qa_outputs")
+# What transformers leaves unquantised when it loads a base quantised: the heads by name, which it matches as a
+# suffix of a module's name, so not "output" (a BERT layer's attention.output would match).
+SKIP_ON_LOAD = tuple(name for name in HEAD_NAMES if name != "output")
 # peft's task types by the Hugging Face head class: the type decides which heads peft trains in full
 # (a sequence classifier's "classifier"/"score") and the forward signature of the wrapper.
 _TASK_TYPES = {
