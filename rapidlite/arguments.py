@@ -438,6 +438,20 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
         help="fine-tuning tasks and Finetuner scripts: evaluate the model on the validation data without training "
         "(data with no validation split is evaluated whole); no checkpoint or export is written",
     )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (device mesh, batch, strategy, precision) and each rank's predicted memory, then exit "
+        "without training",
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --dry-run: the memory of one device (GiB); the plan says whether the layout fits and the "
+        "largest micro-batch that does",
+    )
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
         "--peak-flops",

@@ -42,6 +42,8 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
     task = get_task(config.task)
     if config.demo:
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
+    if config.dry_run:
+        return dry_run(config)
     code = launch_or_join(config, "rapidlite", argv, module=True)
     if code is not None:
         return code
@@ -60,6 +62,14 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
     return 0
 
 
+def dry_run(config: RunConfig) -> int:
+    """``--dry-run``: the plan and memory prediction, printed in this process; no worker starts."""
+    from rapidlite.planning import format_plan, plan
+
+    print(format_plan(plan(config)), flush=True)
+    return 0
+
+
 def _run(argv: list[str]) -> int:
     # Parsed once, and --help answered, before the heavy task modules are imported. A user script may declare
     # flags of its own (extra_args_provider): its engine parses the command line with them when it starts.
@@ -71,6 +81,8 @@ def _run(argv: list[str]) -> int:
         return run_task(resolve(with_embedded_demo(namespace)), argv)
     # The flags rapidlite knows are checked here, before any worker starts.
     config = resolve(namespace, require_task=False)
+    if config.dry_run:
+        return dry_run(config)
     code = launch_or_join(config, "rapidlite", argv, module=True)
     return code if code is not None else run_user_script(script, argv)
 

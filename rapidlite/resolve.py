@@ -249,6 +249,10 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.memory_budget is not None and not args.dry_run:
+        raise ConfigError("--memory-budget is read by the plan: add --dry-run")
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
 
 
 def _check_lora(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ PACKAGE = REPO / "rapidlite"
 # Top to bottom. The package itself (rapidlite/__init__.py) is the public facade over every layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("rapidlite",)),
-    ("cli", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.evaluation.command")),
+    ("cli", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.evaluation.command", "rapidlite.planning")),
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),

@@ -1,0 +1,595 @@
+"""``--dry-run``: the plan of a run and a per-rank memory prediction, printed without training.
+
+The plan resolves every flag as a real launch would, then measures instead of guessing where it can:
+
+- **Model states** come from the real code: the model is built on the ``meta`` device (no memory), and each
+  distinct rank of the layout (one per pipeline stage) sets it up with the run's own strategy under a fake
+  process group of the target world size (``torch.testing``'s ``FakeStore`` backend, the one torchtitan's
+  memory estimator uses). Tensor-parallel shards, pipeline pruning, FSDP shards and LoRA adapters are
+  therefore exactly what the run will hold. Gradients and optimizer state follow from the trainable local
+  parameters (AdamW: two fp32 moments; ZeRO-1: sharded over data parallelism; ``--cpu-offload``: on the
+  host).
+- **Activations** come from one forward pass of the model on ``meta`` tensors of the run's micro-batch and
+  sequence length: every tensor autograd saves for the backward is counted (``saved_tensors_hooks``),
+  attributed to the transformer block that saved it. The layout then scales them the way it changes them:
+  tensors whose last dimension is not the hidden size (heads, MLP intermediates, vocabulary logits) are split
+  by tensor parallelism, hidden-size tensors by sequence parallelism only; a pipeline stage holds its own
+  blocks for the micro-batches its schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all);
+  ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
+  (``selective``) and recomputes one block at a time in the backward pass.
+- **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
+  logits), DDP's gradient buckets, and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
+  whole model between forward and backward for ZeRO-2).
+- On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
+  the plan adds this process's own resident size (it has imported the same libraries) as "runtime".
+
+DeepSpeed configs get the same accounting with ZeRO's sharding rules (its engine cannot be built on meta).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rapidlite.errors import ConfigError
+
+GiB = 2**30
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _task_auto_class(task: str | None, config: Any) -> Any:
+    import transformers
+
+    if task == "sequence_classification":
+        return transformers.AutoModelForSequenceClassification
+    if task == "pretraining" and getattr(config, "model_type", None) == "bert":
+        return transformers.BertForPreTraining
+    if task in ("pretraining", "causal_lm"):
+        return transformers.AutoModelForCausalLM
+    architectures = getattr(config, "architectures", None) or []
+    name = architectures[0] if architectures else None
+    if name is not None and hasattr(transformers, name):
+        return getattr(transformers, name)
+    return transformers.AutoModel
+
+
+def meta_model(args: Any) -> torch.nn.Module:
+    """The run's model on the ``meta`` device: from ``--pretrained-model-name-or-path``'s config (sizes overridden
+    by the flags as the tasks do), or the built-in GPT from the flags for pretraining."""
+    name = args.pretrained_model_name_or_path
+    if name is None and args.load is not None and getattr(args, "load_is_pretrained_model", False):
+        name = args.load
+    if name is None:
+        if args.task != "pretraining":
+            raise ConfigError(
+                "--dry-run builds the model from its config: give --pretrained-model-name-or-path (a hub name or "
+                "a local model directory)"
+            )
+        from rapidlite.data.tokenizers import tokenizer_from_args
+        from rapidlite.models.gpt import GPTConfig, GPTModel
+
+        vocab_size = tokenizer_from_args(args).vocab_size
+        with torch.device("meta"):
+            return GPTModel(GPTConfig.from_args(args, vocab_size))
+    from transformers import AutoConfig
+
+    from rapidlite.tasks.pretraining import _override_sizes
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
+    if args.task == "pretraining":
+        _override_sizes(config, args)
+    auto = _task_auto_class(args.task, config)
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it)."""
+    from rapidlite.models.gpt import GPTModel
+
+    if isinstance(model, GPTModel):
+        logits = model(ids)
+    else:
+        out = model(input_ids=ids)
+        logits = next(
+            (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None
+        )
+        if logits is None:
+            logits = out[0]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
+
+
+# ------------------------------------------------------------------------------------------------ activations
+@dataclass
+class ActivationProfile:
+    """Bytes autograd saves for one micro-batch, by where they were saved (blocks in order)."""
+
+    before_blocks: int = 0  # embeddings
+    after_blocks_split: int = 0  # head tensors split by tensor parallelism (vocabulary logits)
+    after_blocks: int = 0  # final norm and the rest of the head
+    blocks_split: list[int] = field(default_factory=list)  # per block: split by tensor parallelism
+    blocks_whole: list[int] = field(default_factory=list)  # per block: hidden-size tensors
+    blocks_kept_selective: list[int] = field(default_factory=list)  # matmul/attention outputs
+    block_inputs: list[int] = field(default_factory=list)
+    largest: int = 0  # the largest saved tensor (its gradient is a buffer of the same size in the backward)
+    largest_split: bool = False
+
+
+_SELECTIVE_KEPT = None
+
+
+def _selective_ops() -> set:
+    global _SELECTIVE_KEPT
+    if _SELECTIVE_KEPT is None:
+        from rapidlite.parallel.recompute import _SAVE_OPS
+
+        _SELECTIVE_KEPT = set(_SAVE_OPS)
+    return _SELECTIVE_KEPT
+
+
+def profile_activations(model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None) -> Any:
+    """Run one meta forward and count what autograd saves (see the module docstring)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rapidlite.models.spec import find_blocks
+
+    blocks = list(find_blocks(model) or [])
+    profile = ActivationProfile(
+        blocks_split=[0] * len(blocks),
+        blocks_whole=[0] * len(blocks),
+        blocks_kept_selective=[0] * len(blocks),
+        block_inputs=[0] * len(blocks),
+    )
+    state = {"block": None, "done_blocks": False}
+    seen: set[int] = set()
+    kept_by_selective: set[int] = set()
+    vocab_dims: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            vocab_dims.add(m.num_embeddings)
+
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    class Producers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in _selective_ops():
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        kept_by_selective.add(key(t))
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        k = key(t)
+        if k in seen:
+            return t
+        seen.add(k)
+        nbytes = t.untyped_storage().nbytes()
+        last = t.shape[-1] if t.dim() else 0
+        split = t.dim() > 0 and last != hidden and (state["block"] is not None or last in vocab_dims)
+        i = state["block"]
+        if i is None:
+            if not state["done_blocks"]:
+                profile.before_blocks += nbytes
+            elif split:
+                profile.after_blocks_split += nbytes
+            else:
+                profile.after_blocks += nbytes
+        else:
+            (profile.blocks_split if split else profile.blocks_whole)[i] += nbytes
+            if k in kept_by_selective:
+                profile.blocks_kept_selective[i] += nbytes
+        if nbytes > profile.largest:
+            profile.largest, profile.largest_split = nbytes, split
+        return t
+
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def pre(module, args, kwargs, i=i):
+            state["block"] = i
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                profile.block_inputs[i] = first.untyped_storage().nbytes()
+
+        def post(module, args, output, i=i):
+            state["block"] = None
+            state["done_blocks"] = i == len(blocks) - 1
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post))
+    with torch.device("meta"):
+        ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
+    try:
+        with Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _forward_loss(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return profile
+
+
+# ------------------------------------------------------------------------------------------------ model states
+@dataclass
+class RankPlan:
+    """One rank's predicted bytes. ``host``: what ``--cpu-offload`` keeps in host memory instead."""
+
+    rank: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    host: int = 0
+    runtime: int = 0
+    activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """The device's peak; on a CPU (``runtime`` set) the process's, host memory included."""
+        device = self.model_states + self.activations + self.transient
+        return device + self.runtime + self.host if self.runtime else device
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world_size: int):
+    """A process group that exists for planning only: collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rapidlite.distributed import DistributedContext, ParallelDims
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+    from rapidlite.strategies import StrategyContext, select
+
+    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
+    if world_size > 1:
+        shape = [(n, s) for n, s in (("pp", dims.pp), ("dp", dims.dp), ("tp", dims.tp)) if s > 1 or n == "dp"]
+        ctx.mesh = init_device_mesh("cpu", tuple(s for _, s in shape), mesh_dim_names=tuple(n for n, _ in shape))
+    quiet = logging.getLogger("rapidlite.planning")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    return select(StrategyContext(args, ctx, DataParallelConfig.from_args(args), precision, quiet))
+
+
+def _optimizer_bytes_per_element(args: Any) -> int:
+    if args.optimizer == "sgd":
+        return 4 if args.sgd_momentum else 0
+    return 8  # AdamW: exp_avg and exp_avg_sq in fp32
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    args: Any
+    world_size: int
+    strategy: str
+    precision: str
+    total_params: int
+    trainable_params: int
+    ranks: list[RankPlan]
+    notes: list[str] = field(default_factory=list)
+
+
+def _stage_rank(stage: int, dims: Any) -> int:
+    return stage * dims.dp * dims.tp
+
+
+def _in_flight(args: Any, stage: int, pp: int) -> int:
+    m = args.gradient_accumulation_steps
+    if pp == 1:
+        return 1
+    if args.pipeline_schedule == "gpipe":
+        return m
+    return min(pp - stage, m)
+
+
+def plan(args: Any) -> Plan:
+    """The plan and memory prediction of the run ``args`` describes (see the module docstring)."""
+    from rapidlite.distributed import ParallelDims
+    from rapidlite.models import lora
+    from rapidlite.models.spec import spec_of
+    from rapidlite.precision import resolve_precision
+    from rapidlite.resolve import target_world_size
+
+    world_size = target_world_size(args)
+    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    precision, _ = resolve_precision(args.precision, device)
+    settings = lora.LoraSettings.from_args(args)
+    notes: list[str] = []
+
+    # Activations: one meta forward of the whole model, in the compute dtype.
+    model = meta_model(args)
+    total = sum(p.numel() for p in model.parameters())
+    spec = spec_of(model)
+    layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
+    seq = args.seq_length or 128
+    probe = model.to(precision.dtype) if precision.dtype is not None else model
+    profile = profile_activations(probe, args.micro_batch_size, seq, hidden)
+    n_blocks = len(profile.blocks_split) or 1
+
+    deepspeed = bool(getattr(args, "deepspeed", False))
+    ranks: list[RankPlan] = []
+    strategy_name = "DeepSpeed"
+    trainable_total = None
+    for stage in range(dims.pp):
+        rank = _stage_rank(stage, dims)
+        model = meta_model(args)
+        model = lora.prepare(model, settings, precision.dtype, torch.device("meta"), None)
+        trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        optimizer = None
+        if deepspeed:
+            module, strategy_name = model, "DeepSpeed"
+        else:
+            ctx = _fake_world(rank, world_size) if world_size > 1 else contextlib.nullcontext()
+            with ctx:
+                strategy = _strategy_for(args, rank, world_size, precision)
+                model.to = lambda *a, _m=model, **k: _m  # the meta model stays on meta
+                composed, optimizer = strategy.setup(model, None, None)
+                strategy_name = strategy.name
+                module = strategy.module(composed)
+        ranks.append(_rank_plan(args, dims, rank, stage, module, optimizer, profile, n_blocks, deepspeed))
+    if deepspeed:
+        notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
+    if settings.load_in_4bit or settings.load_in_8bit:
+        notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
+    runtime = _resident_bytes() if device.type == "cpu" else 0
+    for r in ranks:
+        r.runtime = runtime
+    return Plan(
+        args=args,
+        world_size=world_size,
+        strategy=strategy_name,
+        precision=precision.name,
+        total_params=total,
+        trainable_params=trainable_total or 0,
+        ranks=ranks,
+        notes=notes,
+    )
+
+
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux: /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _rank_plan(
+    args: Any,
+    dims: Any,
+    rank: int,
+    stage: int,
+    module: torch.nn.Module,
+    optimizer: Any,
+    profile: ActivationProfile,
+    n_blocks: int,
+    deepspeed: bool,
+) -> RankPlan:
+    from rapidlite.models.spec import find_blocks
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    dp_cfg = DataParallelConfig.from_args(args)
+    zero, dp = dp_cfg.zero_stage, dims.dp
+    params = list(module.parameters())
+    param_bytes = sum(_bytes(p) for p in params)
+    # Local elements: FSDP's and tensor parallelism's shards are already local here.
+    trainable = sum(_local(p).numel() for p in params if p.requires_grad)
+    grad_elems = opt_elems = trainable
+    if deepspeed:  # ZeRO's partitioning: stage 1 the optimizer state, 2 also gradients, 3 also parameters
+        param_bytes //= dp if zero >= 3 else 1
+        grad_elems //= dp if zero >= 2 else 1
+        opt_elems //= dp if zero >= 1 else 1
+    else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters, FSDP's shards
+        local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
+        opt_elems = sum(_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad)
+    grads = grad_elems * 4
+    optimizer = opt_elems * _optimizer_bytes_per_element(args)
+    host = 0
+    if dp_cfg.cpu_offload:
+        host, optimizer = optimizer, 0
+        host += param_bytes + grads
+        param_bytes = grads = 0
+
+    # This stage's activations for the micro-batches in flight.
+    blocks = find_blocks(module)
+    mine = len(blocks) if blocks is not None else n_blocks
+    tp, sp = dims.tp, bool(getattr(args, "sequence_parallel", False))
+    first, last = stage == 0, stage == dims.pp - 1
+    avg = lambda xs: sum(xs) / max(len(xs), 1)
+    split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
+    per_block = split + whole
+    checkpointing = args.checkpoint_activations
+    checkpointed = min(args.recompute_num_layers or mine, mine) if checkpointing else 0
+    if checkpointing and args.recompute_granularity == "selective":
+        kept = avg(profile.blocks_kept_selective) / tp
+        stack = checkpointed * kept + (mine - checkpointed) * per_block + per_block  # + one block recomputed
+    elif checkpointing:
+        inputs = avg(profile.block_inputs) / (tp if sp else 1)
+        stack = checkpointed * inputs + (mine - checkpointed) * per_block + per_block
+    else:
+        stack = mine * per_block
+    outside = (profile.before_blocks if first else 0) + (
+        profile.after_blocks + profile.after_blocks_split / tp if last else 0
+    )
+    in_flight = _in_flight(args, stage, dims.pp)
+    activations = int((stack + outside) * in_flight)
+
+    # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward, DDP's
+    # gradient buckets, FSDP's gathered parameters.
+    largest = profile.largest / (tp if profile.largest_split else 1) if last else per_block / 4
+    transient = int(2 * largest)
+    if last and dims.pp > 1:
+        # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
+        transient += int((args.gradient_accumulation_steps - 1) * largest)
+    ddp = zero == 1 or (zero == 0 and dims.tp == 1 and dims.pp == 1)
+    if not deepspeed and ddp and dp > 1:
+        transient += grads  # DDP's buckets: a second copy of the gradients
+    if not deepspeed and zero == 2:
+        transient += param_bytes * (dp - 1)  # the unsharded parameters stay between forward and backward
+    elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
+        block_params = sum(_bytes(p) for p in blocks[0].parameters())
+        transient += 2 * block_params * dp  # the gathered block and the next one (prefetch)
+    per_sample = (activations + 2 * largest) / max(args.micro_batch_size, 1)
+    return RankPlan(
+        rank=rank,
+        stage=stage,
+        params=param_bytes,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+        host=host,
+        activation_per_sample=per_sample,
+    )
+
+
+def largest_micro_batch(rank: RankPlan, budget_bytes: float, micro_batch: int) -> int:
+    """The largest micro-batch whose predicted peak fits ``budget_bytes`` (activations grow linearly with it)."""
+    fixed = rank.peak - rank.activation_per_sample * micro_batch
+    if rank.activation_per_sample <= 0:
+        return 0 if fixed > budget_bytes else sys.maxsize
+    return max(0, math.floor((budget_bytes - fixed) / rank.activation_per_sample))
+
+
+# ------------------------------------------------------------------------------------------------ printing
+def _mib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def describe_mesh(dims: Any) -> list[str]:
+    """Which ranks do what: rank = (pp_index * dp + dp_index) * tp + tp_index."""
+    lines = []
+    for s in range(dims.pp):
+        for d in range(dims.dp):
+            first = (s * dims.dp + d) * dims.tp
+            ranks = list(range(first, first + dims.tp))
+            where = f"stage {s}, " if dims.pp > 1 else ""
+            shards = f"tensor-parallel shards {ranks}" if dims.tp > 1 else f"rank {ranks[0]}"
+            lines.append(f"  {where}replica {d}: {shards}")
+    if len(lines) > 8:
+        lines = [*lines[:6], f"  ... ({len(lines)} groups in all)"]
+    return lines
+
+
+def format_plan(p: Plan) -> str:
+    from rapidlite.distributed import ParallelDims
+    from rapidlite.resolve import num_nodes
+
+    a = p.args
+    dims = ParallelDims(p.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+    nodes = num_nodes(a)
+    checkpointing = (
+        f"{a.recompute_granularity}"
+        + (f", first {a.recompute_num_layers} blocks" if a.recompute_num_layers else ", every block")
+        if a.checkpoint_activations
+        else "off"
+    )
+    lines = [
+        "rapidlite dry run: nothing is trained",
+        f"world: {p.world_size} process{'es' if p.world_size > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''}) "
+        f"= data parallel {dims.dp} x "
+        f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
+        *describe_mesh(dims),
+        f"batch: micro {a.micro_batch_size} x accumulation {a.gradient_accumulation_steps} x data parallel "
+        f"{dims.dp} = global {a.global_batch_size}; sequence length {a.seq_length or 128}",
+        f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
+        f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
+        "predicted memory per rank (peak of a training step):",
+    ]
+    header = f"  {'rank':>6} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'transient':>11}"
+    if any(r.host for r in p.ranks):
+        header += f" {'host':>11}"
+    if any(r.runtime for r in p.ranks):
+        header += f" {'runtime':>11}"
+    lines.append(header + f" {'peak':>11}")
+    for r in p.ranks:
+        row = f"  {r.rank:>6} " + " ".join(
+            f"{_mib(v):>11}" for v in (r.params, r.grads, r.optimizer, r.activations, r.transient)
+        )
+        row = row.replace(f"{_mib(r.activations):>11}", f"{_mib(r.activations):>12}", 1)
+        if any(x.host for x in p.ranks):
+            row += f" {_mib(r.host):>11}"
+        if any(x.runtime for x in p.ranks):
+            row += f" {_mib(r.runtime):>11}"
+        lines.append(row + f" {_mib(r.peak):>11}")
+    if any(r.runtime for r in p.ranks):
+        lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
+    budget = getattr(a, "memory_budget", None)
+    if budget:
+        worst = max(p.ranks, key=lambda r: r.peak)
+        fits = largest_micro_batch(worst, budget * GiB, a.micro_batch_size)
+        verdict = "fits" if worst.peak <= budget * GiB else "does NOT fit"
+        lines.append(
+            f"--memory-budget {budget:g} GiB: this layout {verdict} (peak {_mib(worst.peak)} on rank {worst.rank}); "
+            + (
+                f"the largest micro-batch that fits is {fits}"
+                if fits
+                else "no micro-batch fits: shard more (ZeRO-3, --cpu-offload, tensor/pipeline parallelism)"
+            )
+        )
+    lines.extend(f"note: {n}" for n in p.notes)
+    return "\n".join(lines)
+
+
+def plan_records(p: Plan) -> list[dict[str, Any]]:
+    """The per-rank prediction as plain numbers (bytes), for scripts and tests."""
+    return [
+        {
+            "rank": r.rank,
+            "stage": r.stage,
+            "param_bytes": r.params,
+            "grad_bytes": r.grads,
+            "optimizer_bytes": r.optimizer,
+            "activation_bytes": r.activations,
+            "transient_bytes": r.transient,
+            "host_bytes": r.host,
+            "runtime_bytes": r.runtime,
+            "peak_bytes": r.peak,
+        }
+        for r in p.ranks
+    ]

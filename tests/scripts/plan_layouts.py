@@ -1,0 +1,14 @@
+"""Print ``--dry-run``'s per-rank predictions (JSON) for several layouts: one argv per line on stdin."""
+
+import json
+import shlex
+import sys
+
+from rapidlite.arguments import parse_args
+from rapidlite.planning import plan, plan_records
+
+out = {}
+for line in sys.stdin.read().splitlines():
+    name, _, argv = line.partition(" ")
+    out[name] = plan_records(plan(parse_args(shlex.split(argv))))
+print(json.dumps(out))

@@ -1,0 +1,138 @@
+"""``--dry-run``: the plan and per-rank memory prediction, checked against what the same runs measure.
+
+Each layout the other suites train (one process, DDP, ZeRO-1/2/3, tensor and pipeline parallelism, with and
+without activation checkpointing) is planned, then trained for two iterations: the predicted parameter,
+gradient and optimizer bytes must equal the run's ``model_state`` record, and the predicted peak must be
+within 15% of the peak memory the run logs. The model is sized so that its tensors, not the Python runtime,
+make most of the peak (a 32768-token padded vocabulary: 12M parameters and 64 MiB logits per micro-batch)."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, rapidlite, read_metrics, run_cli, write_tiny_corpus
+
+COMMON = [
+    "--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
+    "--make-vocab-size-divisible-by", "32768", "--num-layers", "4", "--hidden-size", "256",
+    "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2", "--train-iters", "2",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--hidden-dropout", "0",
+]  # fmt: skip
+TWO = ["--nproc-per-node", "2"]
+LAYOUTS = {
+    "single": ["--global-batch-size", "2"],
+    "single_checkpointed": ["--global-batch-size", "2", "--checkpoint-activations"],
+    "ddp": [*TWO, "--global-batch-size", "4"],
+    "zero1": [*TWO, "--global-batch-size", "4", "--zero-1-memory-optimization"],
+    "zero2": [*TWO, "--global-batch-size", "4", "--zero-2-memory-optimization"],
+    "zero3": [*TWO, "--global-batch-size", "4", "--zero-3-memory-optimization"],
+    "zero3_checkpointed": [
+        *TWO,
+        "--global-batch-size",
+        "4",
+        "--zero-3-memory-optimization",
+        "--checkpoint-activations",
+    ],
+    "tp2": [*TWO, "--global-batch-size", "2", "--tensor-model-parallel-size", "2"],
+    "pp2": [*TWO, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--per-rank-logs"],
+}
+
+
+def plans(argvs: dict[str, list[str]]) -> dict[str, list[dict]]:
+    lines = "\n".join(f"{name} {shlex.join(argv)}" for name, argv in argvs.items())
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "scripts" / "plan_layouts.py")],
+        input=lines, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("corpus") / "tiny"
+    write_tiny_corpus(prefix)
+    return str(prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_predicted_memory_matches_measured(corpus, tmp_path):
+    argv = lambda name: [*COMMON, "--data-path", corpus, *LAYOUTS[name]]
+    predicted = plans({name: argv(name) for name in LAYOUTS})
+    rows = []
+    for name in LAYOUTS:
+        save = tmp_path / name
+        proc = rapidlite(*argv(name), "--save", str(save))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = read_metrics(save)
+        (state,) = [r for r in records if r.get("split") == "model_state"]
+        measured = {0: (state, max(r["peak_memory_mb"] for r in records if "peak_memory_mb" in r) * 2**20)}
+        if name == "pp2":  # the last stage's rank logs its own numbers
+            log = (save / "logs" / "rank1.log").read_text()
+            sizes = re.search(
+                r"model state on rank 1 .*: param ([\d.]+) MiB, grad ([\d.]+) MiB, optimizer ([\d.]+)", log
+            )
+            peaks = [float(x) for x in re.findall(r"peak_memory_mb: ([\d.]+)", log)]
+            keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
+            measured[1] = ({k: float(v) * 2**20 for k, v in zip(keys, sizes.groups(), strict=True)}, max(peaks) * 2**20)
+        for rank_plan in predicted[name]:
+            state, peak = measured[rank_plan["rank"]]
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+                assert rank_plan[key] == pytest.approx(state[key], rel=0.01, abs=2**16), (name, key)
+            rows.append((name, rank_plan["rank"], rank_plan["peak_bytes"] / 2**20, peak / 2**20))
+    print("\nlayout, rank, predicted MiB, measured MiB, ratio")
+    for name, rank, p, m in rows:
+        print(f"{name:20s} {rank} {p:8.0f} {m:8.0f} {p / m:6.3f}")
+    for name, rank, p, m in rows:
+        assert abs(p - m) <= 0.15 * m, (name, rank, p, m)
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(corpus, tmp_path):
+    save = tmp_path / "run"
+    argv = [*COMMON, "--data-path", corpus, "--save", str(save), "--nproc-per-node", "4"]
+    argv += ["--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--zero-3-memory-optimization"]
+    proc = run_cli(*argv, "--dry-run", "--memory-budget", "0.75")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "world: 4 processes (1 node) = data parallel 2 x tensor parallel 2 x pipeline parallel 1" in out
+    assert "replica 1: tensor-parallel shards [2, 3]" in out
+    assert "micro 2 x accumulation 1 x data parallel 2 = global 4" in out
+    assert "ZeRO-3 (FSDP2) x tensor parallel 2" in out
+    assert re.search(r"--memory-budget 0.75 GiB: this layout (fits|does NOT fit)", out)
+    assert not save.exists()  # nothing written, no worker started
+
+
+@pytest.mark.slow
+def test_largest_micro_batch_is_the_boundary(corpus):
+    """The micro-batch the plan names for a budget fits it, and one more does not (replanned at both sizes)."""
+    from rapidlite.planning import GiB
+
+    base = [*COMMON, "--data-path", corpus, *TWO, "--zero-3-memory-optimization"]
+    budget = 1.0
+    sized = lambda mb: [*base, "--micro-batch-size", str(mb), "--global-batch-size", str(2 * mb)]
+    proc = run_cli(*sized(2), "--dry-run", "--memory-budget", str(budget))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fits = int(re.search(r"the largest micro-batch that fits is (\d+)", proc.stdout).group(1))
+    assert fits > 2
+    at = plans({"fits": sized(fits), "over": sized(fits + 1)})
+    assert max(r["peak_bytes"] for r in at["fits"]) <= budget * GiB < max(r["peak_bytes"] for r in at["over"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--memory-budget", "8"], "--memory-budget is read by the plan: add --dry-run"),
+        (["--dry-run", "--memory-budget", "0"], "--memory-budget 0: must be a positive number"),
+    ],
+)
+def test_bad_input_is_one_line(corpus, argv, message):
+    proc = run_cli(*COMMON, "--data-path", corpus, "--global-batch-size", "2", *argv)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"rapidlite: error: {message}")
