@@ -24,7 +24,7 @@ import pytest
 from helpers import REPO, write_tiny_corpus
 from rapidlite.distributed import free_port
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # slow too: the fast set stays fast where Slurm is installed
 
 PROGRAMS = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
