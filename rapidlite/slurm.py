@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 from rapidlite.errors import ConfigError
 
-DERIVED = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")
 PORT_BASE, PORT_SPAN = 20000, 10000
 
 
@@ -80,8 +79,9 @@ def _integer(environ: Mapping[str, str], *names: str) -> int | None:
 
 
 def rendezvous(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``DERIVED`` an ``srun`` task implies and ``environ`` lacks ({} outside an srun step, on a
-    single node, and in a process whose launcher set ``WORLD_SIZE``: it joins)."""
+    """MASTER_ADDR, MASTER_PORT, NNODES and NODE_RANK, those of them that an ``srun`` task implies and ``environ``
+    lacks ({} outside an srun step, on a single node, and in a process whose launcher set ``WORLD_SIZE``: it
+    joins)."""
     if not environ.get("SLURM_STEP_ID") or not environ.get("SLURM_JOB_ID") or environ.get("WORLD_SIZE"):
         return {}
     nodes = _integer(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
