@@ -45,6 +45,9 @@ setup(
             "lm_eval>=0.4.13,<0.5",
             # --load-in-4bit/--load-in-8bit train on the CPU: QLoRA is tested
             "bitsandbytes>=0.48",
+            # launch/kubernetes-pytorchjob.yaml is validated against launch/schemas/pytorchjob-v1.schema.json
+            "jsonschema>=4.18",
+            "pyyaml>=6",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],

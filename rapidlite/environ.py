@@ -8,11 +8,26 @@ import os
 from rapidlite.errors import ConfigError
 
 
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+def _as_int(name: str, value: str | None, default: int) -> int:
     if value is None or value == "":
         return default
     try:
         return int(value)
     except ValueError:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def env_int(name: str, default: int) -> int:
+    return _as_int(name, os.environ.get(name), default)
+
+
+def launch_value(name: str) -> str | None:
+    """``MASTER_ADDR``, ``MASTER_PORT``, ``NNODES`` or ``NODE_RANK``: the environment's value, else the one an
+    ``srun`` task implies (``rapidlite.slurm``), else None."""
+    from rapidlite.slurm import rendezvous
+
+    return os.environ.get(name) or rendezvous(os.environ).get(name)
+
+
+def launch_int(name: str, default: int) -> int:
+    return _as_int(name, launch_value(name), default)

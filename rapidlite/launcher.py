@@ -4,8 +4,9 @@
 no launcher started re-runs the same command as N workers through torchrun's elastic agent, in this
 process: ``--max-restarts`` restarts the worker group after a failure, ``--nnodes``/``--node-rank``/
 ``--master-addr``/``--master-port`` (or the ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``
-variables of Megatron-style scripts) span nodes. A process that a launcher already started (torchrun,
-Slurm ``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is set) just joins.
+variables of Megatron-style scripts) span nodes; in a task of a multi-node ``srun`` step the unset ones follow
+from Slurm's variables (``rapidlite.slurm``). A process that a launcher already started (torchrun, Slurm
+``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is set) just joins.
 
 Workers do not print their failures; they record them (``distributed.report_worker_error``) and the
 launcher prints the first one: one line for a user error, the failing rank's traceback for a bug, one line
@@ -28,7 +29,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from rapidlite.environ import env_int
+from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
 from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size
 
@@ -45,11 +46,11 @@ def torchrun_args(args: Any) -> list[str]:
         f"--max-restarts={args.max_restarts}",
         "--monitor-interval=0.2",  # a failed worker is noticed (and its peers stopped) within a fraction of a second
     ]
-    master_addr = args.master_addr or os.environ.get("MASTER_ADDR")
-    master_port = args.master_port or env_int("MASTER_PORT", 0)
+    master_addr = args.master_addr or launch_value("MASTER_ADDR")
+    master_port = args.master_port or launch_int("MASTER_PORT", 0)
     if nnodes == 1 and not master_addr:
         return [*out, "--standalone"]  # a private rendezvous on a free local port
-    node_rank = args.node_rank if args.node_rank is not None else env_int("NODE_RANK", 0)
+    node_rank = args.node_rank if args.node_rank is not None else launch_int("NODE_RANK", 0)
     return [*out, f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port or 29500}"]
 
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rapidlite.environ import env_int
+from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
 
@@ -79,7 +79,7 @@ def _default_nproc_per_node() -> int:
 
 
 def num_nodes(args: Any) -> int:
-    return args.nnodes or env_int("NNODES", 1)
+    return args.nnodes or launch_int("NNODES", 1)
 
 
 def nproc_per_node(args: Any) -> int:
@@ -558,7 +558,7 @@ def _check_data_parallel(args: argparse.Namespace) -> None:
             "there); drop the flag under --deepspeed"
         )
     nnodes = num_nodes(args)
-    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or os.environ.get("MASTER_ADDR")):
+    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or launch_value("MASTER_ADDR")):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")

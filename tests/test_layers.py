@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.errors",
             "rapidlite.entry",
             "rapidlite.environ",
+            "rapidlite.slurm",
             "rapidlite.logging",
             "rapidlite.distributed",
             "rapidlite.preemption",

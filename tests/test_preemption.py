@@ -226,7 +226,7 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path, reference):
 STUBS = {
     # srun forwards signals to its tasks; the stub becomes its task instead.
     "srun": 'while [[ $1 == --* ]]; do shift; done; exec "$@"',
-    "scontrol": 'if [ "$1" = show ]; then echo node1; else echo "$*" >> "$STUB_LOG"; fi',
+    "scontrol": 'echo "$*" >> "$STUB_LOG"',
     # rapidlite as it behaves: stops with 143 on USR1/TERM (after its step and save), else finishes with 0.
     "rapidlite": 'trap "exit 143" USR1 TERM; echo "$*" > "$STUB_READY"; for _ in $(seq 30); do sleep 0.1; done',
 }
@@ -251,6 +251,7 @@ def test_slurm_script_passes_signals_on_and_requeues_after_the_time_limit_signal
         "SLURM_JOB_NUM_NODES": "1",
         "SLURM_JOB_ID": "42",
         "SLURM_NODEID": "0",
+        "NPROC_PER_NODE": "2",
     }
     script = subprocess.run(["bash", "-n", str(REPO / "launch" / "slurm.sbatch")], capture_output=True, text=True)
     assert script.returncode == 0, script.stderr
@@ -265,7 +266,7 @@ def test_slurm_script_passes_signals_on_and_requeues_after_the_time_limit_signal
     while not ready.exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert ready.read_text().split() == ["--nproc-per-node", "1", "--task", "pretraining", "--save", "d", "--load", "d"]
+    assert ready.read_text().split() == ["--nproc-per-node", "2", "--task", "pretraining", "--save", "d", "--load", "d"]
     if sig is not None:
         proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
