@@ -32,6 +32,8 @@ setup(
         "pandas>=2.0",
         "pyarrow>=14",
         "tqdm>=4.60",
+        # --config FILE.yaml (a dependency of transformers already)
+        "pyyaml>=5.1",
     ],
     extras_require={
         # accelerate: the Hugging Face Trainer contender of benchmarks/speed.py (its quick mode is a test)
