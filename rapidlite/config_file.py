@@ -1,4 +1,4 @@
-"""``--config FILE``: flags from a YAML or JSON file.
+"""``--config FILE``: flags from a YAML or JSON file, and a run's settings written back as such a file.
 
 A config file maps flag names to values::
 
@@ -12,6 +12,10 @@ A config file maps flag names to values::
 and checks every value as it does a typed flag, the command line wins (a later flag replaces an earlier one), and
 a flag from the file counts as given (``explicit_flags``). A list for a flag that takes one value is joined with
 commas (``split: [98, 2, 0]`` is ``--split 98,2,0``); null leaves the flag at its default.
+
+``dump`` writes the settings a checkpoint keeps beside its weights (``iter_N/config.yaml``): every flag given or
+different from its default, sorted, except those that belong to one launch (``PER_LAUNCH``); ``--config`` with
+that file reproduces the run's settings.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ from typing import Any
 from rapidlite.errors import ConfigError
 
 FLAG = "--config"
+FILE_NAME = "config.yaml"
+
+# Flags that describe one launch, not the run: where this node joins the rendezvous, and --overwrite, which would
+# delete the directory it is replayed into. --load and --finetune are kept only when they say where the weights
+# come from (fine-tuning from a checkpoint or a Hugging Face model directory), not when a launch resumed.
+PER_LAUNCH = frozenset({"config", "overwrite", "node_rank", "master_addr", "master_port"})
+# Flags that resolve sets from other flags when they are not given (the pipeline schedule from the virtual stages,
+# recomputation from its granularity, torch.compile standing in for ONNX Runtime, --eval-only's unsplit data):
+# written only when given, so a flag added on top of a saved file is not contradicted by a value it implied.
+DERIVED = frozenset({"pipeline_schedule", "recompute_granularity", "checkpoint_activations", "torch_compile", "split"})
 
 
 def paths_in(argv: Sequence[str]) -> list[str]:
@@ -176,3 +190,58 @@ def _check_values(parser: argparse.ArgumentParser, tokens: list[str], where: str
     except ConfigError as e:
         if "arguments are required" not in str(e):  # a script's required flag may come from the command line
             raise ConfigError(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def _plain(value: Any) -> Any:
+    """A value YAML and JSON write as themselves: containers as lists and dicts, anything else as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def saved_flags(args: Any, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The flags ``dump`` writes, by their first long name, with their resolved values: every flag given
+    (``explicit_flags``: on the command line or in a config file) and every other one that differs from its
+    default (a task's defaults, the global batch the number of processes gave), except ``PER_LAUNCH`` and
+    ``DERIVED``."""
+    given = getattr(args, "explicit_flags", None)
+    weights_from_load = bool(getattr(args, "finetune", False) or getattr(args, "load_is_pretrained_model", False))
+    flags: dict[str, Any] = {}
+    for action in parser._actions:
+        longs = [opt for opt in action.option_strings if opt.startswith("--")]
+        dest = action.dest
+        if not longs or isinstance(action, argparse._HelpAction) or dest in PER_LAUNCH or not hasattr(args, dest):
+            continue
+        if dest in ("load", "finetune") and not weights_from_load:
+            continue
+        value = getattr(args, dest)
+        default = parser.get_default(dest)
+        if isinstance(default, str) and callable(action.type):
+            try:
+                default = action.type(default)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                pass
+        if given is not None and dest not in given and (value == default or dest in DERIVED):
+            continue
+        if given is None and value == default:
+            continue
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            if value != action.const:
+                continue  # a switch left off: nothing to write
+            value = True
+        flags[longs[0][2:]] = _plain(value)
+    return dict(sorted(flags.items()))
+
+
+def dump(args: Any, parser: argparse.ArgumentParser, header: str = "") -> str:
+    """``saved_flags`` as YAML text (``header`` becomes comment lines above it)."""
+    import yaml
+
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(saved_flags(args, parser), sort_keys=True, default_flow_style=False, width=120)

@@ -1,6 +1,7 @@
 """``--config FILE``: a YAML or JSON file of flags is the same as those flags on the command line (given, checked by
 argparse, overridden by the command line), in ``rapidlite``, in user scripts and in ``python script.py``; bad files
-are one line and exit code 2."""
+are one line and exit code 2; every checkpoint keeps the run's settings as ``config.yaml``, which ``--config``
+reads back into the same settings."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO
-from rapidlite.arguments import parse
+from helpers import REPO, ToyFinetuner
+from rapidlite import RapidliteEngine
+from rapidlite.arguments import build_parser, parse, parse_args
+from rapidlite.checkpoint import verify_checkpoint
 from rapidlite.cli import main
+from rapidlite.config_file import FILE_NAME, saved_flags
 from rapidlite.resolve import with_embedded_demo
 
 ARGV = [
@@ -200,3 +204,83 @@ def test_python_script_with_a_config_file(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SETTINGS 4 [] 3 0.0001 ['my_layers']" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ the settings a checkpoint keeps
+TRAIN = [
+    "--micro-batch-size", "8",
+    "--global-batch-size", "16",
+    "--epochs", "1",
+    "--optimizer", "sgd",
+    "--lr", "0.05",
+    "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "1",
+    "--clip-grad", "0.5",
+    "--seed", "7",
+    "--text-keys", "question", "answer",
+    "--no-binary-head",
+    "--log-interval", "2",
+]  # fmt: skip
+
+
+def saved_config(save: Path) -> Path:
+    return sorted(save.glob("iter_*"))[-1] / FILE_NAME
+
+
+def test_a_checkpoint_keeps_the_settings_and_they_load_back(tmp_path):
+    save = tmp_path / "run"
+    trainer = ToyFinetuner(RapidliteEngine(argv=[*TRAIN, "--save", str(save), "--overwrite"]))
+    trainer.train()
+    path = saved_config(save)
+    assert verify_checkpoint(path.parent) is None
+    assert FILE_NAME in json.loads((path.parent / "manifest.json").read_text())["files"]  # covered by the manifest
+
+    saved = yaml.safe_load(path.read_text())
+    assert list(saved) == sorted(saved)
+    assert saved["text-keys"] == ["question", "answer"] and saved["binary-head"] is False
+    assert saved["save"] == str(save) and "overwrite" not in saved  # --overwrite belongs to one launch
+    assert saved["global-batch-size"] == 16 and saved["lr"] == 0.05
+
+    original = trainer.args
+    again = parse_args(["--config", str(path), "--save", str(tmp_path / "again")], require_task=False)
+    differing = {
+        k: (getattr(original, k), getattr(again, k))
+        for k in vars(original)
+        if k not in ("save", "config", "explicit_flags", "overwrite", "overwrite_save")
+        and getattr(original, k) != getattr(again, k)
+    }
+    assert differing == {}
+
+    (path.parent / FILE_NAME).write_text(path.read_text().replace("0.05", "0.06"))
+    assert verify_checkpoint(path.parent) == f"{FILE_NAME} fails its checksum"
+
+
+def test_a_resume_is_not_saved_but_a_start_from_weights_is(tmp_path):
+    save = tmp_path / "run"
+    ToyFinetuner(RapidliteEngine(argv=[*TRAIN, "--save", str(save), "--train-iters", "2"])).train()
+    resumed = ToyFinetuner(RapidliteEngine(argv=[*TRAIN, "--save", str(save), "--load", str(save)]))
+    resumed.train()
+    assert resumed.iteration == 4
+    saved = yaml.safe_load(saved_config(save).read_text())
+    assert "load" not in saved and "train-iters" not in saved
+
+    parser = build_parser()
+    finetune = parse_args(
+        [*TRAIN, "--load", str(save), "--finetune", "--save", str(tmp_path / "new")], require_task=False
+    )
+    assert {"load": str(save), "finetune": True}.items() <= saved_flags(finetune, parser).items()
+
+
+def test_a_scripts_own_flags_are_saved(tmp_path):
+    def own_flags(parser):
+        parser.add_argument("--my-width", type=int, default=16)
+
+    save = tmp_path / "run"
+    argv = ["--micro-batch-size", "8", "--epochs", "1", "--my-width", "24", "--save", str(save)]
+    ToyFinetuner(RapidliteEngine(own_flags, argv=argv)).train()
+    saved = yaml.safe_load(saved_config(save).read_text())
+    assert saved["my-width"] == 24
+    args = parse_args(
+        ["--config", str(saved_config(save)), "--save", str(tmp_path / "b")], own_flags, require_task=False
+    )
+    assert args.my_width == 24 and args.epochs == 1

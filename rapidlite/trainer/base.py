@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
-from rapidlite import distributed, preemption
+from rapidlite import config_file, distributed, preemption
+from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
@@ -115,6 +116,7 @@ class BaseTrainer:
         # On every line of metrics.jsonl, so records of two runs in one file stay apart.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
         self._stop_signals = preemption.StopSignals()
+        self._saved_config: str | None = None  # iter_N/config.yaml: the settings, loadable with --config
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -181,6 +183,10 @@ class BaseTrainer:
                 removed = ckpt.clear_run(self.args.save)
                 self.logger.info(f"--overwrite: removed the earlier run in {self.args.save} ({removed})")
             self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir, run_id=self.run_id)
+            if self.args.save is not None:
+                parser = build_parser(self.engine.extra_args_provider)
+                header = "this run's settings: 'rapidlite --config config.yaml' repeats them (flags given with it win)"
+                self._saved_config = config_file.dump(self.args, parser, header)
         self.engine.barrier()
         strategy = self.engine.strategy
         n_params = strategy.parameter_count(self.model)
@@ -418,8 +424,9 @@ class BaseTrainer:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.optimizer.loss_scaler is not None:
             state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
+        files = {config_file.FILE_NAME: self._saved_config} if self._saved_config is not None else None
         path = self.engine.strategy.save_checkpoint(
-            self.args.save, self.iteration, self.model, self.optimizer, state, not self.args.no_save_optim
+            self.args.save, self.iteration, self.model, self.optimizer, state, not self.args.no_save_optim, files
         )
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
