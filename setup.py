@@ -47,12 +47,16 @@ setup(
             "lm_eval>=0.4.13,<0.5",
             # --load-in-4bit/--load-in-8bit train on the CPU: QLoRA is tested
             "bitsandbytes>=0.48",
+            # --wandb-project is tested in W&B's offline mode
+            "wandb>=0.16",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
         # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
         "quant": ["bitsandbytes>=0.48"],
+        # --wandb-project: Weights & Biases beside metrics.jsonl and TensorBoard
+        "wandb": ["wandb>=0.16"],
     },
     entry_points={
         "console_scripts": [

@@ -442,6 +442,21 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--wandb-project",
+        default=None,
+        metavar="NAME",
+        help="also report every metrics record and the run's settings to this Weights & Biases project (rank 0; "
+        "pip install 'rapidlite[wandb]')",
+    )
+    g.add_argument("--wandb-entity", default=None, metavar="TEAM", help="W&B user or team (default: W&B's)")
+    g.add_argument("--wandb-run-name", default=None, metavar="NAME", help="W&B run name (default: W&B's)")
+    g.add_argument(
+        "--wandb-mode",
+        choices=("online", "offline", "disabled"),
+        default=None,
+        help="W&B mode (default: $WANDB_MODE, else online); offline writes the run locally for 'wandb sync'",
+    )
+    g.add_argument(
         "--peak-flops",
         type=float,
         default=None,

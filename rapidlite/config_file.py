@@ -205,6 +205,11 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def plain_settings(args: Any) -> dict[str, Any]:
+    """Every resolved setting (flags and derived values) as plain values, for a tracker's run config."""
+    return {k: _plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_") and k != "explicit_flags"}
+
+
 def saved_flags(args: Any, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The flags ``dump`` writes, by their first long name, with their resolved values: every flag given
     (``explicit_flags``: on the command line or in a config file) and every other one that differs from its

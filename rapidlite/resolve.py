@@ -20,6 +20,7 @@ from typing import Any
 from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
+from rapidlite.tracking import check_wandb_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -249,6 +250,7 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    check_wandb_flags(args)
 
 
 def _check_lora(args: argparse.Namespace) -> None:

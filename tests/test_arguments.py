@@ -35,7 +35,7 @@ FLAGS = """
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
 --eval-only --overwrite --max-skipped-steps
 --keep-last
---config
+--config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
 """.split()
 
 

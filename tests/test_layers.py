@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.entry",
             "rapidlite.environ",
             "rapidlite.logging",
+            "rapidlite.tracking",
             "rapidlite.distributed",
             "rapidlite.preemption",
             "rapidlite.losses",
