@@ -20,14 +20,13 @@ from rapidlite.cli import main
 from rapidlite.errors import ConfigError, TrainingDiverged
 from rapidlite.preemption import EXIT_CODE
 
-wandb = pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
-
 TOY = ["--micro-batch-size", "8", "--epochs", "2", "--log-interval", "2", "--lr", "0.01"]
 
 
 @pytest.fixture
 def wandb_dir(tmp_path, monkeypatch):
     """W&B offline, quiet and local: runs under tmp_path/wandb, nothing read from or written to the home directory."""
+    wandb = pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
     root = tmp_path / "wandb-home"
     root.mkdir()
     for name, value in {
@@ -178,6 +177,8 @@ def test_a_failed_run_is_finished_with_its_exit_code(tmp_path, wandb_dir):
 
 
 def test_a_tracker_that_cannot_start_is_one_error(tmp_path, wandb_dir, monkeypatch):
+    import wandb
+
     def refuse(**kwargs):
         raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
 
