@@ -32,6 +32,8 @@ setup(
         "pandas>=2.0",
         "pyarrow>=14",
         "tqdm>=4.60",
+        # --config FILE.yaml (a dependency of transformers already)
+        "pyyaml>=5.1",
     ],
     extras_require={
         # accelerate: the Hugging Face Trainer contender of benchmarks/speed.py (its quick mode is a test)
@@ -48,12 +50,16 @@ setup(
             # launch/kubernetes-pytorchjob.yaml is validated against launch/schemas/pytorchjob-v1.schema.json
             "jsonschema>=4.18",
             "pyyaml>=6",
+            # --wandb-project is tested in W&B's offline mode
+            "wandb>=0.16",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
         # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
         "quant": ["bitsandbytes>=0.48"],
+        # --wandb-project: Weights & Biases beside metrics.jsonl and TensorBoard
+        "wandb": ["wandb>=0.16"],
     },
     entry_points={
         "console_scripts": [

@@ -8,8 +8,10 @@ the frozen ``RunConfig`` every other module reads. ``parse_args`` is the two in 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
+from rapidlite import config_file
 from rapidlite.errors import ConfigError
 from rapidlite.resolve import LR_DECAY_STYLES, RunConfig, resolve
 from rapidlite.tasks.registry import task_names
@@ -454,6 +456,21 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument(
+        "--wandb-project",
+        default=None,
+        metavar="NAME",
+        help="also report every metrics record and the run's settings to this Weights & Biases project (rank 0; "
+        "pip install 'rapidlite[wandb]')",
+    )
+    g.add_argument("--wandb-entity", default=None, metavar="TEAM", help="W&B user or team (default: W&B's)")
+    g.add_argument("--wandb-run-name", default=None, metavar="NAME", help="W&B run name (default: W&B's)")
+    g.add_argument(
+        "--wandb-mode",
+        choices=("online", "offline", "disabled"),
+        default=None,
+        help="W&B mode (default: $WANDB_MODE, else online); offline writes the run locally for 'wandb sync'",
+    )
+    g.add_argument(
         "--peak-flops",
         type=float,
         default=None,
@@ -487,6 +504,12 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         prog="rapidlite",
         description="Train transformer models with Megatron-style flags.",
         allow_abbrev=False,
+    )
+    p.add_argument(
+        config_file.FLAG,
+        default=None,
+        metavar="FILE",
+        help="flags from a YAML or JSON file (keys are flag names: 'micro-batch-size: 8'); the command line wins",
     )
     for add in (
         _add_task_args,
@@ -523,9 +546,20 @@ def parse_known(
     """Parse argv once; return the flags and the arguments no flag of the parser took (a user script's own).
 
     Every flag starts as "not given" and takes its parser default afterwards, so the same pass records in
-    ``explicit_flags`` which flags the command line set (a DeepSpeed file supplies only the others).
+    ``explicit_flags`` which flags the command line set (a DeepSpeed file supplies only the others). A ``--config``
+    file's flags come first in the same pass (``rapidlite.config_file``): given, and overridden by the command line.
     """
+    namespace, unknown, unknown_keys = _parse_known(argv, extra_args_provider)
+    if unknown_keys and namespace.user_script is None:  # a --user-script's own flags are its engine's to check
+        raise ConfigError(unknown_keys[0])
+    return namespace, unknown
+
+
+def _parse_known(
+    argv: Sequence[str] | None, extra_args_provider: ExtraArgsProvider | None
+) -> tuple[argparse.Namespace, list[str], list[str]]:
     parser = build_parser(extra_args_provider)
+    argv, unknown_keys = config_file.expand(sys.argv[1:] if argv is None else argv, parser)
     actions = [a for a in parser._actions if a.dest != argparse.SUPPRESS and a.default != argparse.SUPPRESS]
     probe = argparse.Namespace(**{a.dest: _UNSET for a in actions})
     for action in actions:
@@ -541,14 +575,16 @@ def parse_known(
                 default = action.type(default)  # as argparse converts a string default
             setattr(namespace, action.dest, default)
     namespace.explicit_flags = explicit
-    return namespace, unknown
+    return namespace, unknown, unknown_keys
 
 
 def parse(
     argv: Sequence[str] | None = None, extra_args_provider: ExtraArgsProvider | None = None
 ) -> argparse.Namespace:
     """Parse argv once; an argument no flag takes is a ``ConfigError``."""
-    namespace, unknown = parse_known(argv, extra_args_provider)
+    namespace, unknown, unknown_keys = _parse_known(argv, extra_args_provider)
+    if unknown_keys:
+        raise ConfigError(unknown_keys[0])
     if unknown:
         raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see 'rapidlite --help')")
     return namespace

@@ -7,6 +7,7 @@ Layout of ``--save DIR``::
         .metadata, __*_*.distcp   DCP: every rank writes its shards of ``model.<name>`` and
                                   ``optim.<name>.<state>`` tensors; the metadata goes last
         state.pt               trainer position, LR schedule, loss scaler, skipped steps (rank 0)
+        config.yaml            the run's settings, loadable with --config (rank 0; rapidlite.config_file)
         rng_rank<R>.pt         each rank's RNG states
         manifest.json          every file above: its size and CRC-32 (each rank hashes the files it wrote)
     DIR/iter_0000200/deepspeed/   instead of the DCP files under --deepspeed: DeepSpeed's own checkpoint
@@ -391,12 +392,14 @@ def save_checkpoint(
     optimizer: Any | None,
     state: dict[str, Any],
     write_tensors: Callable[[Path], None] | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``DIR/iter_N`` atomically from every rank, with its manifest, and point ``DIR/latest`` at it (a
     collective).
 
     ``state`` holds what is not a tensor of the model or optimizer (trainer position, scheduler, scaler):
-    rank 0 writes it. ``optimizer`` None saves the weights only. ``write_tensors(directory)`` writes the
+    rank 0 writes it, and the text ``files`` (name → text, e.g. the run's ``config.yaml``), which the manifest
+    covers as every other file. ``optimizer`` None saves the weights only. ``write_tensors(directory)`` writes the
     model and optimizer in a backend's own format instead of DCP's (DeepSpeed's ``save_checkpoint``).
     A write that fails for the file system's reason (a full disk) raises a one-line ``CheckpointError`` on
     every rank, with the partial checkpoint removed and ``latest`` unchanged."""
@@ -424,6 +427,8 @@ def save_checkpoint(
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
             torch.save(state, tmp / STATE_FILE)
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text, encoding="utf-8")
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         failure = e
     _barrier()  # every rank's files are complete

@@ -84,6 +84,7 @@ class RapidliteEngine:
 
                 launch_script_or_join(args)  # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
         self.args = args
+        self.extra_args_provider = extra_args_provider  # the script's own flags, for the config a checkpoint keeps
         self.timers = Timers()
         set_global_args(args, self.timers)
         self.data_parallel = DataParallelConfig.from_args(args)

@@ -117,14 +117,21 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard. Rank 0 only."""
+    """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard and to a Weights & Biases run
+    (``wandb``: a started ``rapidlite.tracking.WandbRun``, which ``close`` finishes). Rank 0 only."""
 
     def __init__(
-        self, save_dir: str | None, tensorboard_dir: str | None, enabled: bool = True, run_id: str | None = None
+        self,
+        save_dir: str | None,
+        tensorboard_dir: str | None,
+        enabled: bool = True,
+        run_id: str | None = None,
+        wandb: Any = None,
     ) -> None:
         self._file = None
         self._tb = None
         self.run_id = run_id  # on every record: two runs' lines in one file stay apart
+        self.wandb = wandb
         if not enabled:
             return
         if save_dir is not None:
@@ -146,8 +153,13 @@ class MetricsWriter:
                 if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{tb_prefix}/{key}", value, step)
             self._tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record, tb_prefix)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        """Close every output (idempotent); ``exit_code`` and ``preempted`` tell the W&B run how the process ends."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code, preempted)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -20,6 +20,7 @@ from typing import Any
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
+from rapidlite.tracking import check_wandb_flags
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -253,6 +254,7 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
+    check_wandb_flags(args)
 
 
 def _check_lora(args: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ FLAGS = """
 --eval-only --overwrite --max-skipped-steps
 --keep-last
 --dry-run --memory-budget
+--config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
 """.split()
 
 

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
     ("strategies", ("rapidlite.strategies",)),
-    ("config", ("rapidlite.arguments", "rapidlite.resolve", "rapidlite.tasks.registry")),
+    ("config", ("rapidlite.arguments", "rapidlite.resolve", "rapidlite.config_file", "rapidlite.tasks.registry")),
     (
         "parallel and training machinery",
         (
@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.environ",
             "rapidlite.slurm",
             "rapidlite.logging",
+            "rapidlite.tracking",
             "rapidlite.distributed",
             "rapidlite.preemption",
             "rapidlite.losses",

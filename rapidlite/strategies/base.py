@@ -172,9 +172,18 @@ class Strategy:
         raise NotImplementedError
 
     def save_checkpoint(
-        self, save_dir: str, iteration: int, model: Any, optimizer: Any, state: dict[str, Any], with_optimizer: bool
+        self,
+        save_dir: str,
+        iteration: int,
+        model: Any,
+        optimizer: Any,
+        state: dict[str, Any],
+        with_optimizer: bool,
+        files: dict[str, str] | None = None,
     ) -> Path:
-        return ckpt.save_checkpoint(save_dir, iteration, model, optimizer.optimizer if with_optimizer else None, state)
+        """``ckpt.save_checkpoint``: ``state`` and the text ``files`` are rank 0's."""
+        inner = optimizer.optimizer if with_optimizer else None
+        return ckpt.save_checkpoint(save_dir, iteration, model, inner, state, files=files)
 
     def load_checkpoint(
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool

@@ -90,7 +90,14 @@ class DeepSpeed(Strategy):
         return deepspeed_backend.model_state_bytes(model)
 
     def save_checkpoint(
-        self, save_dir: str, iteration: int, model: Any, optimizer: Any, state: dict[str, Any], with_optimizer: bool
+        self,
+        save_dir: str,
+        iteration: int,
+        model: Any,
+        optimizer: Any,
+        state: dict[str, Any],
+        with_optimizer: bool,
+        files: dict[str, str] | None = None,
     ) -> Path:
         def write(directory: Path) -> None:
             model.save_checkpoint(
@@ -100,7 +107,7 @@ class DeepSpeed(Strategy):
                 exclude_frozen_parameters=lora.trainable_only(model.module),
             )
 
-        return ckpt.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write)
+        return ckpt.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write, files=files)
 
     def load_checkpoint(
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool

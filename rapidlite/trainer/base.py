@@ -9,6 +9,7 @@ over padded, variable-length micro-batches equals one big batch exactly).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import time
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
-from rapidlite import distributed, preemption
+from rapidlite import config_file, distributed, preemption
+from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
@@ -26,6 +28,7 @@ from rapidlite.errors import TrainingDiverged
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
 from rapidlite.models import lora
+from rapidlite.tracking import WandbRun
 
 
 class CountingIterator:
@@ -115,6 +118,8 @@ class BaseTrainer:
         # On every line of metrics.jsonl, so records of two runs in one file stay apart.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
         self._stop_signals = preemption.StopSignals()
+        self._wandb_resume_id: str | None = None  # the W&B run of the checkpoint this run resumes
+        self._saved_config: str | None = None  # iter_N/config.yaml: the settings, loadable with --config
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -180,7 +185,13 @@ class BaseTrainer:
             if getattr(self.args, "overwrite_save", False):
                 removed = ckpt.clear_run(self.args.save)
                 self.logger.info(f"--overwrite: removed the earlier run in {self.args.save} ({removed})")
-            self._metrics = MetricsWriter(self.args.save, self.args.tensorboard_dir, run_id=self.run_id)
+            self._metrics = MetricsWriter(
+                self.args.save, self.args.tensorboard_dir, run_id=self.run_id, wandb=self._start_wandb()
+            )
+            if self.args.save is not None:
+                parser = build_parser(self.engine.extra_args_provider)
+                header = "this run's settings: 'rapidlite --config config.yaml' repeats them (flags given with it win)"
+                self._saved_config = config_file.dump(self.args, parser, header)
         self.engine.barrier()
         strategy = self.engine.strategy
         n_params = strategy.parameter_count(self.model)
@@ -194,6 +205,28 @@ class BaseTrainer:
             + (f" (resuming at {self.iteration})" if self.iteration else "")
             + f" | run id {self.run_id}"
         )
+
+    def _start_wandb(self) -> WandbRun | None:
+        """``--wandb-project``: the W&B run of this training (the resumed checkpoint's, if it kept one)."""
+        if self.args.wandb_project is None:
+            return None
+        run = WandbRun.start(self.args, config_file.plain_settings(self.args), self._wandb_resume_id)
+        continued = " (continued: the checkpoint's run)" if self._wandb_resume_id == run.id else ""
+        self.logger.info(f"Weights & Biases: run {run.id} in project {self.args.wandb_project}{continued}")
+        return run
+
+    @contextlib.contextmanager
+    def closing_outputs(self) -> Iterator[None]:
+        """Around ``train()``: when training fails, the metrics outputs are closed all the same, and a W&B run is
+        finished with the exit code the process will have."""
+        try:
+            yield
+        except BaseException as e:
+            if self._metrics is not None:
+                code = getattr(e, "exit_code", 130 if isinstance(e, KeyboardInterrupt) else 1)
+                with contextlib.suppress(Exception):  # the training's error is the one to report
+                    self._metrics.close(code if isinstance(code, int) else 1)
+            raise
 
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
@@ -414,12 +447,15 @@ class BaseTrainer:
                 f"{self._last_good_checkpoint()} (lower --lr, clip gradients with --clip-grad)"
             )
         state: dict[str, Any] = {"trainer": self.trainer_state(), "skipped_steps": self.optimizer.skipped_steps}
+        if self._metrics is not None and self._metrics.wandb is not None:
+            state["wandb_run_id"] = self._metrics.wandb.id  # a run resumed from here continues it
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.optimizer.loss_scaler is not None:
             state["loss_scaler"] = self.optimizer.loss_scaler.state_dict()
+        files = {config_file.FILE_NAME: self._saved_config} if self._saved_config is not None else None
         path = self.engine.strategy.save_checkpoint(
-            self.args.save, self.iteration, self.model, self.optimizer, state, not self.args.no_save_optim
+            self.args.save, self.iteration, self.model, self.optimizer, state, not self.args.no_save_optim, files
         )
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
@@ -440,6 +476,7 @@ class BaseTrainer:
             self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
             return
         trainer = state["trainer"]
+        self._wandb_resume_id = state.get("wandb_run_id")
         self.iteration = int(trainer["iteration"])
         self.consumed_samples = int(trainer["consumed_samples"])
         self._last_saved = self.iteration
@@ -501,7 +538,7 @@ class BaseTrainer:
             f"{how} (exit code {preemption.EXIT_CODE})"
         )
         if self._metrics is not None:
-            self._metrics.close()
+            self._metrics.close(preemption.EXIT_CODE, preempted=True)
         preemption.exit_preempted()
 
 

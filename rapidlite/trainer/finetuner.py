@@ -73,6 +73,10 @@ class Finetuner(BaseTrainer):
 
     def train(self) -> dict[str, Any]:
         """Run the fine-tuning; returns the last validation metrics."""
+        with self.closing_outputs():
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         args = self.args
         if args.pipeline_model_parallel_size > 1:
             raise ConfigError(

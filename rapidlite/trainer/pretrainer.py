@@ -79,6 +79,10 @@ class PreTrainer(BaseTrainer):
 
     def train(self) -> dict[str, Any]:
         """Run the pretraining; returns the last validation metrics."""
+        with self.closing_outputs():
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         args = self.args
         if args.eval_only:
             raise ConfigError(
