@@ -49,7 +49,6 @@ setup(
             "bitsandbytes>=0.48",
             # launch/kubernetes-pytorchjob.yaml is validated against launch/schemas/pytorchjob-v1.schema.json
             "jsonschema>=4.18",
-            "pyyaml>=6",
             # --wandb-project is tested in W&B's offline mode
             "wandb>=0.16",
         ],
