@@ -29,6 +29,7 @@ DeepSpeed configs get the same accounting with ZeRO's sharding rules (its engine
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import resource
@@ -344,7 +345,7 @@ def plan(args: Any) -> Plan:
     total = sum(p.numel() for p in model.parameters())
     spec = spec_of(model)
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
-    seq = args.seq_length or 128
+    seq = sequence_length(args)
     probe = model.to(precision.dtype) if precision.dtype is not None else model
     profile = profile_activations(probe, args.micro_batch_size, seq, hidden)
     n_blocks = len(profile.blocks_split) or 1
@@ -356,7 +357,10 @@ def plan(args: Any) -> Plan:
     for stage in range(dims.pp):
         rank = _stage_rank(stage, dims)
         model = meta_model(args)
-        model = lora.prepare(model, settings, precision.dtype, torch.device("meta"), None)
+        # Quantisation needs real weights: the plan adapts the full-precision base and counts the quantised
+        # bytes afterwards (_quantised_bytes).
+        unquantised = dataclasses.replace(settings, load_in_4bit=False, load_in_8bit=False)
+        model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
         trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer = None
         if deepspeed:
@@ -370,6 +374,8 @@ def plan(args: Any) -> Plan:
                 strategy_name = strategy.name
                 module = strategy.module(composed)
         ranks.append(_rank_plan(args, dims, rank, stage, module, optimizer, profile, n_blocks, deepspeed))
+        if settings.load_in_4bit or settings.load_in_8bit:
+            ranks[-1].params -= _quantisable_bytes(module, settings) - _quantised_bytes(module, settings)
     if deepspeed:
         notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
     if settings.load_in_4bit or settings.load_in_8bit:
@@ -387,6 +393,51 @@ def plan(args: Any) -> Plan:
         ranks=ranks,
         notes=notes,
     )
+
+
+def _quantisable(module: torch.nn.Module, settings: Any) -> list[torch.nn.Linear]:
+    """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
+    from rapidlite.models.lora import SKIP_ON_LOAD, split_names
+
+    keep = {*SKIP_ON_LOAD, *split_names(settings.modules_to_save)}
+    return [
+        m
+        for name, m in module.named_modules()
+        if type(m) is torch.nn.Linear
+        and not m.weight.requires_grad
+        and not any(part in keep for part in name.split("."))
+    ]
+
+
+def _quantisable_bytes(module: torch.nn.Module, settings: Any) -> int:
+    return sum(_bytes(m.weight) for m in _quantisable(module, settings))
+
+
+def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
+    """bitsandbytes' sizes: 4-bit packs two weights a byte plus an fp32 scale per block of 64 (double
+    quantisation: an 8-bit scale plus an fp32 one per 256 blocks); 8-bit is a byte a weight plus an fp32 scale
+    per output row."""
+    total = 0
+    for m in _quantisable(module, settings):
+        n = m.weight.numel()
+        if settings.load_in_4bit:
+            blocks = math.ceil(n / 64)
+            scales = blocks + 4 * math.ceil(blocks / 256) if settings.double_quant else 4 * blocks
+            total += math.ceil(n / 2) + scales
+        else:
+            total += n + 4 * m.out_features
+    return total
+
+
+def sequence_length(args: Any) -> int:
+    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum."""
+    if args.seq_length:
+        return args.seq_length
+    if args.task == "causal_lm":
+        from rapidlite.tasks.causal_lm import DEFAULT_SEQ_LENGTH
+    else:
+        from rapidlite.tasks.sequence_classification import DEFAULT_SEQ_LENGTH
+    return DEFAULT_SEQ_LENGTH
 
 
 def _resident_bytes() -> int:
@@ -536,7 +587,8 @@ def format_plan(p: Plan) -> str:
         f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
         *describe_mesh(dims),
         f"batch: micro {a.micro_batch_size} x accumulation {a.gradient_accumulation_steps} x data parallel "
-        f"{dims.dp} = global {a.global_batch_size}; sequence length {a.seq_length or 128}",
+        f"{dims.dp} = global {a.global_batch_size}; sequence length {sequence_length(a)}"
+        + ("" if a.seq_length else " (the task's default; the longest a batch is padded to)"),
         f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
         "predicted memory per rank (peak of a training step):",
