@@ -428,6 +428,11 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (drawn only on an interactive terminal; also RAPIDLITE_NO_PROGRESS=1)",
+    )
+    g.add_argument(
         "--eval-interval",
         type=int,
         default=None,

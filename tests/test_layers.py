@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.metrics",
             "rapidlite.cache",
             "rapidlite.apex_kernels",
+            "rapidlite.progress",
         ),
     ),
 ]
