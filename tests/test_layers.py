@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.cache",
             "rapidlite.apex_kernels",
             "rapidlite.progress",
+            "rapidlite.plot",
         ),
     ),
 ]

@@ -24,10 +24,11 @@ from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import TrainingDiverged
+from rapidlite.errors import TrainingDiverged, first_line
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.models import lora
+from rapidlite.plot import PlotUnavailable, write_curves
 from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
 from rapidlite.tracking import WandbRun
 
@@ -520,7 +521,22 @@ class BaseTrainer:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
             self._metrics.close()
+            self.plot_curves()
         self._stop_signals.restore()  # a signal during the final save was ignored: the run is complete
+
+    def plot_curves(self) -> None:
+        """``--save DIR/curves.png`` from ``DIR/metrics.jsonl`` (rank 0, at the end of a run). A finished run
+        never fails here: without matplotlib, or when drawing fails, one line says so."""
+        if self.args.save is None or not self.engine.is_main_process:
+            return
+        try:
+            path = write_curves(self.args.save)
+        except PlotUnavailable as e:
+            self.logger.info(f"no {self.args.save}/curves.png: {e}")
+        except Exception as e:  # a plotting problem is not the run's
+            self.logger.warning(f"could not draw {self.args.save}/curves.png: {first_line(e)}")
+        else:
+            self.logger.info(f"loss, learning rate and throughput curves: {path}")
 
     def begin_training(self) -> None:
         """Called once everything is built, right before the first step."""
