@@ -508,6 +508,8 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     p = _Parser(
         prog="rapidlite",
         description="Train transformer models with Megatron-style flags.",
+        epilog="other commands: 'rapidlite env [--json]' reports versions, hardware and usable kernels for a bug "
+        "report; 'rapidlite plot DIR' draws DIR/curves.png from a --save directory's metrics.jsonl",
         allow_abbrev=False,
     )
     p.add_argument(
