@@ -15,7 +15,7 @@ import pytest
 from helpers import ToyFinetuner, engine, read_metrics
 from rapidlite.cli import main
 from rapidlite.logging import MetricsWriter
-from rapidlite.plot import CURVES_FILE, figure_of, read_curves
+from rapidlite.plot import CURVES_FILE, figure_of, read_curves, write_curves
 
 pytest.importorskip("matplotlib")
 
@@ -170,3 +170,13 @@ def test_end_of_run_curves_follow_a_resumed_run(tmp_path, log_lines):
     assert curves.validation_loss.y == [r["loss"] for r in records if r.get("split") == "validation"]
     assert curves.resumed_at == [9] and len(curves.run_ids) == 2
     assert json.loads((save / "metrics.jsonl").read_text().splitlines()[-1])["run_id"] == curves.run_ids[-1]
+
+
+def test_overwrite_removes_the_earlier_runs_curves(tmp_path):
+    from rapidlite.checkpoint import clear_run
+
+    write_two_attempts(tmp_path)
+    write_curves(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    assert clear_run(tmp_path) == "curves.png, metrics.jsonl"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
