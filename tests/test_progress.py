@@ -100,6 +100,16 @@ def test_no_bar_into_a_pipe_or_with_no_progress(monkeypatch, capsys):
     assert [line.split(":")[0] for line in piped] == [line.split(":")[0] for line in quiet[: len(piped)]]
 
 
+def test_no_progress_belongs_to_one_launch():
+    """A checkpoint's settings (iter_N/config.yaml) leave out --no-progress: how one terminal showed the run."""
+    from rapidlite.arguments import build_parser, parse_args
+    from rapidlite.config_file import saved_flags
+
+    args = parse_args([*TOY, "--no-progress", "--log-interval", "3"], require_task=False)
+    assert args.no_progress and "no-progress" not in saved_flags(args, build_parser())
+    assert saved_flags(args, build_parser())["log-interval"] == 3
+
+
 # ------------------------------------------------------------------------------------------ preprocessing
 @pytest.fixture
 def ids_corpus(tmp_path):
