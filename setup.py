@@ -51,6 +51,8 @@ setup(
             "jsonschema>=4.18",
             # --wandb-project is tested in W&B's offline mode
             "wandb>=0.16",
+            # curves.png and rapidlite plot are tested
+            "matplotlib>=3.6",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
@@ -59,6 +61,8 @@ setup(
         "quant": ["bitsandbytes>=0.48"],
         # --wandb-project: Weights & Biases beside metrics.jsonl and TensorBoard
         "wandb": ["wandb>=0.16"],
+        # DIR/curves.png at the end of a --save run, and rapidlite plot DIR
+        "plot": ["matplotlib>=3.6"],
     },
     entry_points={
         "console_scripts": [

@@ -428,6 +428,11 @@ def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (drawn only on an interactive terminal; also RAPIDLITE_NO_PROGRESS=1)",
+    )
+    g.add_argument(
         "--eval-interval",
         type=int,
         default=None,
@@ -503,6 +508,8 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     p = _Parser(
         prog="rapidlite",
         description="Train transformer models with Megatron-style flags.",
+        epilog="other commands: 'rapidlite env [--json]' reports versions, hardware and usable kernels for a bug "
+        "report; 'rapidlite plot DIR' draws DIR/curves.png from a --save directory's metrics.jsonl",
         allow_abbrev=False,
     )
     p.add_argument(

@@ -542,13 +542,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def clear_run(save_dir: str | os.PathLike) -> str:
-    """Remove a run's checkpoints, tracker, export and metrics from ``save_dir`` (``--overwrite``); other files
-    stay. Returns what was removed, for the log."""
+    """Remove a run's checkpoints, tracker, export, metrics and their curves from ``save_dir`` (``--overwrite``);
+    other files stay. Returns what was removed, for the log."""
     save_dir = Path(save_dir)
     removed = []
     for path in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
         name = path.name
-        if name.startswith(("iter_", ".tmp_")) or name in (LATEST_FILE, "hf", "metrics.jsonl"):
+        if name.startswith(("iter_", ".tmp_")) or name in (LATEST_FILE, "hf", "metrics.jsonl", "curves.png"):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(name)
     _fsync_dir(save_dir)

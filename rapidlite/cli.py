@@ -1,4 +1,5 @@
-"""Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``).
+"""Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``); and
+the subcommands ``rapidlite env`` (``rapidlite.env_report``) and ``rapidlite plot DIR`` (``rapidlite.plot``).
 
 Each process parses its command line once and resolves it into the frozen settings (``rapidlite.resolve``);
 the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under torchrun
@@ -71,6 +72,15 @@ def dry_run(config: RunConfig) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    # Subcommands come before the flag parser: `rapidlite env`, `rapidlite plot DIR`.
+    if argv and argv[0] == "env":
+        from rapidlite.env_report import main as env_main
+
+        return env_main(argv[1:])
+    if argv and argv[0] == "plot":
+        from rapidlite.plot import main as plot_main
+
+        return plot_main(argv[1:])
     # Parsed once, and --help answered, before the heavy task modules are imported. A user script may declare
     # flags of its own (extra_args_provider): its engine parses the command line with them when it starts.
     namespace, unknown = parse_known(argv)

@@ -32,10 +32,11 @@ from rapidlite.errors import ConfigError
 FLAG = "--config"
 FILE_NAME = "config.yaml"
 
-# Flags that describe one launch, not the run: where this node joins the rendezvous, and --overwrite, which would
-# delete the directory it is replayed into. --load and --finetune are kept only when they say where the weights
-# come from (fine-tuning from a checkpoint or a Hugging Face model directory), not when a launch resumed.
-PER_LAUNCH = frozenset({"config", "overwrite", "node_rank", "master_addr", "master_port"})
+# Flags that describe one launch, not the run: where this node joins the rendezvous, --overwrite, which would
+# delete the directory it is replayed into, and --no-progress, a choice of how this terminal shows the run. --load
+# and --finetune are kept only when they say where the weights come from (fine-tuning from a checkpoint or a
+# Hugging Face model directory), not when a launch resumed.
+PER_LAUNCH = frozenset({"config", "overwrite", "node_rank", "master_addr", "master_port", "no_progress"})
 # Flags that resolve sets from other flags when they are not given (the pipeline schedule from the virtual stages,
 # recomputation from its granularity, torch.compile standing in for ONNX Runtime, --eval-only's unsplit data):
 # written only when given, so a flag added on top of a saved file is not contradicted by a value it implied.

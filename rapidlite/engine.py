@@ -36,6 +36,7 @@ from rapidlite.models.hf import disable_kv_cache
 from rapidlite.optim import build_lr_scheduler
 from rapidlite.parallel.data_parallel import DataParallelConfig
 from rapidlite.precision import resolve_precision, set_tf32
+from rapidlite.progress import close_bars
 from rapidlite.strategies import Strategy, StrategyContext
 
 
@@ -52,6 +53,7 @@ def _excepthook(previous: Callable) -> Callable:
     def hook(exc_type, exc, tb):
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             distributed.shutdown(distributed.report_worker_error(exc))
+        close_bars()  # the error starts on a line of its own
         if isinstance(exc, RapidliteError):
             sys.stdout.flush()
             print(f"rapidlite: error: {exc}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rapidlite.errors import RapidliteError
+from rapidlite.progress import close_bars
 
 
 def _worker_failure(e: BaseException) -> int:
@@ -26,13 +27,16 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None = No
         code = run(argv)
     except RapidliteError as e:
         code = _worker_failure(e) if worker else e.exit_code
+        close_bars()
         if not worker:
             sys.stdout.flush()
             print(f"rapidlite: error: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
+        close_bars()
         print("rapidlite: interrupted", file=sys.stderr, flush=True)
         code = 130
     except Exception as e:
+        close_bars()  # the traceback starts on a line of its own
         if not worker:
             raise
         code = _worker_failure(e)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rapidlite.progress import bars_open, write_above
 
 LOGGER_NAME = "rapidlite"
 
@@ -31,6 +32,15 @@ class _StdoutHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value: Any) -> None:
         pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not bars_open():
+            super().emit(record)
+            return
+        try:
+            write_above(self.format(record), self.stream)  # above the progress bar, which is redrawn below
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logger(rank: int = 0, log_file: str | None = None) -> logging.Logger:
@@ -181,14 +191,3 @@ def format_record(record: dict[str, Any]) -> str:
             text = str(value)
         parts.append(f"{key}: {text}")
     return " | ".join(parts)
-
-
-def progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    """A tqdm bar on an interactive terminal; None otherwise (logs are the record)."""
-    if not enabled or not sys.stderr.isatty() or os.environ.get("RAPIDLITE_NO_PROGRESS"):
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=False)

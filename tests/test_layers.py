@@ -13,7 +13,16 @@ PACKAGE = REPO / "rapidlite"
 # Top to bottom. The package itself (rapidlite/__init__.py) is the public facade over every layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("rapidlite",)),
-    ("cli", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.evaluation.command", "rapidlite.planning")),
+    (
+        "cli",
+        (
+            "rapidlite.cli",
+            "rapidlite.__main__",
+            "rapidlite.evaluation.command",
+            "rapidlite.planning",
+            "rapidlite.env_report",
+        ),
+    ),
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
@@ -47,6 +56,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.metrics",
             "rapidlite.cache",
             "rapidlite.apex_kernels",
+            "rapidlite.progress",
+            "rapidlite.plot",
         ),
     ),
 ]

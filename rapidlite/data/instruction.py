@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rapidlite.errors import DataError
+from rapidlite.progress import progress_bar
 
 ALPACA, PROMPT_RESPONSE, CHAT, TEXT = "alpaca", "prompt_response", "chat", "text"
 
@@ -272,10 +273,11 @@ def build_instruction_data(
     template: str = "auto",
     train_on_prompt: bool = False,
     packing: bool = False,
+    progress: bool = False,
 ) -> InstructionData:
     """Every split of ``raw`` (a ``datasets.DatasetDict``) rendered, encoded and, with ``packing``, packed.
     Rows with no trained token left (a response cut away by ``seq_length``) are dropped: they cost FLOPs and
-    teach nothing."""
+    teach nothing. ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
     template = load_template(template)
     fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
@@ -288,7 +290,10 @@ def build_instruction_data(
         if missing:
             raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its train split has")
         encoded: list[Encoded] = []
+        bar = progress_bar(len(raw[name]), desc=f"encoding {name}", unit="rows", leave=False, enabled=progress)
         for row in raw[name]:
+            if bar is not None:
+                bar.update()
             segments = render(row, fmt, template, tokenizer)
             enc = encode(segments, tokenizer, seq_length, train_on_prompt)
             rows += 1
@@ -301,6 +306,8 @@ def build_instruction_data(
             tokens += len(enc.input_ids)
             if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
                 prompts.append((segments[0][0], segments[1][0]))
+        if bar is not None:
+            bar.close()
         if packing:
             splits[name] = pack(encoded, seq_length)
         else:

@@ -122,6 +122,7 @@ class DeviceDataLoader:
         self.gather_trim = gather_trim
         self.prefetch = device.type == "cuda" if prefetch is None else prefetch
         self.padding_rows = 0
+        self.on_batch: Callable[[], Any] | None = None  # called when the caller is done with a batch (a progress bar)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loader"], name)
@@ -156,6 +157,16 @@ class DeviceDataLoader:
         return (to_device(batch, self.device) for batch in self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        batches = self._handed_out()
+        try:
+            for batch in batches:
+                yield batch
+                if self.on_batch is not None:  # the caller asked for the next batch: this one is done
+                    self.on_batch()
+        finally:
+            batches.close()  # a caller that stops early resets padding_rows now, not when collected
+
+    def _handed_out(self) -> Iterator[Any]:
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         if not isinstance(batch_sampler, EvalBatchSampler):  # training and one-rank loaders: nothing padded
             yield from self._batches()

@@ -50,6 +50,7 @@ from rapidlite.data.indexed_dataset import (
 )
 from rapidlite.data.tokenizers import TOKENIZER_TYPES, AbstractTokenizer, build_tokenizer
 from rapidlite.errors import ConfigError, DataError, RapidliteError
+from rapidlite.progress import Bar, progress_bar
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -264,20 +265,35 @@ def _windowed_imap(pool: Any, items: Iterable[tuple[int, str]], window: int) -> 
 
 
 class _Progress:
-    def __init__(self, log: Callable[[str], None] | None, interval: int) -> None:
-        self.log, self.interval = log, interval
+    """A bar over the input's bytes with documents/s beside it on a terminal (``bar``); else a log line every
+    ``interval`` documents."""
+
+    def __init__(self, log: Callable[[str], None] | None, interval: int, bar: Bar | None = None) -> None:
+        self.log, self.interval, self.bar = log, interval, bar
         self.start = time.perf_counter()
         self.documents = self.bytes = 0
 
     def update(self, nbytes: int) -> None:
         self.documents += 1
         self.bytes += nbytes
-        if self.log is not None and self.interval > 0 and self.documents % self.interval == 0:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            if self.documents % 256 == 0:
+                elapsed = max(time.perf_counter() - self.start, 1e-9)
+                self.bar.set_postfix_str(f"{self.documents} docs, {self.documents / elapsed:.0f} docs/s", refresh=False)
+        elif self.log is not None and self.interval > 0 and self.documents % self.interval == 0:
             elapsed = max(time.perf_counter() - self.start, 1e-9)
             self.log(
                 f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
                 f"{self.bytes / elapsed / 1e6:.2f} MB/s)."
             )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(max(self.bar.total - self.bar.n, 0))  # the input is read whole (blank lines too)
+            self.bar.set_postfix_str(f"{self.documents} docs", refresh=False)
+            self.bar.close()
+            self.bar = None
 
 
 def _stderr(message: str) -> None:
@@ -307,10 +323,12 @@ def preprocess(
     lang: str = "english",
     log_interval: int = 1000,
     log: Callable[[str], None] | None = _stderr,
+    progress: bool = False,
 ) -> dict[str, str]:
     """Tokenize ``input_path`` into mmap datasets; returns ``{key: output path prefix}``.
 
-    ``log`` receives the progress lines (None: silent)."""
+    ``log`` receives the progress lines (None: silent); with ``progress`` a bar replaces them when standard error
+    is a terminal (``rapidlite.progress``)."""
     path = check_input(input_path)
     keys = tuple(json_keys)
     if not keys or len(set(keys)) != len(keys):
@@ -346,7 +364,7 @@ def preprocess(
         ranges = list(itertools.pairwise(bounds))
         part_prefixes = [{k: f"{p}.part{i}-of-{partitions}" for k, p in prefixes.items()} for i in range(partitions)]
     written = [p for parts in part_prefixes for p in parts.values()]
-    progress = _Progress(log, log_interval)
+    tracker = _Progress(log, log_interval)
     stats = {key: {"documents": 0, "sequences": 0, "tokens": 0, "empty": 0} for key in keys}
     pool = None
     try:
@@ -362,6 +380,10 @@ def preprocess(
                     os.environ["TOKENIZERS_PARALLELISM"] = previous
         else:
             _init_worker(tokenizer, job)
+        # After the pool has forked: the workers inherit no bar.
+        tracker.bar = progress_bar(
+            os.path.getsize(path), desc="tokenizing", bytes_=True, enabled=progress and log is not None
+        )
         for (start, stop), targets in zip(ranges, part_prefixes, strict=True):
             builders = {k: IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for k, p in targets.items()}
             items = itertools.islice(iter_documents(path, fmt), start, stop)
@@ -375,7 +397,7 @@ def preprocess(
                     stats[key]["documents"] += 1
                     stats[key]["sequences"] += len(document[1])
                     stats[key]["tokens"] += len(document[0])
-                progress.update(nbytes)
+                tracker.update(nbytes)
             for key, builder in builders.items():
                 builder.finalize(index_file_path(targets[key]))
         if partitions > 1:
@@ -385,17 +407,20 @@ def preprocess(
                     merged.add_index(targets[key])
                 merged.finalize(index_file_path(prefix))
             _remove(written)
+        tracker.close()
     except BaseException:
         _remove(written + (list(prefixes.values()) if partitions > 1 else []))
         raise
     finally:
+        if tracker.bar is not None:
+            tracker.bar.close()  # stopped by an error: the message starts on a line of its own
         _WORKER.clear()
         if pool is not None:
             pool.terminate()
             pool.join()
 
     if log is not None:
-        elapsed = time.perf_counter() - progress.start
+        elapsed = time.perf_counter() - tracker.start
         for key, prefix in prefixes.items():
             n = stats[key]
             skipped = f", {n['empty']} empty ones skipped" if n["empty"] else ""
@@ -443,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     group.add_argument("--partitions", type=int, default=1, help="process the input in N parts, then merge")
     group.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
+    group.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (drawn only on an interactive terminal; also RAPIDLITE_NO_PROGRESS=1)",
+    )
     return parser
 
 
@@ -473,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text_format=args.text_format,
             lang=args.lang,
             log_interval=args.log_interval,
+            progress=not args.no_progress,
         )
     except RapidliteError as e:
         print(f"rapidlite-preprocess: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -71,7 +72,8 @@ class CausalLMFinetuner(Finetuner):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # the custom for causal LMs: padding is masked
         set_chat_template(self.tokenizer, args.chat_template)
-        raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+        with hf_datasets_progress(self.show_progress):
+            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
         seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
         self.data = build_instruction_data(
             raw,
@@ -82,6 +84,7 @@ class CausalLMFinetuner(Finetuner):
             template=args.prompt_template,
             train_on_prompt=args.train_on_prompt,
             packing=args.packing,
+            progress=self.show_progress,
         )
         d = self.data
         valid = len(d.validation) if d.validation is not None else 0

@@ -24,10 +24,12 @@ from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import TrainingDiverged
+from rapidlite.errors import TrainingDiverged, first_line
 from rapidlite.graph import compiled_graphs
-from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes, progress_bar
+from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.models import lora
+from rapidlite.plot import PlotUnavailable, write_curves
+from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
 from rapidlite.tracking import WandbRun
 
 
@@ -108,7 +110,7 @@ class BaseTrainer:
         self._metrics: MetricsWriter | None = None
         self._interval = self._new_interval()
         self._last_saved = -1
-        self._progress = None
+        self._progress: Bar | None = None
         self.last_evaluation: dict[str, Any] = {}
         self._resume_rng: dict[str, Any] | None = None
         self._state_bytes_logged = False
@@ -163,6 +165,18 @@ class BaseTrainer:
         """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
         return self.engine.gather(tensor)
 
+    @property
+    def show_progress(self) -> bool:
+        """Whether this process draws progress bars (for data preparation too): the main process, unless
+        ``--no-progress``; a bar still needs a terminal (``rapidlite.progress``)."""
+        return self.engine.is_main_process and not getattr(self.args, "no_progress", False)
+
+    def progress_bar(
+        self, total: int | None, desc: str, unit: str = "it", leave: bool = True, initial: int = 0
+    ) -> Bar | None:
+        """A progress bar with rate and ETA on the main process's terminal, else None."""
+        return progress_bar(total, desc=desc, unit=unit, leave=leave, initial=initial, enabled=self.show_progress)
+
     # ------------------------------------------------------------------ setup
     def setup_model(self, total_iters: int) -> None:
         self.total_iters = total_iters
@@ -174,7 +188,8 @@ class BaseTrainer:
             )
         if resume:
             self.engine.strategy.prepare_resume(self.args.load)
-        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
+            model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
@@ -402,6 +417,8 @@ class BaseTrainer:
             "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
         }
         record = {k: v for k, v in record.items() if v is not None}
+        if self._progress is not None:
+            self._progress.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.3g}", refresh=False)
         self.logger.info(format_record(record))
         if self._metrics is not None:
             self._metrics.write(record, "train")
@@ -504,7 +521,22 @@ class BaseTrainer:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
             self._metrics.close()
+            self.plot_curves()
         self._stop_signals.restore()  # a signal during the final save was ignored: the run is complete
+
+    def plot_curves(self) -> None:
+        """``--save DIR/curves.png`` from ``DIR/metrics.jsonl`` (rank 0, at the end of a run). A finished run
+        never fails here: without matplotlib, or when drawing fails, one line says so."""
+        if self.args.save is None or not self.engine.is_main_process:
+            return
+        try:
+            path = write_curves(self.args.save)
+        except PlotUnavailable as e:
+            self.logger.info(f"no {self.args.save}/curves.png: {e}")
+        except Exception as e:  # a plotting problem is not the run's
+            self.logger.warning(f"could not draw {self.args.save}/curves.png: {first_line(e)}")
+        else:
+            self.logger.info(f"loss, learning rate and throughput curves: {path}")
 
     def begin_training(self) -> None:
         """Called once everything is built, right before the first step."""
@@ -512,7 +544,7 @@ class BaseTrainer:
             # Restored last, so nothing built after loading (data iterators, workers) shifts the RNG streams.
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
-        self._progress = progress_bar(self.total_iters, self.iteration, self.engine.is_main_process)
+        self._progress = self.progress_bar(self.total_iters, "train", initial=self.iteration)
         self._first_step_start = time.perf_counter()
         self._stop_signals.install()
 

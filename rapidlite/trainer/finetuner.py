@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.data.loader import batch_stats, slice_batch
+from rapidlite.data.loader import DeviceDataLoader, batch_stats, slice_batch
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
 from rapidlite.trainer.base import BaseTrainer, split_datasets
@@ -59,8 +59,17 @@ class Finetuner(BaseTrainer):
             return {}
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
-            metrics = self.run_compute_metrics([self.model], loader)
+        bar = self.progress_bar(len(loader), split, unit="batch", leave=False)
+        if bar is not None and isinstance(loader, DeviceDataLoader):
+            loader.on_batch = bar.update
+        try:
+            with torch.no_grad():
+                metrics = self.run_compute_metrics([self.model], loader)
+        finally:
+            if isinstance(loader, DeviceDataLoader):
+                loader.on_batch = None
+            if bar is not None:
+                bar.close()
         self.model.train(was_training)
         if self.args.eval_only:
             return self.log_evaluation(split, metrics or {}, eval_only=True)

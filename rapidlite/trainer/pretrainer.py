@@ -60,6 +60,7 @@ class PreTrainer(BaseTrainer):
         self.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         accumulation, pipeline = self.args.gradient_accumulation_steps, self.engine.pipeline
+        bar = self.progress_bar(self.args.eval_iters, split, unit="batch", leave=False)
         with torch.no_grad():
             for _ in range(self.args.eval_iters):
                 if pipeline is not None:  # a global batch at a time through the pipeline (forward only)
@@ -69,6 +70,10 @@ class PreTrainer(BaseTrainer):
                 for loss, items in results:
                     total += loss.detach().double().cpu()  # a mean counts once, a sum counts its items
                     count += items if items is not None else 1
+                if bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
         iterator.take_counts()
         self.model.train(was_training)
         if pipeline is not None:  # the losses are the last stage's
