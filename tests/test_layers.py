@@ -98,7 +98,8 @@ def layer_of(module: str) -> int | None:
     best = None
     for rank, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
+            # The facade's name covers only the package itself: a module given no layer must show up.
+            if module == prefix or (prefix != "rapidlite" and module.startswith(prefix + ".")):
                 if best is None or len(prefix) > best[1]:
                     best = (rank, len(prefix))
     return None if best is None else best[0]
