@@ -112,9 +112,9 @@ class CausalLMFinetuner(Finetuner):
         return model, None, None
 
     def begin_training(self) -> None:
-        super().begin_training()
         if self.args.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
+        super().begin_training()  # after it, so the first interval's rates count training only
 
     def run_forward_step(self, batch, model):
         labels = batch["labels"]

@@ -545,6 +545,8 @@ class BaseTrainer:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._progress = self.progress_bar(self.total_iters, "train", initial=self.iteration)
+        # The first interval's rates count from here, not from the set-up (data, model, checkpoint loading).
+        self._interval["start"] = time.perf_counter()
         self._first_step_start = time.perf_counter()
         self._stop_signals.install()
 
