@@ -4,6 +4,8 @@ classification demo's tiny BERT: what trains, what is checkpointed and exported,
 
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -270,6 +272,22 @@ def test_4bit_classification_keeps_the_head_full_precision_and_trains_it(tmp_pat
     assert isinstance(base.bert.encoder.layer[0].attention.self.query.base_layer, bnb.nn.Linear4bit)
     head = base.classifier.modules_to_save["default"]
     assert type(head) is torch.nn.Linear and head.weight.requires_grad and head.weight.dtype == torch.float32
+
+
+def test_a_run_without_adapters_never_imports_peft(tmp_path):
+    """peft brings bitsandbytes and transformers' model classes (seconds at every start, on every rank): a run
+    without --lora-rank trains, saves and exports without importing it."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from helpers import ToyFinetuner, engine\n"
+        f"ToyFinetuner(engine('--micro-batch-size', '8', '--train-iters', '2', '--save', {str(tmp_path / 'run')!r}))"
+        ".train()\n"
+        "print('imported:', sorted({'peft', 'bitsandbytes'} & set(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "imported: []" in proc.stdout, proc.stdout[-3000:]
+    assert (tmp_path / "run" / "latest").read_text().strip() == "2"
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -253,11 +253,11 @@ def _dequantized_weight(layer: nn.Module) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------- adapters
 def is_peft_model(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    # A peft model exists only once peft is imported; importing it to ask (peft brings bitsandbytes and
+    # transformers' model classes: seconds) would slow the start of every run without adapters.
+    peft = sys.modules.get("peft")
+    peft_model = getattr(peft, "PeftModel", None)
+    return peft_model is not None and isinstance(model, peft_model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
