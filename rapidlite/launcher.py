@@ -49,7 +49,9 @@ def torchrun_args(args: Any) -> list[str]:
     master_addr = args.master_addr or launch_value("MASTER_ADDR")
     master_port = args.master_port or launch_int("MASTER_PORT", 0)
     if nnodes == 1 and not master_addr:
-        return [*out, "--standalone"]  # a private rendezvous on a free local port
+        # A private rendezvous on a free port of the loopback address: torchrun would give the workers this host's
+        # name to connect to, which may resolve to nothing (a container without network, some laptops and nodes).
+        return [*out, "--standalone", "--local-addr=127.0.0.1"]
     node_rank = args.node_rank if args.node_rank is not None else launch_int("NODE_RANK", 0)
     return [*out, f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port or 29500}"]
 

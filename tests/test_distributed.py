@@ -2,6 +2,8 @@
 ``rapidlite --user-script ... --nproc-per-node 2``. Every layout is compared with one process."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -362,3 +364,18 @@ def test_max_restarts_restarts_the_worker_group(tmp_path):
     proc = rapidlite(*argv, "--max-restarts", "1", "--save", str(tmp_path), env={"FAIL": "first_attempt"}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(train_losses(tmp_path)) == 3
+
+
+def test_one_node_launch_does_not_need_a_resolvable_hostname(tmp_path):
+    """One node rendezvouses on loopback: a host (or a container without network) whose name resolves to
+    nothing still launches, instead of its workers retrying that name until the timeout."""
+    argv = ["--user-script", PRETRAIN, *COMMON, *TWO, "--train-iters", "1", "--eval-iters", "1"]
+    code = (
+        "import socket, sys\n"
+        "socket.getfqdn = lambda *args: 'no-such-host.invalid'  # the name torchrun's agent would publish\n"
+        "from rapidlite.cli import main\n"
+        f"sys.exit(main({[*argv, '--distributed-timeout-minutes', '1']!r}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
