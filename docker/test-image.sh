@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317  # the step functions are called by name ("step_$step")
 # Build the CPU image from docker/Dockerfile and smoke-test it: rapidlite --help, rapidlite env, a 2-process
-# pretraining run, the fine-tuning demo and a DeepSpeed run (when the image has that extra). Prints how long the
-# build and each step took; exits 0 only when every step passed. Settings (environment variables):
+# pretraining run, the fine-tuning demo, a --torch-compile run and a DeepSpeed run (when the image has that extra).
+# Prints how long the build and each step took; exits 0 only when every step passed. Settings (environment
+# variables):
 #
 #   IMAGE          tag to build                      (default rapidlite:<version>-cpu)
 #   BASE_IMAGE     base of both stages               (default python:3.11-slim)
@@ -181,10 +182,24 @@ step_demo() {
     inspect '
 import pathlib
 d = pathlib.Path("/workspace/runs/demo")
-for name in ("latest", "metrics.jsonl", "hf/config.json", "hf/model.safetensors"):
+names = ["latest", "metrics.jsonl", "hf/config.json", "hf/model.safetensors"]
+try:
+    import matplotlib  # noqa: F401  (the plot extra: curves.png at the end of a --save run)
+    names.append("curves.png")
+except ImportError:
+    pass
+for name in names:
     assert (d / name).is_file(), f"no {name}"
-print("latest, metrics.jsonl, hf/config.json, hf/model.safetensors present")
+print(", ".join(names), "present")
 ' || fail "the demo's outputs are incomplete"
+}
+
+step_compile() {
+    run "${tiny_gpt[@]}" --train-iters 2 --torch-compile 2>&1 | tee "$log/compile"
+    local code=${PIPESTATUS[0]}
+    [ "$code" -eq 0 ] || fail "exit code $code"
+    grep -q 'torch.compile: the first step took' "$log/compile" || fail "torch.compile did not compile the model"
+    grep -q 'iteration: 2 ' "$log/compile" || fail "iteration 2 was not logged"
 }
 
 step_deepspeed() {
@@ -195,7 +210,7 @@ step_deepspeed() {
     grep -q 'iteration: 5 ' "$log/deepspeed" || fail "iteration 5 was not logged"
 }
 
-steps=(image help env pretrain demo)
+steps=(image help env pretrain demo compile)
 inspect 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)' 2>/dev/null \
     && steps+=(deepspeed)
 for step in "${steps[@]}"; do

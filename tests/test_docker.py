@@ -38,6 +38,7 @@ def test_cpu_image_builds_and_runs():
         timeout=3600,
     )
     summary = proc.stdout[proc.stdout.rfind("\nimage ") :]
+    print(summary)  # the image's size and each step's time (shown with -s or -rP)
     assert proc.returncode == 0, summary + proc.stderr[-3000:]
     for step in ("build", "image", "help", "env", "pretrain", "demo"):
         assert f"  {step} " in summary and "FAILED" not in summary, summary
