@@ -30,3 +30,16 @@ def log_lines():
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Soak tests (a scenario the default suite runs once, repeated for statistics) are deselected unless the
+    ``-m`` expression names them: ``pytest -m soak``, or ``-m "soak or not soak"`` for everything. A ``-m 'not
+    soak'`` in addopts would be replaced by any ``-m`` given on the command line (``-m distributed`` would then
+    run them too)."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    soak = [item for item in items if item.get_closest_marker("soak")]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if not item.get_closest_marker("soak")]

@@ -1,7 +1,8 @@
 """Never lose a run: SIGTERM/SIGUSR1 stop every rank after the same step with a checkpoint and exit code 143;
 ``--save D --load D`` starts fresh on the first launch; ``--max-restarts`` resumes from the latest checkpoint;
 a rank killed by SIGKILL is named in one line; kill -9 at random moments (also mid-save) loses nothing.
-Real signals to real processes; every resumed run is compared bit for bit with an uninterrupted one."""
+Real signals to real processes; every resumed run is compared bit for bit with an uninterrupted one. The
+repeated kills run under ``-m soak``; the default suite kills once."""
 
 from __future__ import annotations
 
@@ -91,36 +92,48 @@ def reference(tmp_path_factory):
     return get
 
 
-def stop_with_signal(layout: str, sig: signal.Signals, save: Path | None) -> tuple[int, str, str]:
-    """Start a run and send ``sig`` to the process the user started once iteration 4 is logged."""
+def stop_with_signal(layout: str, sig: signal.Signals, save: Path | None, after: int = 4) -> tuple[int, str, str]:
+    """Start a run and send ``sig`` to the process the user started once iteration ``after`` is logged."""
     keep = ["--save", str(save), "--load", str(save)] if save is not None else []
     proc = start(*FLAGS, *LAYOUTS[layout], *keep, env={"STEP_SLEEP": "0.05"})
-    earlier = wait_for(proc, r"iteration: 4 \|")
+    earlier = wait_for(proc, rf"iteration: {after} \|")
     proc.send_signal(sig)
     return finish(proc, earlier)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout,sig",
-    [
-        ("one", signal.SIGTERM),
-        ("one", signal.SIGUSR1),
-        pytest.param("two", signal.SIGTERM, marks=pytest.mark.distributed),
-    ],
-)
-def test_signal_saves_stops_and_the_same_command_resumes_bit_exact(tmp_path, reference, layout, sig):
-    save = tmp_path / "run"
-    code, out, err = stop_with_signal(layout, sig, save)
+def assert_stopped(code: int, out: str, err: str, sig: signal.Signals, save: Path, after: int) -> int:
+    """The run stopped on ``sig`` after a step past ``after`` with a checkpoint of it; returns that iteration."""
     assert code == EXIT_CODE, err[-3000:]
-    assert f"--load {save} does not exist yet: starting fresh" in out  # the first launch of the requeue command
     (stopped,) = [line for line in out.splitlines() if "stopped after iteration" in line]
     stopped_at = int(re.search(r"stopped after iteration (\d+)", stopped).group(1))
     assert sig.name in stopped and f"saved a checkpoint in {save}" in stopped and "exit code 143" in stopped
-    assert 4 <= stopped_at < ITERS
+    assert after <= stopped_at < ITERS
     assert (save / "latest").read_text().strip() == str(stopped_at)
     assert sorted(losses(save)) == list(range(1, stopped_at + 1))  # every rank stopped after that step
     assert "Traceback" not in err and "rapidlite: error" not in err, err[-3000:]
+    return stopped_at
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,signals",
+    [
+        # one process: stopped by SIGUSR1, resumed and stopped again by SIGTERM, resumed to the end
+        pytest.param("one", (signal.SIGUSR1, signal.SIGTERM), id="one-SIGUSR1-then-SIGTERM"),
+        pytest.param("two", (signal.SIGTERM,), marks=pytest.mark.distributed, id="two-SIGTERM"),
+    ],
+)
+def test_signal_saves_stops_and_the_same_command_resumes_bit_exact(tmp_path, reference, layout, signals):
+    save = tmp_path / "run"
+    stopped_at = 0
+    for sig in signals:
+        after = max(4, stopped_at + 2)
+        code, out, err = stop_with_signal(layout, sig, save, after=after)
+        if stopped_at == 0:
+            assert f"--load {save} does not exist yet: starting fresh" in out  # the first launch of the requeue command
+        else:
+            assert f"resumed from {save} at iteration {stopped_at}" in out
+        stopped_at = assert_stopped(code, out, err, sig, save, after)
 
     code, out, err = run(*FLAGS, *LAYOUTS[layout], "--save", str(save), "--load", str(save))  # the same command
     assert code == 0, err[-3000:]
@@ -186,9 +199,11 @@ def worker_pid(launcher: int, rank: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_rank_killed_by_sigkill_is_named_once(tmp_path):
-    """What an out-of-memory kill looks like: the dead rank and its signal, not its peer's gloo traceback."""
-    for _ in range(2):
+@pytest.mark.parametrize("repeats", [pytest.param(1, id="once"), pytest.param(4, marks=pytest.mark.soak, id="4-times")])
+def test_a_rank_killed_by_sigkill_is_named_once(tmp_path, repeats):
+    """What an out-of-memory kill looks like: the dead rank and its signal, not its peer's gloo traceback.
+    Repeated under ``-m soak`` (the race between the dead rank and its peer's error differs run to run)."""
+    for _ in range(repeats):
         proc = start(*FLAGS, *DP_TWO, env={"STEP_SLEEP": "0.05"})
         earlier = wait_for(proc, r"iteration: 3 \|")
         os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
@@ -200,14 +215,18 @@ def test_a_rank_killed_by_sigkill_is_named_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_loses_nothing(tmp_path, reference):
-    """A checkpoint every step, so some kills land mid-save; every resume is the same command, and the run
-    ends as the uninterrupted one. The moments are seeded, so a failure can be replayed."""
+@pytest.mark.parametrize(
+    "attempts,least", [pytest.param(1, 1, id="once"), pytest.param(8, 3, marks=pytest.mark.soak, id="8-times")]
+)
+def test_kill_9_at_random_moments_loses_nothing(tmp_path, reference, attempts, least):
+    """A checkpoint every step, so a kill may land mid-save; every resume is the same command, and the run
+    ends as the uninterrupted one. The moments are seeded, so a failure can be replayed. One kill by default;
+    ``-m soak`` kills it up to 8 times (at least 3 before it ends)."""
     rng = random.Random(20240611)
     save = tmp_path / "run"
     argv = [*FLAGS, *DP_ONE, "--save-interval", "1", "--save", str(save), "--load", str(save)]
     kills = 0
-    for _ in range(4):
+    for _ in range(attempts):
         proc = start(*argv, env={"STEP_SLEEP": "0.02"})
         earlier = wait_for(proc, r"iteration: \d+ \||evaluation \(validation\)")
         if "evaluation" in earlier[-1]:
@@ -216,7 +235,7 @@ def test_kill_9_at_random_moments_loses_nothing(tmp_path, reference):
         proc.kill()
         finish(proc, earlier)
         kills += 1
-    assert kills >= 3
+    assert kills >= least
     code, out, err = run(*argv)
     assert code == 0, err[-3000:]
     assert_same_run(save, reference("one"))
