@@ -9,6 +9,10 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["RAPIDLITE_NO_PROGRESS"] = "1"
+# One torch thread in this process and in the runs it starts, unless OMP_NUM_THREADS says otherwise (set before
+# torch is imported). The test models are tiny: a second thread gains little, and on a loaded 2-core machine it
+# waits at OpenMP barriers for a core (a LoRA step of the tests took 0.7 s on one thread, 5-10 s on two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 class _Records(logging.Handler):

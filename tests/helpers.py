@@ -178,6 +178,18 @@ def rapidlite(*argv, env=None, timeout=300):
         os.environ.update(saved)
 
 
+def rapidlite_here(*argv: str) -> int:
+    """``rapidlite ARGV`` in this process (a one-process run whose launch is not what a test is about); a
+    ``--user-script`` run's changes to ``sys.argv`` and ``sys.path`` are undone."""
+    from rapidlite.cli import main
+
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    try:
+        return main(list(argv))
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+
+
 def train_losses(save_dir, key="loss"):
     return [r[key] for r in read_metrics(save_dir) if "split" not in r]
 

@@ -12,7 +12,19 @@ import sys
 import pytest
 import torch
 
-from helpers import DP_COMMON, DP_ONE, DP_TWO, MLP, PRETRAIN, ToyFinetuner, engine, params, rapidlite, read_metrics
+from helpers import (
+    DP_COMMON,
+    DP_ONE,
+    DP_TWO,
+    MLP,
+    PRETRAIN,
+    ToyFinetuner,
+    engine,
+    params,
+    rapidlite,
+    rapidlite_here,
+    read_metrics,
+)
 from rapidlite import checkpoint as ckpt
 from rapidlite.errors import CheckpointError
 
@@ -312,11 +324,11 @@ def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypat
 # ------------------------------------------------------------------------------------- the command line
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """``rapidlite --user-script examples/pretrain_custom_model.py``, 4 iterations, checkpoints at 2 and 4."""
+    """``rapidlite --user-script examples/pretrain_custom_model.py``, 4 iterations, checkpoints at 2 and 4 (in
+    this process: the commands that load it are the ones launched)."""
     save = tmp_path_factory.mktemp("cli") / "run"
-    proc = rapidlite("--user-script", PRETRAIN, *DP_COMMON, *DP_ONE, "--train-iters", "4", "--save-interval", "2",
-                     "--save", str(save))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--user-script", PRETRAIN, *DP_COMMON, *DP_ONE, "--train-iters", "4", "--save-interval", "2"]
+    assert rapidlite_here(*argv, "--save", str(save)) == 0
     return save
 
 

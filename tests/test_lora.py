@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, rapidlite, read_metrics, train_losses
+from helpers import REPO, rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.checkpoint import SafeFileSystemReader, checkpoint_path
@@ -94,56 +94,71 @@ def test_lora_trains_adapters_only_checkpoints_megabytes_and_exports_merged(asse
     assert (out / "hf" / "tokenizer.json").is_file() and (out / "hf" / "adapter" / "tokenizer.json").is_file()
 
 
-def test_without_merge_the_export_is_the_adapter_alone(assets, tmp_path):
-    out = tmp_path / "run"
-    assert main(task_args(assets, "--train-iters", "1", "--save", str(out))) == 0
+@pytest.fixture(scope="module")
+def straight(assets, tmp_path_factory):
+    """4 iterations without --merge-lora, checkpoints at 2 and 4: the trainer and its --save directory."""
+    save = tmp_path_factory.mktemp("straight") / "a"
+    t = trainer(assets, "--train-iters", "4", "--save", str(save), "--save-interval", "2")
+    t.train()
+    return t, save
+
+
+def test_without_merge_the_export_is_the_adapter_alone(straight):
+    out = straight[1]
     assert sorted(p.name for p in (out / "hf").iterdir()) == ["adapter"]
     saved = load_file(out / "hf" / "adapter" / "adapter_model.safetensors")
     assert saved and all("lora_" in k for k in saved)
 
 
-def test_adapter_resume_is_bit_exact(assets, tmp_path):
-    straight = trainer(assets, "--train-iters", "4", "--save", str(tmp_path / "a"), "--save-interval", "2")
-    straight.train()
+def test_adapter_resume_is_bit_exact(assets, straight, tmp_path):
+    straight, save = straight
     # the run stopped at iteration 2: its checkpoint there, nothing later
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.copytree(save, tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "iter_0000004")
     (tmp_path / "b" / "latest").write_text("2\n")
     resumed = trainer(assets, "--train-iters", "4", "--load", str(tmp_path / "b"), "--save", str(tmp_path / "b"))
     resumed.train()
-    assert train_losses(tmp_path / "b")[-2:] == train_losses(tmp_path / "a")[-2:]
+    assert train_losses(tmp_path / "b")[-2:] == train_losses(save)[-2:]
     expected, actual = adapter_params(straight.model), adapter_params(resumed.model)
     assert expected.keys() == actual.keys()
     for name, value in expected.items():
         assert torch.equal(actual[name], value), name
 
 
-def test_accumulated_micro_batches_update_adapters_as_one_batch(assets):
-    def one_step(micro):
-        t = trainer(assets, "--train-iters", "1", "--optimizer", "sgd", "--lr", "1.0", "--micro-batch-size", micro)
-        t.train()
-        return adapter_params(t.model)
+@pytest.fixture(scope="module")
+def sgd_step(assets):
+    """The adapters after one SGD step of learning rate 1 (each moved by exactly its gradient) from the same
+    start, by flags; each run once for the module."""
+    done = {}
 
-    big, small = one_step("8"), one_step("2")
+    def get(*flags):
+        if flags not in done:
+            t = trainer(assets, "--train-iters", "1", "--optimizer", "sgd", "--lr", "1.0", "--hidden-dropout", "0",
+                        *flags)  # fmt: skip
+            t.train()
+            done[flags] = adapter_params(t.model)
+        return done[flags]
+
+    return get
+
+
+def test_accumulated_micro_batches_update_adapters_as_one_batch(sgd_step):
+    big, small = sgd_step("--micro-batch-size", "8"), sgd_step("--micro-batch-size", "2")
     assert max(float(v.abs().max()) for k, v in big.items() if "lora_B" in k) > 1e-3  # B starts at zero: it moved
     for name, value in big.items():
         torch.testing.assert_close(small[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_activation_checkpointing_gives_the_same_adapter_gradients(assets):
-    def run(*flags):
-        t = trainer(assets, "--train-iters", "2", "--hidden-dropout", "0", *flags)
-        t.train()
-        return adapter_params(t.model)
-
-    plain, checkpointed = run(), run("--checkpoint-activations")
+def test_activation_checkpointing_gives_the_same_adapter_gradients(sgd_step):
+    plain = sgd_step("--micro-batch-size", "8")
+    checkpointed = sgd_step("--micro-batch-size", "8", "--checkpoint-activations")
     for name, value in plain.items():
         torch.testing.assert_close(checkpointed[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("flag", ["--fp16", "--bf16"])
 def test_half_precision_keeps_adapters_fp32_and_trains(assets, flag):
-    t = trainer(assets, "--train-iters", "3", "--seq-length", "32", flag)
+    t = trainer(assets, "--train-iters", "2", "--seq-length", "32", flag)
     t.train()
     trainable = [p for p in t.model.parameters() if p.requires_grad]
     frozen = [p for p in t.model.parameters() if not p.requires_grad]
@@ -160,7 +175,7 @@ def test_qlora_4bit_trains_merges_and_holds_a_quarter_of_bf16(assets, tmp_path):
     import bitsandbytes as bnb
 
     out = tmp_path / "q"
-    t = trainer(assets, "--train-iters", "6", "--load-in-4bit", "--bnb-4bit-use-double-quant", "--merge-lora",
+    t = trainer(assets, "--train-iters", "2", "--load-in-4bit", "--bnb-4bit-use-double-quant", "--merge-lora",
                 "--save", str(out))  # fmt: skip
     t.train()
     assert all(torch.isfinite(torch.tensor(train_losses(out))))
@@ -230,17 +245,25 @@ def test_a_peft_model_from_the_provider_is_trained_as_it_is(assets):
     }
 
 
-def test_sequence_classification_trains_the_head_in_full_and_merges(tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
+@pytest.fixture(scope="module")
+def classification_assets(tmp_path_factory):
+    """The classification demo's tiny BERT and a small data set: (model_dir, data_dir)."""
     from rapidlite.tasks.demo import write_demo_assets as write_classification_assets
 
-    model_dir, data_dir = write_classification_assets(tmp_path / "a", seed=3, num_train=96, num_validation=32)
+    return write_classification_assets(
+        tmp_path_factory.mktemp("classification"), seed=3, num_train=96, num_validation=32, num_test=16
+    )
+
+
+def test_sequence_classification_trains_the_head_in_full_and_merges(classification_assets, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    model_dir, data_dir = classification_assets
     out = tmp_path / "run"
     argv = [
         "--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir),
         "--data-path", str(data_dir), "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "5e-3",
-        "--seq-length", "32", "--train-iters", "4", "--lora-rank", "4", "--merge-lora", "--save", str(out),
+        "--seq-length", "32", "--train-iters", "2", "--lora-rank", "4", "--merge-lora", "--save", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     adapter = load_file(out / "hf" / "adapter" / "adapter_model.safetensors")
@@ -253,14 +276,13 @@ def test_sequence_classification_trains_the_head_in_full_and_merges(tmp_path):
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_4bit_classification_keeps_the_head_full_precision_and_trains_it(tmp_path):
+def test_4bit_classification_keeps_the_head_full_precision_and_trains_it(classification_assets):
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
-    from rapidlite.tasks.demo import write_demo_assets as write_classification_assets
     from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
 
-    model_dir, data_dir = write_classification_assets(tmp_path / "a", seed=3, num_train=64, num_validation=16)
+    model_dir, data_dir = classification_assets
     argv = [
         "--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir),
         "--data-path", str(data_dir), "--micro-batch-size", "8", "--lr", "5e-3", "--seq-length", "32",
@@ -370,14 +392,20 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layout_run(assets, tmp_path_factory):
+    """The --save directory of each layout's run, trained once; the one-process references in this process (a
+    launch of their own proves nothing here), the two-rank runs launched as a user launches them."""
     root = tmp_path_factory.mktemp("lora_layouts")
     done = {}
 
     def get(name):
         if name not in done:
             workload = SCRIPT if name.startswith("script") else task_args(assets)
-            proc = rapidlite(*workload, *COMMON, *LAYOUTS[name], "--save", str(root / name))
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            argv = [*workload, *COMMON, *LAYOUTS[name], "--save", str(root / name)]
+            if "--nproc-per-node" in argv:
+                proc = rapidlite(*argv)
+                assert proc.returncode == 0, proc.stderr[-3000:]
+            else:
+                assert rapidlite_here(*argv) == 0
             done[name] = root / name
         return done[name]
 
