@@ -34,6 +34,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -198,6 +199,10 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer: AbstractTokenizer, job: _Job) -> None:
+    if multiprocessing.parent_process() is not None:
+        # A forked worker inherits its parent's Python handlers (a training's flag-only SIGTERM handler among
+        # them): Pool.terminate() must end it, so SIGTERM takes its default action here.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER["tokenizer"], _WORKER["job"] = tokenizer, job
     _WORKER["splitter"] = SentenceSplitter(job.lang, job.keep_newlines) if job.split_sentences else None
 

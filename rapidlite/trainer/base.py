@@ -242,6 +242,10 @@ class BaseTrainer:
                 with contextlib.suppress(Exception):  # the training's error is the one to report
                     self._metrics.close(code if isinstance(code, int) else 1)
             raise
+        finally:
+            # A run that ended by an exception leaves no flag-only SIGTERM handler behind in a longer-lived
+            # process (a notebook, a test session), whose children (a Pool's workers) would then ignore SIGTERM.
+            self._stop_signals.restore()
 
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
