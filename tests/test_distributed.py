@@ -1,9 +1,7 @@
 """Data parallelism and ZeRO on 2 processes (gloo, CPU), launched the way a user launches them:
 ``rapidlite --user-script ... --nproc-per-node 2``. Every layout is compared with one process."""
 
-import json
 import os
-import shutil
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
-from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
+from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, stopped_copy, train_losses
 from rapidlite.checkpoint import read_model_tensors
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
@@ -101,12 +99,7 @@ def test_per_rank_model_state_is_sharded(runs, layout):
 def resume(runs, first, then, tmp_path):
     """Layout ``first``'s checkpoint of iteration 3 (its run stopped there: nothing later, its first 3 metrics
     records), then 3 more iterations in layout ``then``."""
-    save = tmp_path / "resumed"
-    shutil.copytree(runs(first), save, ignore=shutil.ignore_patterns("iter_0000006", "hf"))
-    (save / "latest").write_text("3\n")
-    records = (save / "metrics.jsonl").read_text().splitlines(keepends=True)
-    kept = [line for line in records if json.loads(line).get("iteration", 0) <= 3]
-    (save / "metrics.jsonl").write_text("".join(kept))
+    save = stopped_copy(runs(first), tmp_path / "resumed", 3)
     layout = lambda name: ONE if name == "single" else TWO + LAYOUTS[name]
     proc = rapidlite(
         "--user-script",
