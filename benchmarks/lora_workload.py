@@ -76,7 +76,7 @@ class LoraWorkload:
 
 L = LoraWorkload()
 QUICK = LoraWorkload(
-    layers=2, hidden=64, heads=2, ffn=176, seq=64, vocab=512, micro_batch=2, accumulation=2, steps=5, warmup=2, rank=4
+    layers=2, hidden=64, heads=2, ffn=176, seq=64, vocab=512, micro_batch=2, accumulation=2, steps=3, warmup=1, rank=4
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -214,6 +215,18 @@ def layout_runs(root: Path, argv: list[str], layouts: dict[str, list[str]]):
         return done[name]
 
     return get
+
+
+def stopped_copy(run: Path, dest: Path, iteration: int) -> Path:
+    """``dest``: a copy of the finished run ``run`` as it was when it stopped after ``iteration`` (a checkpoint
+    saved there): no later checkpoint or export, ``latest`` naming it, the metrics records up to it. A resume
+    test starts from it instead of training those iterations in a launch of its own."""
+    later = [p.name for p in run.glob("iter_*") if int(p.name[len("iter_") :]) > iteration]
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns(*later, "hf"))
+    (dest / "latest").write_text(f"{iteration}\n")
+    records = (dest / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(r for r in records if json.loads(r).get("iteration", 0) <= iteration))
+    return dest
 
 
 def write_tiny_corpus(prefix, vocab=97, eod=96, docs=300, seed=0):

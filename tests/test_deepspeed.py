@@ -10,7 +10,7 @@ import torch
 from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
-from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
+from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, stopped_copy, train_losses
 from rapidlite.checkpoint import read_model_tensors, verify_checkpoint
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
@@ -97,8 +97,7 @@ def test_flags_win_over_the_file_with_a_notice(runs, tmp_path):
 
 
 def test_resume_under_deepspeed_is_bit_exact(runs, tmp_path):
-    save = tmp_path / "resumed"
-    train(save, "ds_zero2", "--train-iters", "3")
+    save = stopped_copy(runs("ds_zero2"), tmp_path / "resumed", 3)
     train(save, "ds_zero2", "--train-iters", "6", "--load", str(save))
     assert train_losses(save) == train_losses(runs("ds_zero2"))
     for k, v in read_model_tensors(runs("ds_zero2") / "iter_0000006").items():
@@ -115,8 +114,7 @@ def test_resume_under_deepspeed_is_bit_exact(runs, tmp_path):
 def test_weights_cross_backends(runs, tmp_path, first, then):
     """A checkpoint of one backend resumes under the other from its weights and schedule; the optimizer
     state does not carry over, so that needs --no-load-optim, and without it the error says so."""
-    source = tmp_path / "source"
-    train(source, first, "--train-iters", "3")
+    source = stopped_copy(runs(first), tmp_path / "source", 3)
     target = tmp_path / "target"
     refused = rapidlite(
         "--user-script", PRETRAIN, *COMMON, *LAYOUTS[then], "--train-iters", "6", "--load", str(source),
@@ -136,7 +134,7 @@ def test_black_box_zero3_exports_the_trained_model(tmp_path):
 
     save = tmp_path / "run"
     proc = rapidlite(
-        "--task", "sequence_classification", "--demo", "--epochs", "1", "--nproc-per-node", "2",
+        "--task", "sequence_classification", "--demo", "--train-iters", "4", "--nproc-per-node", "2",
         "--deepspeed", "--zero-3-memory-optimization", "--save", str(save),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

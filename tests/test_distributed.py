@@ -12,7 +12,7 @@ import torch
 from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
-from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, train_losses
+from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, stopped_copy, train_losses
 from rapidlite.checkpoint import read_model_tensors
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
@@ -99,11 +99,10 @@ def test_per_rank_model_state_is_sharded(runs, layout):
 
 
 def resume(runs, first, then, tmp_path):
-    """3 iterations in layout ``first``, then 3 more in layout ``then`` from its checkpoint."""
-    save = tmp_path / "resumed"
+    """Layout ``first``'s checkpoint of iteration 3 (its run stopped there: nothing later, its first 3 metrics
+    records), then 3 more iterations in layout ``then``."""
+    save = stopped_copy(runs(first), tmp_path / "resumed", 3)
     layout = lambda name: ONE if name == "single" else TWO + LAYOUTS[name]
-    proc = rapidlite("--user-script", PRETRAIN, *COMMON, *layout(first), "--train-iters", "3", "--save", str(save))
-    assert proc.returncode == 0, proc.stderr[-3000:]
     proc = rapidlite(
         "--user-script",
         PRETRAIN,
@@ -210,9 +209,13 @@ def test_worker_failure_is_one_report_and_no_hang(tmp_path, kind, code):
         assert proc.stderr.count("Traceback") == 1 and "run_forward_step" in proc.stderr
 
 
-def test_launch_exits_cleanly_ten_times(tmp_path):
-    """Workers end with barrier, destroy_process_group and os._exit: no gloo abort at interpreter exit."""
-    for _ in range(10):
+@pytest.mark.parametrize(
+    "times", [pytest.param(2, id="twice"), pytest.param(10, marks=pytest.mark.soak, id="10-times")]
+)
+def test_launch_exits_cleanly_every_time(tmp_path, times):
+    """Workers end with barrier, destroy_process_group and os._exit: no gloo abort at interpreter exit (which
+    came in 1 run of 3 before: ``-m soak`` launches 10 times)."""
+    for _ in range(times):
         proc = rapidlite(
             "--user-script",
             PRETRAIN,

@@ -166,6 +166,22 @@ def hf_configs(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def hf_single(tmp_path_factory, data, hf_configs):
+    """Each family's one-process reference (5 iterations), trained once for the module."""
+    root, done = tmp_path_factory.mktemp("hf_single"), {}
+
+    def get(family):
+        if family not in done:
+            model = ["--pretrained-model-name-or-path", str(hf_configs / family)]
+            proc = rapidlite(*COMMON, *data, *model, "--train-iters", "5", "--save", str(root / family))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[family] = root / family
+        return done[family]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "family,layout",
     [
@@ -178,15 +194,15 @@ def hf_configs(tmp_path_factory):
     ],
     ids=["llama_pp2_gpipe", "gpt2_pp2_tied", "llama_tp2_sp_pp2", "gpt2_tp2_pp2", "llama_interleaved", "gpt2_pp2_dp2"],
 )  # fmt: skip
-def test_hugging_face_models_train_like_one_process_in_a_pipeline(data, hf_configs, tmp_path, family, layout):
+def test_hugging_face_models_train_like_one_process_in_a_pipeline(
+    data, hf_configs, hf_single, tmp_path, family, layout
+):
     from transformers import AutoModelForCausalLM
 
     model = ["--pretrained-model-name-or-path", str(hf_configs / family)]
-    saves = {}
-    for name, extra in (("single", []), ("pipeline", layout)):
-        saves[name] = tmp_path / name
-        proc = rapidlite(*COMMON, *data, *model, *extra, "--train-iters", "5", "--save", str(saves[name]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    saves = {"single": hf_single(family), "pipeline": tmp_path / "pipeline"}
+    proc = rapidlite(*COMMON, *data, *model, *layout, "--train-iters", "5", "--save", str(saves["pipeline"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trains_like(saves["pipeline"], saves["single"], iterations=5)
     # The export gathers every stage into one model that Hugging Face loads.
     expected = AutoModelForCausalLM.from_pretrained(saves["single"] / "hf").state_dict()
@@ -253,17 +269,25 @@ def test_bad_pipeline_layouts_are_one_line(data, tmp_path, argv, message):
     assert len(errors) == 1, proc.stderr
 
 
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """The BERT pretraining flags and their one-process reference run, trained once for the module."""
+    root = tmp_path_factory.mktemp("bert")
+    argv = [*bert_run_args(root / "data", num_layers=4), "--micro-batch-size", "2"]
+    proc = rapidlite(*argv, "--save", str(root / "single"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return argv, root / "single"
+
+
 @pytest.mark.parametrize("layout", [PP2, [*PP2_DP2, "--tensor-model-parallel-size", "2"]], ids=["pp2", "tp2_pp2"])
-def test_bert_pretraining_trains_like_one_process_in_a_pipeline(tmp_path, layout):
+def test_bert_pretraining_trains_like_one_process_in_a_pipeline(bert, tmp_path, layout):
     """BertForPreTraining: the pooler, masked-LM decoder (tied to the first stage's embedding) and
     next-sentence head on the last stage; the model's own loss computed there by the replayed step."""
 
-    argv = bert_run_args(tmp_path / "data", num_layers=4)
-    saves = {}
-    for name, extra in (("single", ["--micro-batch-size", "2"]), ("pipeline", [*layout, "--micro-batch-size", "2"])):
-        saves[name] = tmp_path / name
-        proc = rapidlite(*argv, *extra, "--save", str(saves[name]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    argv, single = bert
+    saves = {"single": single, "pipeline": tmp_path / "pipeline"}
+    proc = rapidlite(*argv, *layout, "--save", str(saves["pipeline"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trains_like(saves["pipeline"], saves["single"], iterations=5)
     assert_same_weights(saves["pipeline"], saves["single"], "iter_0000005")
     from transformers import BertForPreTraining
