@@ -213,16 +213,21 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
         dist.init_process_group(
             backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None, **rendezvous
         )
+    ctx.mesh = device_mesh(device.type, dims)
+    return ctx
+
+
+def device_mesh(device_type: str, dims: ParallelDims) -> Any:
+    """The world's mesh: rank = (pp_index * dp + dp_index) * tp + tp_index, so tensor-parallel groups are
+    neighbouring ranks. Dimensions of size 1 are left out, except dp."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    # rank = (pp_index * dp + dp_index) * tp + tp_index: tensor-parallel groups are neighbouring ranks.
     shape = [
         (name, size) for name, size in (("pp", dims.pp), ("dp", dims.dp), ("tp", dims.tp)) if size > 1 or name == "dp"
     ]
-    ctx.mesh = init_device_mesh(
-        device.type, tuple(size for _, size in shape), mesh_dim_names=tuple(name for name, _ in shape)
+    return init_device_mesh(
+        device_type, tuple(size for _, size in shape), mesh_dim_names=tuple(name for name, _ in shape)
     )
-    return ctx
 
 
 # -------------------------------------------------------------------------------------------- ending

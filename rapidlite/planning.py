@@ -129,23 +129,12 @@ class ActivationProfile:
     largest_split: bool = False
 
 
-_SELECTIVE_KEPT = None
-
-
-def _selective_ops() -> set:
-    global _SELECTIVE_KEPT
-    if _SELECTIVE_KEPT is None:
-        from rapidlite.parallel.recompute import _SAVE_OPS
-
-        _SELECTIVE_KEPT = set(_SAVE_OPS)
-    return _SELECTIVE_KEPT
-
-
 def profile_activations(model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None) -> Any:
     """Run one meta forward and count what autograd saves (see the module docstring)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rapidlite.models.spec import find_blocks
+    from rapidlite.parallel.recompute import _SAVE_OPS  # what selective checkpointing keeps
 
     blocks = list(find_blocks(model) or [])
     profile = ActivationProfile(
@@ -168,7 +157,7 @@ def profile_activations(model: torch.nn.Module, micro_batch: int, seq_length: in
     class Producers(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func in _selective_ops():
+            if func in _SAVE_OPS:
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(t, torch.Tensor):
                         kept_by_selective.add(key(t))
@@ -276,17 +265,14 @@ def _fake_world(rank: int, world_size: int):
 
 
 def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from rapidlite.distributed import DistributedContext, ParallelDims
+    from rapidlite.distributed import DistributedContext, ParallelDims, device_mesh
     from rapidlite.parallel.data_parallel import DataParallelConfig
     from rapidlite.strategies import StrategyContext, select
 
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
     if world_size > 1:
-        shape = [(n, s) for n, s in (("pp", dims.pp), ("dp", dims.dp), ("tp", dims.tp)) if s > 1 or n == "dp"]
-        ctx.mesh = init_device_mesh("cpu", tuple(s for _, s in shape), mesh_dim_names=tuple(n for n, _ in shape))
+        ctx.mesh = device_mesh("cpu", dims)
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
