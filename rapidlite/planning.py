@@ -334,6 +334,7 @@ def plan(args: Any) -> Plan:
     seq = sequence_length(args)
     probe = model.to(precision.dtype) if precision.dtype is not None else model
     profile = profile_activations(probe, args.micro_batch_size, seq, hidden)
+    profile_next = profile_activations(probe, args.micro_batch_size + 1, seq, hidden)
     n_blocks = len(profile.blocks_split) or 1
 
     deepspeed = bool(getattr(args, "deepspeed", False))
@@ -359,7 +360,7 @@ def plan(args: Any) -> Plan:
                 composed, optimizer = strategy.setup(model, None, None)
                 strategy_name = strategy.name
                 module = strategy.module(composed)
-        ranks.append(_rank_plan(args, dims, rank, stage, module, optimizer, profile, n_blocks, deepspeed))
+        ranks.append(_rank_plan(args, dims, rank, stage, module, optimizer, profile, profile_next, n_blocks, deepspeed))
         if settings.load_in_4bit or settings.load_in_8bit:
             ranks[-1].params -= _quantisable_bytes(module, settings) - _quantised_bytes(module, settings)
     if deepspeed:
@@ -436,6 +437,32 @@ def _resident_bytes() -> int:
         return rss if sys.platform == "darwin" else rss * 1024
 
 
+def _activations(
+    args: Any, dims: Any, stage: int, mine: int, profile: ActivationProfile, in_flight: int
+) -> tuple[int, float]:
+    """This stage's saved bytes for ``in_flight`` micro-batches, and the largest saved tensor."""
+    tp, sp = dims.tp, bool(getattr(args, "sequence_parallel", False))
+    first, last = stage == 0, stage == dims.pp - 1
+    avg = lambda xs: sum(xs) / max(len(xs), 1)
+    split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
+    per_block = split + whole
+    checkpointing = args.checkpoint_activations
+    checkpointed = min(args.recompute_num_layers or mine, mine) if checkpointing else 0
+    if checkpointing and args.recompute_granularity == "selective":
+        kept = avg(profile.blocks_kept_selective) / tp
+        stack = checkpointed * kept + (mine - checkpointed) * per_block + per_block  # + one block recomputed
+    elif checkpointing:
+        inputs = avg(profile.block_inputs) / (tp if sp else 1)
+        stack = checkpointed * inputs + (mine - checkpointed) * per_block + per_block
+    else:
+        stack = mine * per_block
+    outside = (profile.before_blocks if first else 0) + (
+        profile.after_blocks + profile.after_blocks_split / tp if last else 0
+    )
+    largest = profile.largest / (tp if profile.largest_split else 1) if last else per_block / 4
+    return int((stack + outside) * in_flight), largest
+
+
 def _rank_plan(
     args: Any,
     dims: Any,
@@ -444,6 +471,7 @@ def _rank_plan(
     module: torch.nn.Module,
     optimizer: Any,
     profile: ActivationProfile,
+    profile_next: ActivationProfile,
     n_blocks: int,
     deepspeed: bool,
 ) -> RankPlan:
@@ -475,30 +503,17 @@ def _rank_plan(
     # This stage's activations for the micro-batches in flight.
     blocks = find_blocks(module)
     mine = len(blocks) if blocks is not None else n_blocks
-    tp, sp = dims.tp, bool(getattr(args, "sequence_parallel", False))
-    first, last = stage == 0, stage == dims.pp - 1
-    avg = lambda xs: sum(xs) / max(len(xs), 1)
-    split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
-    per_block = split + whole
-    checkpointing = args.checkpoint_activations
-    checkpointed = min(args.recompute_num_layers or mine, mine) if checkpointing else 0
-    if checkpointing and args.recompute_granularity == "selective":
-        kept = avg(profile.blocks_kept_selective) / tp
-        stack = checkpointed * kept + (mine - checkpointed) * per_block + per_block  # + one block recomputed
-    elif checkpointing:
-        inputs = avg(profile.block_inputs) / (tp if sp else 1)
-        stack = checkpointed * inputs + (mine - checkpointed) * per_block + per_block
-    else:
-        stack = mine * per_block
-    outside = (profile.before_blocks if first else 0) + (
-        profile.after_blocks + profile.after_blocks_split / tp if last else 0
-    )
     in_flight = _in_flight(args, stage, dims.pp)
-    activations = int((stack + outside) * in_flight)
+    activations, largest = _activations(args, dims, stage, mine, profile, in_flight)
+    # How the peak grows with the micro-batch: the difference to a profile one sample larger (some saved
+    # tensors, a causal mask or a transposed weight, do not grow with it).
+    grown, grown_largest = _activations(args, dims, stage, mine, profile_next, in_flight)
+    last = stage == dims.pp - 1
+    held = 2 + (args.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
+    per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
 
     # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward, DDP's
     # gradient buckets, FSDP's gathered parameters.
-    largest = profile.largest / (tp if profile.largest_split else 1) if last else per_block / 4
     transient = int(2 * largest)
     if last and dims.pp > 1:
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
@@ -511,7 +526,6 @@ def _rank_plan(
     elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
         block_params = sum(_bytes(p) for p in blocks[0].parameters())
         transient += 2 * block_params * dp  # the gathered block and the next one (prefetch)
-    per_sample = (activations + 2 * largest) / max(args.micro_batch_size, 1)
     return RankPlan(
         rank=rank,
         stage=stage,
