@@ -36,14 +36,18 @@ def log_lines():
     logger.removeHandler(handler)
 
 
+OPT_IN = ("soak", "slurm", "docker")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Soak tests (a scenario the default suite runs once, repeated for statistics) are deselected unless the
-    ``-m`` expression names them: ``pytest -m soak``, or ``-m "soak or not soak"`` for everything. A ``-m 'not
-    soak'`` in addopts would be replaced by any ``-m`` given on the command line (``-m distributed`` would then
-    run them too)."""
-    if "soak" in (config.option.markexpr or ""):
-        return
-    soak = [item for item in items if item.get_closest_marker("soak")]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        items[:] = [item for item in items if not item.get_closest_marker("soak")]
+    """Opt-in tests are deselected unless the ``-m`` expression names their marker: ``soak`` (a scenario the default
+    suite runs once, repeated for statistics), ``slurm`` (a private Slurm, 2-3 minutes) and ``docker`` (builds the
+    image, 5-6 minutes). ``pytest -m slurm`` runs those; ``-m "docker or not docker"`` runs everything else too. A
+    ``-m 'not soak'`` in addopts would be replaced by any ``-m`` given on the command line (``-m distributed`` would
+    then run them too)."""
+    expression = config.option.markexpr or ""
+    skipped = [name for name in OPT_IN if name not in expression]
+    chosen = [item for item in items if not any(item.get_closest_marker(name) for name in skipped)]
+    if len(chosen) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
