@@ -66,9 +66,9 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "rapidlite=rapidlite.cli:main",
+            "rapidlite=rapidlite.cli:console",
             # Rapidformer's command name, so launch scripts written for it run unchanged.
-            "rapidformer=rapidlite.cli:main",
+            "rapidformer=rapidlite.cli:console",
             "rapidlite-preprocess=rapidlite.data.preprocess:main",
             "rapidlite-bench=rapidlite.flops:bench_main",
             "rapidlite-eval=rapidlite.evaluation.command:main",

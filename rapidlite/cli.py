@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from rapidlite.arguments import parse_known
-from rapidlite.entry import run_command
+from rapidlite.entry import end_process, run_command
 from rapidlite.errors import ConfigError
 from rapidlite.launcher import launch_or_join
 from rapidlite.resolve import RunConfig, resolve, with_embedded_demo
@@ -101,5 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(_run, argv)
 
 
+def console() -> None:
+    """The ``rapidlite`` command (and ``python -m rapidlite``)."""
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
