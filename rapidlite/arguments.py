@@ -125,6 +125,15 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="optimizer steps (PreTrainer); also bounds an epoch-based run",
     )
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="size the run to end within MINUTES of the command's start: after a few timed steps it takes the "
+        "iterations that fit (at most --train-iters or the epochs), the schedule decays over them; the embedded "
+        "pretraining default uses 3.5 unless --train-iters is given",
+    )
     g.add_argument("--seed", type=int, default=1234)
 
 

@@ -158,8 +158,12 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
             setattr(args, dest, value)
     for dest, value in demo.assets.items():
         setattr(args, dest, value)
+    # The values the demo chose, not the command line: a sized run (--time-budget) may space them over its length.
+    args.demo_defaults = frozenset(d for d in demo.defaults if given is None or d not in given)
     if given is not None:  # the demo's values count as given (a DeepSpeed file's do not replace them)
         args.explicit_flags = given | frozenset(demo.defaults) | frozenset(demo.assets)
+        if given & {"train_iters", "epochs"} and "time_budget" not in given:
+            args.time_budget = None  # the demo's budget gives way to the length asked for
     args.demo = True
     return args
 
@@ -219,6 +223,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not budget > 0:
+        raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
     for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
         value = getattr(args, name)
         if value is not None and value < 0:

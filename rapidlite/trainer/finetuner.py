@@ -53,6 +53,14 @@ class Finetuner(BaseTrainer):
         count = self.engine.all_reduce_sum(count)
         return {"loss": float(total / count.clamp(min=1))}
 
+    def estimated_eval_seconds(self, step_s: float) -> float:
+        batches = len(self.valid_dataloader) if self.valid_dataloader is not None else 0
+        return batches * step_s / max(self.args.gradient_accumulation_steps, 1) / 3  # forward only
+
+    def evaluations_left(self) -> int | None:
+        """One evaluation at each epoch's end, the last at the run's."""
+        return max(1, math.ceil(self.total_iters / self.steps_per_epoch) - self.iteration // self.steps_per_epoch)
+
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         loader = self.valid_dataloader if split == "validation" else self.test_dataloader
         if loader is None:
@@ -114,19 +122,20 @@ class Finetuner(BaseTrainer):
         self.begin_training()
         start_epoch, start_step = divmod(self.iteration, self.steps_per_epoch)
         for epoch in range(start_epoch, args.epochs):
+            total = self.total_iters  # --time-budget may shorten the run after its first steps
             if self.iteration >= total:
                 break
             skip = start_step * accumulation if epoch == start_epoch else 0
             self.train_dataloader.set_epoch(epoch, start_batch=skip)
             batches = iter(self.train_dataloader)
-            while self.iteration < total:
+            while self.iteration < self.total_iters:
                 micro = list(islice(batches, accumulation))
                 if not micro:
                     break
                 self.train_step(functools.partial(self._forward_batch, b) for b in micro)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
                 self.stop_if_signalled()
-            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= total:
+            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
                 self.evaluate("validation")
         if self.test_dataloader is not None:
             self.evaluate("test")
