@@ -53,6 +53,8 @@ setup(
             "wandb>=0.16",
             # curves.png and rapidlite plot are tested
             "matplotlib>=3.6",
+            # --task token_classification's entity scores are tested equal to seqeval's
+            "seqeval>=1.2",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],

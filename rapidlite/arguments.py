@@ -404,6 +404,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="causal_lm: print N greedy completions of validation prompts at each evaluation (with exact match)",
     )
+    g.add_argument(
+        "--label-all-tokens",
+        action="store_true",
+        help="token_classification: every sub-token of a word trains on its tag (B- as I- after the first), "
+        "not only the first",
+    )
 
 
 def _add_checkpoint_logging_args(p: argparse.ArgumentParser) -> None:

@@ -52,6 +52,8 @@ def _task_auto_class(task: str | None, config: Any) -> Any:
 
     if task == "sequence_classification":
         return transformers.AutoModelForSequenceClassification
+    if task == "token_classification":
+        return transformers.AutoModelForTokenClassification
     if task == "pretraining" and getattr(config, "model_type", None) == "bert":
         return transformers.BertForPreTraining
     if task in ("pretraining", "causal_lm"):

@@ -140,6 +140,16 @@ TASKS: dict[str, TaskSpec] = {
             load_model_dir=True,
             eval_only=True,
         ),
+        TaskSpec(
+            name="token_classification",
+            summary="fine-tune AutoModelForTokenClassification on tagged words, NER or POS (entity F1, accuracy)",
+            trainer="rapidlite.tasks.token_classification:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.token_classification_demo:demo",
+            defaults={"seq_length": 128},
+            load_model_dir=True,
+            eval_only=True,
+        ),
     )
 }
 
