@@ -70,8 +70,8 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         "--seq-length",
         type=int,
         default=None,
-        help="maximum sequence length (tokens); default: the task's (sequence_classification 128, pretraining "
-        "1024 for GPT and 512 for BERT)",
+        help="maximum sequence length (tokens); default: the task's (sequence_classification and "
+        "token_classification 128, causal_lm 512, pretraining 1024 for GPT and 512 for BERT)",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
