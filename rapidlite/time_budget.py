@@ -84,7 +84,8 @@ def fit(
     steps = max(1, math.floor(SAFETY * left / per_step))
     total = min(max_iters, done_iters + steps)
     spaced = size_eval_interval and fixed_evaluations is None
-    eval_every = max(1, math.ceil(total / EVALUATIONS)) if spaced else None
+    # Four evaluations; a run too short for them evaluates once, at its end.
+    eval_every = (math.ceil(total / EVALUATIONS) if total >= 2 * EVALUATIONS else total) if spaced else None
     log_every = max(1, min(total, round(LOG_EVERY_S / step_s))) if size_log_interval else None
     if fixed_evaluations is not None:
         evaluations = fixed_evaluations

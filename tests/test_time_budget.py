@@ -46,7 +46,7 @@ def test_the_slower_machine_trains_fewer_iterations_and_the_fast_one_stops_at_th
 
 def test_a_spent_budget_takes_one_more_step():
     plan = sized(SLOW, elapsed_s=BUDGET_S + 30)
-    assert plan.total_iters == 5
+    assert plan.total_iters == 5 and plan.eval_interval == 5  # one evaluation, at the end
 
 
 def test_evaluations_every_interval_or_per_epoch_are_paid_for():
