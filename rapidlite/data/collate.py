@@ -107,3 +107,74 @@ class PadCollator:
             real = [torch.ones(len(s["input_ids"]), dtype=torch.int64) for s in samples]
             batch[_MASK_KEY] = self._pad(real, ragged["input_ids"], 0)
         return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding-free batches: samples concatenated into one row
+# --------------------------------------------------------------------------------------------------
+
+
+def flatten_rows(rows: Sequence[Mapping[str, Any]], shift_labels: bool = False) -> dict[str, torch.Tensor]:
+    """Samples (dicts of equal-length token fields: lists or 1-D tensors) concatenated into one row ``[1, T]``
+    with ``position_ids`` restarting at 0 at each sample: Hugging Face's ``DataCollatorWithFlattening`` layout.
+    ``shift_labels`` (causal language models, whose token t predicts t+1): each sample's first label is -100, so
+    no sample learns to predict the next one's first token; the per-token loss then equals the samples' own."""
+    if not rows:
+        raise ValueError("no samples to flatten")
+    keys = list(rows[0].keys())
+    columns: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    positions = []
+    for row in rows:
+        length = len(row["input_ids"])
+        for key in keys:
+            value = _tensor(row[key])
+            if len(value) != length:
+                raise ValueError(f"field {key} has {len(value)} tokens, input_ids {length}: not a token field")
+            if key == "labels" and shift_labels and length:
+                value = value.clone()
+                value[0] = IGNORE_INDEX
+            columns[key].append(value)
+        positions.append(torch.arange(length, dtype=torch.int64))
+    flat = {key: torch.cat(values)[None] for key, values in columns.items()}
+    flat["position_ids"] = torch.cat(positions)[None]
+    return flat
+
+
+def packed_sample_count(position_ids: torch.Tensor) -> int:
+    """The samples of a row packed with restarting position ids (a new sample wherever a position does not follow
+    the one before it by 1: transformers' ``find_packed_sequence_indices`` rule)."""
+    if position_ids.numel() == 0:
+        return 0
+    return int((position_ids.diff(dim=-1) != 1).sum()) + position_ids.shape[0]
+
+
+class FlatteningCollator:
+    """Padding-free batches (``--padding-free``): the batch ``collate_fn`` makes (padded, with an attention mask
+    or of equal lengths) becomes one row holding only the real tokens of its samples, in order, with position
+    ids restarting at each sample and no attention mask (``flatten_rows``). Fields with one value per token are
+    concatenated; fields with one value per sample (a class label) stay ``[samples, ...]``. ``shift_labels``:
+    see ``flatten_rows``; settable after construction (it depends on the model, which is built later)."""
+
+    def __init__(self, collate_fn: Any, shift_labels: bool = False) -> None:
+        self.collate_fn = collate_fn
+        self.shift_labels = shift_labels
+
+    def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+        batch = self.collate_fn(samples)
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            raise ValueError("--padding-free flattens batches of token rows: the batch has no 2-D input_ids")
+        if "position_ids" in batch:
+            raise ValueError("--padding-free: the batch has position_ids already (it is packed)")
+        mask = batch.get(_MASK_KEY)
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        token_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.shape == ids.shape]
+        rows = [{k: batch[k][i][real[i]] for k in token_keys if k != _MASK_KEY} for i in range(ids.shape[0])]
+        flat: dict[str, Any] = flatten_rows(rows, self.shift_labels)
+        for key, value in batch.items():
+            if key in token_keys:
+                continue
+            if not (isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == ids.shape[0]):
+                raise ValueError(f"--padding-free: batch field {key} has neither one value per token nor per sample")
+            flat[key] = value
+        return flat
