@@ -237,7 +237,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, floor: float) -> bool:
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-3, atol=1e-4 * scale)
 
 
-def _exact(model: torch.nn.Module, plan: PackedPlan) -> bool:
+def packs_exactly(model: torch.nn.Module, plan: PackedPlan) -> bool:
     """Whether two samples packed into one row give each sample's outputs alone, with ``plan``'s hooks on the
     model: the backbone's hidden state of every token (whether attention stayed inside each sample) and the
     head's outputs (every token's, or each sample's pooled ones for sequence classification)."""
@@ -300,7 +300,7 @@ def fit_padding_free(model: torch.nn.Module) -> PaddingFree:
             candidates.append((MASK, pad + 1))  # RoBERTa-style position numbering
     for attention, offset in candidates:
         plan = PackedPlan(head, attention, offset, shift)
-        if _exact(model, plan):
+        if packs_exactly(model, plan):
             return PaddingFree(model, plan)
     no_pad = head == SEQUENCE and not isinstance(getattr(config, "pad_token_id", None), int)
     raise ConfigError(
