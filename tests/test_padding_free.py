@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers as T
 
-from helpers import rapidlite_here, train_losses
+from helpers import rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite.cli import main
 from rapidlite.data.collate import FlatteningCollator, PadCollator, flatten_rows
 from rapidlite.data.loader import batch_stats
@@ -183,3 +183,29 @@ def test_black_box_padding_free_run_trains_the_padded_curve(task, classification
     assert len(flat) == 4 and flat == pytest.approx(padded, rel=1e-5)
     # Samples counted by their restarts: the consumed samples and samples/s are the padded run's.
     assert train_losses(tmp_path / "flat", "consumed_samples") == train_losses(tmp_path / "padded", "consumed_samples")
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_ddp_and_zero3_train_as_one_process(classification_assets, tmp_path):
+    """--group-by-length --padding-free on 2 ranks (each its share of every length-grouped global batch, packed),
+    under DDP and under ZeRO-3: the losses and the validation metric of one process."""
+    model_dir, data_dir = classification_assets
+    argv = ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(model_dir)]
+    argv += ["--data-path", str(data_dir), "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "1"]
+    argv += ["--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress"]
+    argv += ["--group-by-length", "--padding-free"]
+    layouts = {
+        "one": ["--micro-batch-size", "8"],
+        "ddp": ["--micro-batch-size", "4", "--nproc-per-node", "2"],
+        "zero3": ["--micro-batch-size", "4", "--nproc-per-node", "2", "--zero-3-memory-optimization"],
+    }
+    curves = {}
+    for name, layout in layouts.items():
+        proc = rapidlite(*argv, *layout, "--save", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = read_metrics(tmp_path / name)
+        curves[name] = [r["loss"] for r in records if "split" not in r]
+        curves[name] += [r["accuracy"] for r in records if r.get("split") == "validation"]
+    assert len(curves["one"]) == 5
+    assert curves["ddp"] == pytest.approx(curves["one"], rel=1e-4)
+    assert curves["zero3"] == pytest.approx(curves["one"], rel=1e-4)
