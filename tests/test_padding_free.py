@@ -10,7 +10,7 @@ from helpers import rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite.cli import main
 from rapidlite.data.collate import FlatteningCollator, PadCollator, flatten_rows
 from rapidlite.data.loader import batch_stats
-from rapidlite.errors import ConfigError
+from rapidlite.errors import ConfigError, DataError
 from rapidlite.models.padding_free import MASK, POSITIONS, SEQUENCE, TOKEN, fit_padding_free
 from rapidlite.tasks import causal_lm_demo, demo
 
@@ -68,7 +68,7 @@ def test_flattening_collator_keeps_real_tokens_and_restarts_positions():
     shifted = FlatteningCollator(PadCollator(), shift_labels=True)(tokens)
     assert shifted["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # no sample learns its neighbour's first token
     assert flatten_rows(tokens)["labels"].tolist() == [[5, 6, 7, 8, 9]]
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(DataError, match="already"):
         FlatteningCollator(lambda s: {**PadCollator()(s), "position_ids": torch.zeros(2, 3)})(tokens)
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from rapidlite.errors import DataError
+
 IGNORE_INDEX = -100
 _MASK_KEY = "attention_mask"
 
@@ -163,9 +165,13 @@ class FlatteningCollator:
         batch = self.collate_fn(samples)
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
-            raise ValueError("--padding-free flattens batches of token rows: the batch has no 2-D input_ids")
+            raise DataError(
+                "--padding-free flattens batches of token rows: the batches have no 2-D input_ids; drop --padding-free"
+            )
         if "position_ids" in batch:
-            raise ValueError("--padding-free: the batch has position_ids already (it is packed)")
+            raise DataError(
+                "--padding-free: the batches have position_ids already (they are packed); drop --padding-free"
+            )
         mask = batch.get(_MASK_KEY)
         real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         token_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.shape == ids.shape]
@@ -175,6 +181,9 @@ class FlatteningCollator:
             if key in token_keys:
                 continue
             if not (isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == ids.shape[0]):
-                raise ValueError(f"--padding-free: batch field {key} has neither one value per token nor per sample")
+                raise DataError(
+                    f"--padding-free: batch field {key} has neither one value per token nor one per sample; drop "
+                    "--padding-free"
+                )
             flat[key] = value
         return flat
