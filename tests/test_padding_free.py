@@ -11,7 +11,7 @@ from rapidlite.cli import main
 from rapidlite.data.collate import FlatteningCollator, PadCollator, flatten_rows
 from rapidlite.data.loader import batch_stats
 from rapidlite.errors import ConfigError, DataError
-from rapidlite.models.padding_free import MASK, POSITIONS, SEQUENCE, TOKEN, fit_padding_free
+from rapidlite.models.padding_free import MASK, PACKED_SDPA, POSITIONS, SEQUENCE, TOKEN, fit_padding_free
 from rapidlite.tasks import causal_lm_demo, demo
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -132,6 +132,31 @@ def test_classification_head_pools_each_samples_own_token(family):
     assert packed.shape == (3, 2)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(padded, alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_attention_runs_on_each_sample_not_the_whole_row(family, monkeypatch):
+    """SDPA sees each sample of a packed row alone (its scores are the padded batch's, not T x T); a padded
+    batch still goes through SDPA whole."""
+    model = build(family, "token_classification")
+    adapter = fit_padding_free(model)
+    assert model.config._attn_implementation == PACKED_SDPA and "SDPA run on each sample alone" in adapter.describe()
+    lengths = (5, 9, 3, 7)
+    rows = samples("token_classification", lengths)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda q, *a, **k: seen.append(q.shape[2]) or sdpa(q, *a, **k),
+    )
+    model(**FlatteningCollator(PadCollator())(rows)).loss.backward()
+    assert seen == list(lengths) * 2  # two layers, one call per sample each
+    seen.clear()
+    model(**PadCollator()(rows))
+    assert seen == [max(lengths)] * 2
+    adapter.remove()
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_heads_and_models_that_cannot_take_a_packed_row_are_refused():

@@ -18,6 +18,12 @@ and no attention mask. What the installed transformers (5.x) makes of such a row
 Which of these holds is decided by running the model on a 7-token probe (two samples packed against each
 alone), never by its class name, so a model that would attend across samples is refused before training.
 
+A block-diagonal mask keeps the samples apart, but SDPA still computes the whole row's T x T scores (CPUs have
+no variable-length kernel): quadratic in the row, not in each sample. So a model whose attention goes through
+transformers' ``AttentionInterface`` with SDPA is switched to ``rapidlite_packed_sdpa``, which runs the model's
+own SDPA attention on each sample's diagonal block of the mask (the samples found from the position ids the
+layers pass down) and falls back to the whole row when a call is not packed (padded evaluation batches).
+
 Heads: per-token heads (causal LM, token classification, masked LM) read a packed row as a padded one.
 Sequence classification heads pool one token per row (the last non-padding one for decoders, the first for
 BERT-style encoders), so for them the backbone runs the packed row and its output is scattered back to the
@@ -94,9 +100,60 @@ def block_diagonal_mask(position_ids: torch.Tensor, implementation: str, dtype: 
     boolean (True = attend) for SDPA, additive (0 or the dtype's minimum) for eager attention."""
     seq = segments(position_ids)
     allowed = (seq[:, :, None] == seq[:, None, :])[:, None]
-    if implementation == "sdpa":
+    if implementation in ("sdpa", PACKED_SDPA):
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+PACKED_SDPA = "rapidlite_packed_sdpa"
+
+
+def _spans(position_ids: Any, query: torch.Tensor, mask: Any) -> list[tuple[int, int]] | None:
+    """The ``(start, end)`` of each sample of a packed one-row attention call, or None when the call is not one
+    (several rows, a cache, no block mask, a single sample)."""
+    length = query.shape[2]
+    if not (isinstance(position_ids, torch.Tensor) and isinstance(mask, torch.Tensor)) or query.shape[0] != 1:
+        return None
+    if position_ids.shape[-1] != length or mask.ndim != 4 or tuple(mask.shape[-2:]) != (length, length):
+        return None
+    positions = position_ids.reshape(-1, length)[0]
+    starts = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
+    if not starts:
+        return None
+    bounds = [0, *starts, length]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def packed_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, run on each sample of a packed row alone (its diagonal block of the mask):
+    the scores a padded batch computes, not the whole row's; any other call is SDPA's as it is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    spans = _spans(kwargs.get("position_ids"), query, attention_mask) if key.shape[2] == query.shape[2] else None
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = [
+        sdpa_attention_forward(
+            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attention_mask[:, :, a:b, a:b], **kwargs
+        )[0]
+        for a, b in spans
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+def _register_packed_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 
 def _arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -133,6 +190,10 @@ class PaddingFree:
     def __init__(self, model: torch.nn.Module, plan: PackedPlan) -> None:
         self.model, self.plan = model, plan
         self.base = getattr(model, "base_model", model)
+        self._implementation = getattr(model.config, "_attn_implementation", None)
+        if self._implementation == "sdpa" and getattr(model, "_can_set_attn_implementation", lambda: False)():
+            _register_packed_sdpa()
+            model.set_attn_implementation(PACKED_SDPA)
         self._base_signature = inspect.signature(self.base.forward)
         self._stash: dict[str, Any] | None = None  # the packed row of the current sequence-classification call
         self._handles = []
@@ -150,13 +211,20 @@ class PaddingFree:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.model.config._attn_implementation == PACKED_SDPA:
+            self.model.set_attn_implementation(self._implementation)
 
     def describe(self) -> str:
+        implementation = self.model.config._attn_implementation
         attention = (
             "the model's own packed-sequence masking (restarting position ids)"
             if self.plan.attention == POSITIONS
-            else f"a block-diagonal mask ({self.model.config._attn_implementation})"
+            else "a block-diagonal mask"
         )
+        if implementation == PACKED_SDPA:
+            attention += ", SDPA run on each sample alone"
+        else:
+            attention += f" ({implementation} over the whole row)"
         head = "the head pools each sample" if self.plan.head == SEQUENCE else "per-token head"
         return f"{type(self.model).__name__}: attention kept inside each sample by {attention}; {head}"
 
