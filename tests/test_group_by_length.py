@@ -71,6 +71,9 @@ def test_sample_lengths_of_datasets_and_lists():
     assert sample_lengths(ds) == [3, 9, 4, 7]
     assert sample_lengths(ds.select([3, 0])) == [7, 3]  # a selection's rows, not the table underneath
     assert sample_lengths([{"input_ids": [1, 2]}, {"input_ids": torch.ones(5)}]) == [2, 5]
+    choices = datasets.Dataset.from_dict({"input_ids": [[[1] * 3, [1] * 5], [[1] * 2, [1] * 2]]})
+    assert sample_lengths(choices) == [8, 4]  # multiple choice: the tokens of all its rows
+    assert sample_lengths([{"input_ids": [[1, 2], [3]]}]) == [3]
     assert sample_lengths(ds.remove_columns("input_ids")) is None
     assert sample_lengths([{"x": 1}]) is None
 

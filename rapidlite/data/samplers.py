@@ -13,23 +13,42 @@ import torch
 from torch.utils.data import Sampler
 
 
+def _tokens(value: Any) -> int:
+    """Tokens of one sample's field: its length, or for nested rows (multiple choice: one row per choice) the sum
+    of the rows' lengths."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if len(value) and isinstance(value[0], (list, tuple, torch.Tensor)):
+        return sum(len(row) for row in value)
+    return len(value)
+
+
 def sample_lengths(dataset: Any, key: str = "input_ids") -> list[int] | None:
-    """The token count of every sample of a map-style ``dataset`` (the length of its ``key`` field), or None when
-    its samples have no such field. A ``datasets.Dataset`` is read from its Arrow column without decoding rows."""
+    """The token count of every sample of a map-style ``dataset`` (the length of its ``key`` field; summed over the
+    rows of a nested field), or None when its samples have no such field. A ``datasets.Dataset`` is read from its
+    Arrow column without decoding rows."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, list) and hasattr(dataset, "with_format"):  # a datasets.Dataset (selections included)
         if key not in columns:
             return None
+        import numpy as np
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         column = dataset.with_format("arrow")[key]
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        if pa.types.is_list(column.type.value_type) or pa.types.is_large_list(column.type.value_type):
+            inner = pc.list_value_length(pc.list_flatten(column)).to_numpy(zero_copy_only=False)
+            parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+            return np.bincount(parents, weights=inner, minlength=len(column)).astype(int).tolist()
         return [int(n) for n in pc.list_value_length(column).to_pylist()]
     if len(dataset) == 0:
         return []
     first = dataset[0]
     if not isinstance(first, dict) or key not in first:
         return None
-    return [len(dataset[i][key]) for i in range(len(dataset))]
+    return [_tokens(dataset[i][key]) for i in range(len(dataset))]
 
 
 class EpochSampler(Sampler[int]):
