@@ -11,6 +11,7 @@ from rapidlite.cli import main
 from rapidlite.data.collate import FlatteningCollator, PadCollator, flatten_rows
 from rapidlite.data.loader import batch_stats
 from rapidlite.errors import ConfigError, DataError
+from rapidlite.models import padding_free
 from rapidlite.models.padding_free import MASK, PACKED_SDPA, POSITIONS, SEQUENCE, TOKEN, fit_padding_free
 from rapidlite.tasks import causal_lm_demo, demo
 
@@ -86,9 +87,10 @@ def test_flattening_collator_keeps_real_tokens_and_restarts_positions():
         ("bert", "masked_lm"),
     ],
 )
-def test_packed_batch_trains_as_the_padded_batch(family, task):
+def test_packed_batch_trains_as_the_padded_batch(family, task, monkeypatch):
     """Loss, every real token's (or sample's) logits and every gradient of a packed batch equal the padded
-    batch's; the probe chose the plan expected of the family."""
+    batch's, attention run on each sample alone; the probe chose the plan expected of the family."""
+    monkeypatch.setattr(padding_free, "SPLIT_SAVING", 0)  # these samples are short: split them all the same
     model = build(family, task)
     adapter = fit_padding_free(model)
     assert (adapter.plan.attention, adapter.plan.position_offset) == EXPECTED[family]
@@ -135,9 +137,10 @@ def test_classification_head_pools_each_samples_own_token(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_attention_runs_on_each_sample_not_the_whole_row(family, monkeypatch):
-    """SDPA sees each sample of a packed row alone (its scores are the padded batch's, not T x T); a padded
-    batch still goes through SDPA whole."""
+def test_attention_runs_on_each_sample_when_that_saves_work(family, monkeypatch):
+    """SDPA sees each sample of a packed row alone (the padded batch's scores, not T x T) when splitting saves
+    enough work, else the whole row under the block mask; the results are the padded batch's either way, and a
+    padded batch goes through SDPA whole."""
     model = build(family, "token_classification")
     adapter = fit_padding_free(model)
     assert model.config._attn_implementation == PACKED_SDPA and "SDPA run on each sample alone" in adapter.describe()
@@ -150,11 +153,17 @@ def test_attention_runs_on_each_sample_not_the_whole_row(family, monkeypatch):
         "scaled_dot_product_attention",
         lambda q, *a, **k: seen.append(q.shape[2]) or sdpa(q, *a, **k),
     )
-    model(**FlatteningCollator(PadCollator())(rows)).loss.backward()
-    assert seen == list(lengths) * 2  # two layers, one call per sample each
-    seen.clear()
-    model(**PadCollator()(rows))
+    padded = PadCollator()(rows)
+    with torch.no_grad():
+        reference = model(**padded).logits[padded["attention_mask"].bool()]
     assert seen == [max(lengths)] * 2
+    for saving, calls in ((0, list(lengths)), (10**12, [sum(lengths)])):
+        monkeypatch.setattr(padding_free, "SPLIT_SAVING", saving)
+        seen.clear()
+        logits = model(**FlatteningCollator(PadCollator())(rows)).logits
+        logits.sum().backward()
+        assert seen == calls * 2  # two layers
+        torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-5)
     adapter.remove()
     assert model.config._attn_implementation == "sdpa"
 

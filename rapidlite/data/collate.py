@@ -116,6 +116,22 @@ class PadCollator:
 # --------------------------------------------------------------------------------------------------
 
 
+def _one_row(columns: dict[str, torch.Tensor], lengths: torch.Tensor, shift_labels: bool) -> dict[str, torch.Tensor]:
+    """Token fields already concatenated sample after sample (``columns``, 1-D) as one row ``[1, T]``, with the
+    ``position_ids`` of samples of ``lengths`` tokens and, with ``shift_labels``, -100 as each sample's first
+    label. The one packer: ``flatten_rows`` (lists, ``--packing``) and ``FlatteningCollator`` (batches) use it."""
+    if bool((lengths <= 0).any()):
+        raise DataError("--padding-free/--packing: a sample has no tokens; drop empty samples from the data")
+    starts = lengths.cumsum(0) - lengths
+    positions = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
+    flat = {key: value[None] for key, value in columns.items()}
+    if shift_labels and "labels" in flat:
+        flat["labels"] = flat["labels"].clone()
+        flat["labels"][0, starts] = IGNORE_INDEX
+    flat["position_ids"] = positions[None]
+    return flat
+
+
 def flatten_rows(rows: Sequence[Mapping[str, Any]], shift_labels: bool = False) -> dict[str, torch.Tensor]:
     """Samples (dicts of equal-length token fields: lists or 1-D tensors) concatenated into one row ``[1, T]``
     with ``position_ids`` restarting at 0 at each sample: Hugging Face's ``DataCollatorWithFlattening`` layout.
@@ -124,22 +140,14 @@ def flatten_rows(rows: Sequence[Mapping[str, Any]], shift_labels: bool = False) 
     if not rows:
         raise ValueError("no samples to flatten")
     keys = list(rows[0].keys())
-    columns: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
-    positions = []
-    for row in rows:
-        length = len(row["input_ids"])
-        for key in keys:
-            value = _tensor(row[key])
-            if len(value) != length:
-                raise ValueError(f"field {key} has {len(value)} tokens, input_ids {length}: not a token field")
-            if key == "labels" and shift_labels and length:
-                value = value.clone()
-                value[0] = IGNORE_INDEX
-            columns[key].append(value)
-        positions.append(torch.arange(length, dtype=torch.int64))
-    flat = {key: torch.cat(values)[None] for key, values in columns.items()}
-    flat["position_ids"] = torch.cat(positions)[None]
-    return flat
+    lengths = torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.int64)
+    columns = {}
+    for key in keys:
+        values = [_tensor(row[key]) for row in rows]
+        if any(len(v) != n for v, n in zip(values, lengths.tolist(), strict=True)):
+            raise ValueError(f"field {key} does not have one value per token of input_ids")
+        columns[key] = torch.cat(values)
+    return _one_row(columns, lengths, shift_labels)
 
 
 def packed_sample_count(position_ids: torch.Tensor) -> int:
@@ -175,8 +183,9 @@ class FlatteningCollator:
         mask = batch.get(_MASK_KEY)
         real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         token_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.shape == ids.shape]
-        rows = [{k: batch[k][i][real[i]] for k in token_keys if k != _MASK_KEY} for i in range(ids.shape[0])]
-        flat: dict[str, Any] = flatten_rows(rows, self.shift_labels)
+        # A boolean selection reads row after row: each sample's real tokens, in order, samples concatenated.
+        columns = {k: batch[k][real] for k in token_keys if k != _MASK_KEY}
+        flat: dict[str, Any] = _one_row(columns, real.sum(1), self.shift_labels)
         for key, value in batch.items():
             if key in token_keys:
                 continue
