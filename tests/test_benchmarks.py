@@ -196,7 +196,7 @@ def test_padding_benchmark_quick():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if line.startswith("check loss --padding-free vs padded")]
-    assert len(checks) == 2 and all(line.endswith(": ok") for line in checks), proc.stdout
+    assert len(checks) == 4 and all(line.endswith(": ok") for line in checks), proc.stdout
     rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "contender" not in line]
     labels = [
         "HF Trainer",
@@ -204,6 +204,7 @@ def test_padding_benchmark_quick():
         "rapidlite",
         "rapidlite --group-by-length",
         "rapidlite --group-by-length --padding-free",
+        "rapidlite --padding-free",
     ]
     assert rows == labels * 2, proc.stdout
     for workload in ("cls", "tok"):
