@@ -85,7 +85,7 @@ def test_samples_without_input_ids_are_refused_in_one_line():
 
 def test_pretraining_refuses_it(capsys):
     assert main(["--task", "pretraining", "--train-iters", "2", "--group-by-length"]) == 2
-    assert "--group-by-length batches fine-tuning data" in capsys.readouterr().out
+    assert "--group-by-length batches fine-tuning data" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
