@@ -398,6 +398,17 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "--packing", action="store_true", help="causal_lm: pack samples into full sequences (attention kept per sample)"
     )
     g.add_argument(
+        "--group-by-length",
+        action="store_true",
+        help="fine-tuning: shuffle in megabatches of 50 global batches sorted by length, so micro-batches pad little",
+    )
+    g.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="fine-tuning: each training micro-batch as one row of its samples' tokens (no padding), position ids "
+        "restarting at each sample and attention kept inside it",
+    )
+    g.add_argument(
         "--eval-generate",
         type=int,
         default=0,

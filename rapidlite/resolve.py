@@ -257,6 +257,11 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.padding_free and args.packing:
+        raise ConfigError(
+            "--padding-free and --packing both remove padding: --packing packs rows into --seq-length sequences "
+            "before training, --padding-free packs each micro-batch into one row; choose one"
+        )
     if args.memory_budget is not None and not args.dry_run:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
@@ -342,6 +347,12 @@ def _check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             raise ConfigError(f"--task {task.name} needs {' and '.join(missing)}{hint}")
     if task.iteration_based and args.train_iters is None:
         raise ConfigError(f"--task {task.name} is iteration-based: pass --train-iters N")
+    if task.iteration_based and (args.group_by_length or args.padding_free):
+        flag = "--group-by-length" if args.group_by_length else "--padding-free"
+        raise ConfigError(
+            f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
+            f"drop {flag}"
+        )
     if task.check is not None:
         task.check(args)
 

@@ -39,6 +39,7 @@ FLAGS = """
 --dry-run --memory-budget
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
 --label-all-tokens
+--group-by-length --padding-free
 """.split()
 
 

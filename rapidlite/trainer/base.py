@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -144,6 +144,11 @@ class BaseTrainer:
         """Return a scalar loss (mean over the micro-batch) or ``(loss_sum, num_items)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement run_forward_step")
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The provider's model as the loop will train it, before ``engine.compose`` wraps it (the default: as it
+        is). A ``Finetuner`` fits it for ``--padding-free`` batches here."""
+        return model
+
     # ------------------------------------------------------------------ helpers for subclasses
     def pretrained_load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` arguments for the model to fine-tune: fp32 weights for full fine-tuning; with
@@ -159,13 +164,21 @@ class BaseTrainer:
         shuffle: bool = True,
         collate_fn: Callable | None = None,
         pad: bool | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> DeviceDataLoader:
         """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device. Without a
         ``collate_fn``, tokenized rows are padded to the batch's longest (with ``self.tokenizer``'s pad id when
-        it is set, else 0) and given an attention mask if they have none."""
-        if collate_fn is None and self.tokenizer is not None:
-            collate_fn = PadCollator.for_tokenizer(self.tokenizer)
-        return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad)
+        it is set, else 0) and given an attention mask if they have none. ``lengths`` (tokens per sample): a
+        training loader's shuffle is grouped by length (``--group-by-length``)."""
+        if collate_fn is None:
+            collate_fn = self.default_collate()
+        return self.engine.build_data_loader(
+            dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad, lengths=lengths
+        )
+
+    def default_collate(self) -> PadCollator:
+        """The collation of a loader given no ``collate_fn``: rows padded with the tokenizer's pad id (else 0)."""
+        return PadCollator.for_tokenizer(self.tokenizer) if self.tokenizer is not None else PadCollator()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
@@ -196,6 +209,7 @@ class BaseTrainer:
             self.engine.strategy.prepare_resume(self.args.load)
         with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
             model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        model = self.prepare_model(model)
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches

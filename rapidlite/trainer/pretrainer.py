@@ -98,6 +98,12 @@ class PreTrainer(BaseTrainer):
                 "--eval-only runs Finetuner jobs; a PreTrainer evaluates every --eval-interval while it trains: drop "
                 "--eval-only"
             )
+        for flag in ("group_by_length", "padding_free"):
+            if getattr(args, flag, False):
+                name = "--" + flag.replace("_", "-")
+                raise ConfigError(
+                    f"{name} batches a Finetuner's map-style data; a PreTrainer draws consecutive samples: drop {name}"
+                )
         if args.train_iters is None:
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
         eval_interval = args.eval_interval or args.train_iters
