@@ -38,6 +38,7 @@ FLAGS = """
 --keep-last
 --dry-run --memory-budget
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
+--source-lang --target-lang --source-prefix --max-target-length --num-beams
 """.split()
 
 
