@@ -240,9 +240,12 @@ def test_bad_data_and_models_are_one_line_exit_2_and_nothing_written(tiny_assets
     assert "--seq-length 32: the model has 24 positions" in _refused(task_args(bart, data_dir), save, capsys)
 
 
-def test_a_bart_model_and_lora_adapters_train_and_generate(tiny_assets, tmp_path):
+def test_a_bart_model_and_qlora_adapters_train_and_generate(tiny_assets, tmp_path):
     """Another family (BART: learned positions, decoder start = </s>) from a local directory, and LoRA adapters on
-    the T5 (the base wrapped by peft generates through it): one step each, evaluated with generation."""
+    the T5 held in 4 bits (QLoRA; the base wrapped by peft generates through it): one step each, evaluated with
+    generation; the adapter is exported as a sequence-to-sequence one."""
+    import importlib.util
+
     from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
 
     model_dir, data_dir = tiny_assets
@@ -256,12 +259,24 @@ def test_a_bart_model_and_lora_adapters_train_and_generate(tiny_assets, tmp_path
     torch.manual_seed(0)
     BartForConditionalGeneration(config).save_pretrained(tmp_path / "bart")
     tokenizer.save_pretrained(tmp_path / "bart")
-    for name, model, flags in (("bart", tmp_path / "bart", []), ("lora", model_dir, ["--lora-rank", "4"])):
+    lora = ["--lora-rank", "4"] + (["--load-in-4bit"] if importlib.util.find_spec("bitsandbytes") else [])
+    for name, model, flags in (("bart", tmp_path / "bart", []), ("lora", model_dir, lora)):
         save = tmp_path / name
         assert rapidlite_here(*task_args(model, data_dir, "--train-iters", "1", "--save", str(save), *flags)) == 0
         final = [r for r in read_metrics(save) if r.get("split") == "validation"][-1]
         assert {"loss", "bleu", "gen_len"} <= final.keys()
-    assert (tmp_path / "lora" / "hf" / "adapter" / "adapter_config.json").is_file()
+    adapter = json.loads((tmp_path / "lora" / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_2_SEQ_LM" and adapter["r"] == 4
+
+
+def test_dry_run_plans_an_encoder_decoder(tiny_assets, capsys):
+    """--dry-run builds the model as AutoModelForSeq2SeqLM on the meta device and profiles a forward with decoder
+    inputs; the sequence length is the task's default without --seq-length."""
+    model_dir, data_dir = tiny_assets
+    argv = [a for a in task_args(model_dir, data_dir, "--dry-run") if a not in ("--seq-length", "32")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sequence length 1024" in out and "0.67M parameters" in out and "predicted memory per rank" in out
 
 
 @pytest.mark.distributed
