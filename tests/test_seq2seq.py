@@ -1,6 +1,7 @@
 """The black box ``--task seq2seq`` end to end, on the demo's tiny T5 and generated translation pairs."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -9,7 +10,14 @@ from helpers import rapidlite, rapidlite_here, read_metrics, run_cli
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.cli import main
-from rapidlite.tasks.seq2seq import Seq2SeqFinetuner, bleu, generation_metrics, load_seq2seq_lm, rouge
+from rapidlite.tasks.seq2seq import (
+    Seq2SeqFinetuner,
+    bleu,
+    generation_metrics,
+    load_seq2seq_lm,
+    rouge,
+    sentence_splitter,
+)
 from rapidlite.tasks.seq2seq_demo import PREFIX, write_demo_assets
 
 
@@ -52,8 +60,9 @@ def task_args(model_dir, data_dir, *extra, translation=True):
     ]  # fmt: skip
 
 
-def trainer_and_data(model_dir, data_dir, *extra):
-    trainer = Seq2SeqFinetuner(RapidliteEngine(args=parse_args(task_args(model_dir, data_dir, *extra))))
+def trainer_and_data(model_dir, data_dir, *extra, translation=True):
+    args = parse_args(task_args(model_dir, data_dir, *extra, translation=translation))
+    trainer = Seq2SeqFinetuner(RapidliteEngine(args=args))
     train, valid, _, collate = trainer.train_valid_test_datasets_provider()
     return trainer, train, valid, collate
 
@@ -177,9 +186,10 @@ def test_the_export_generates_what_the_run_scored(tiny_assets, trained_run, tmp_
     assert final["gen_len"] == pytest.approx(gen_len)
 
 
-def test_summaries_are_scored_by_rouge_and_bleu_in_eval_only(summaries, trained_run, tmp_path):
+def test_summaries_are_scored_by_rouge_and_bleu_in_eval_only(summaries, trained_run, tmp_path, log_lines):
     """document/summary columns are detected; --eval-only of the export scores what transformers generates with
-    greedy search (--num-beams 1 overrides the export's 2) by rouge_score and sacrebleu."""
+    greedy search (--num-beams 1 overrides the export's 2) by rouge_score and sacrebleu. Where nltk's sentence
+    model is missing, one line says how ROUGE-Lsum splits sentences instead."""
     import sacrebleu
     from rouge_score import rouge_scorer
 
@@ -198,6 +208,19 @@ def test_summaries_are_scored_by_rouge_and_bleu_in_eval_only(summaries, trained_
     for key in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
         assert record[key] == pytest.approx(100 * sum(s[key].fmeasure for s in scores) / len(scores), rel=1e-6)
     assert sorted(p.name for p in save.iterdir()) == ["metrics.jsonl"]
+    told = [line for line in log_lines if "punkt_tab" in line]
+    assert len(told) == (sentence_splitter()[1] is not None)
+
+
+def test_rouge_without_its_extra_is_one_line_naming_it(summaries, trained_run, tiny_assets, monkeypatch):
+    """Summaries need rouge_score (the [seq2seq] extra): without it the run stops before the model loads, saying
+    what to install; translations are scored by BLEU and need nothing more."""
+    from rapidlite.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "rouge_score", None)  # what a missing package looks like to an import
+    with pytest.raises(ConfigError, match=r"pip install 'rapidlite\[seq2seq\]'"):
+        trainer_and_data(trained_run / "hf", summaries, translation=False)
+    trainer_and_data(*tiny_assets)
 
 
 def _refused(argv, save, capsys):

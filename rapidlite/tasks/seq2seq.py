@@ -182,14 +182,13 @@ class Seq2SeqFinetuner(Finetuner):
         table: a default is lowered to it, a length asked for beyond it is refused. A model that is no
         sequence-to-sequence model is refused here, before any data is read."""
         from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
         args = self.args
         try:
             config = AutoConfig.from_pretrained(name)
-        except Exception as e:  # the model's own loading reports it below in the same words
+        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
             raise load_error("sequence-to-sequence model", name, e) from None
-        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-
         if config.model_type not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
             raise ConfigError(
                 f"--pretrained-model-name-or-path {name}: a {config.model_type} model is not a sequence-to-sequence "
@@ -215,8 +214,7 @@ class Seq2SeqFinetuner(Finetuner):
     def model_optimizer_lr_scheduler_provider(self):
         args = self.args
         model = load_seq2seq_lm(args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
-        config = model.config
-        if config.model_type in ("t5", "mt5", "umt5") and not args.source_prefix:
+        if model.config.model_type in ("t5", "mt5", "umt5") and not args.source_prefix:
             self.logger.warning(
                 "T5 checkpoints were trained with a task prefix: pass --source-prefix 'summarize: ' (or "
                 "'translate English to German: ', ...) unless this model was fine-tuned without one"
@@ -228,11 +226,6 @@ class Seq2SeqFinetuner(Finetuner):
         generation.max_length = None
         if args.num_beams is not None:
             generation.num_beams = args.num_beams
-        if generation.decoder_start_token_id is None and getattr(config, "decoder_start_token_id", None) is None:
-            raise ConfigError(
-                f"--pretrained-model-name-or-path {args.pretrained_model_name_or_path}: the model's config has no "
-                "decoder_start_token_id, so its targets cannot be shifted into decoder inputs"
-            )
         return model, None, None
 
     def begin_training(self) -> None:
