@@ -10,10 +10,10 @@ Two layouts, as Hugging Face's ``run_summarization``/``run_translation`` read th
   direction ``--source-lang``/``--target-lang``.
 
 ``build_seq2seq_data`` checks every row of every split (a missing column, or an empty source or target, is one
-line naming the split and quoting the pair's other text), prepends ``--source-prefix``, cuts sources at ``--seq-length`` and targets at
-``--max-target-length`` tokens (``tokenizer(text_target=...)``, so multilingual tokenizers use their target
-side), and returns data sets of ``{"input_ids", "attention_mask", "labels"}``; rapidlite's ``PadCollator``
-pads labels with -100, so padding is never trained or scored.
+line naming the split and quoting the pair's other text), prepends ``--source-prefix``, cuts sources at
+``--seq-length`` and targets at ``--max-target-length`` tokens (``tokenizer(text_target=...)``, so multilingual
+tokenizers use their target side), and returns data sets of ``{"input_ids", "attention_mask", "labels"}``;
+rapidlite's ``PadCollator`` pads labels with -100, so padding is never trained or scored.
 """
 
 from __future__ import annotations
