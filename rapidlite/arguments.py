@@ -71,7 +71,8 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="maximum sequence length (tokens); default: the task's (sequence_classification and "
-        "token_classification 128, causal_lm 512, pretraining 1024 for GPT and 512 for BERT)",
+        "token_classification 128, causal_lm 512, pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 "
+        "source tokens)",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
@@ -420,6 +421,25 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="token_classification: every sub-token of a word trains on its tag (B- as I- after the first), "
         "not only the first",
+    )
+    g.add_argument("--source-lang", default=None, help="seq2seq: the source language of translation pairs (e.g. en)")
+    g.add_argument("--target-lang", default=None, help="seq2seq: the target language of translation pairs (e.g. de)")
+    g.add_argument(
+        "--source-prefix",
+        default=None,
+        help="seq2seq: text put before every source, as T5 expects (e.g. 'summarize: ')",
+    )
+    g.add_argument(
+        "--max-target-length",
+        type=int,
+        default=None,
+        help="seq2seq: target tokens kept for training and generated at most in evaluation (default 128)",
+    )
+    g.add_argument(
+        "--num-beams",
+        type=int,
+        default=None,
+        help="seq2seq: beam search width of evaluation's generation (default: the model's generation config)",
     )
 
 

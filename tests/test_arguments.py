@@ -40,6 +40,7 @@ FLAGS = """
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
 --label-all-tokens
 --group-by-length --padding-free
+--source-lang --target-lang --source-prefix --max-target-length --num-beams
 """.split()
 
 
