@@ -19,6 +19,7 @@ import pathlib
 import random
 import sys
 import sysconfig
+from collections import deque
 from collections.abc import Iterator
 
 from rapidlite.cache import build_once, cache_root
@@ -57,6 +58,22 @@ DEMO_FLAGS = {
 }
 
 
+_BLOCKS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """The module and its statements (and except/case clauses) in ``ast.walk``'s breadth-first order, without
+    visiting expressions: docstrings only sit on statements, and walking every expression node took half of the
+    corpus preparation."""
+    queue = deque([tree])
+    while queue:
+        node = queue.popleft()
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                queue.extend(item for item in value if isinstance(item, _BLOCKS))
+        yield node
+
+
 def iter_stdlib_documents() -> Iterator[str]:
     """Docstrings of the standard library's Python files, in a fixed order, then the reference topics."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -69,7 +86,7 @@ def iter_stdlib_documents() -> Iterator[str]:
                 tree = ast.parse((pathlib.Path(directory) / name).read_text(encoding="utf-8"))
             except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
                 continue
-            for node in ast.walk(tree):
+            for node in _statements(tree):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= MIN_CHARS:
