@@ -13,7 +13,7 @@ import csv
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.errors import DataError
@@ -34,6 +34,8 @@ _HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
     "test": ("test", "test_matched"),
 }
 SPLIT_ORDER = ("train", "validation", "test")
+# A reader of one more file type (``load_raw_datasets(readers=...)``): the file's path -> its rows, or a DataError.
+Reader = Callable[[str], "datasets.Dataset"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,10 +108,13 @@ def _builder_for(path: str) -> tuple[str, dict[str, Any]]:
     return ext, {}
 
 
-def _load_file(path: str) -> datasets.Dataset:
+def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datasets.Dataset:
     """Load one local data file as a single ``Dataset``; any failure is a DataError naming the file."""
     import datasets
 
+    reader = (readers or {}).get(path.rsplit(".", 1)[-1].lower())
+    if reader is not None:
+        return reader(path)
     builder, kwargs = _builder_for(path)
     try:
         ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
@@ -136,11 +141,11 @@ def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str
     return f"{type(e).__name__}: {text}"
 
 
-def _find_split_file(directory: str, split: str) -> str | None:
+def _find_split_file(directory: str, split: str, extensions: Sequence[str] = EXTENSIONS) -> str | None:
     found = [
         os.path.join(directory, f"{stem}.{ext}")
         for stem in SPLIT_FILE_STEMS[split]
-        for ext in EXTENSIONS
+        for ext in extensions
         if os.path.isfile(os.path.join(directory, f"{stem}.{ext}"))
     ]
     if len(found) > 1:
@@ -149,13 +154,13 @@ def _find_split_file(directory: str, split: str) -> str | None:
     return found[0] if found else None
 
 
-def _looks_like_path(name: str) -> bool:
+def _looks_like_path(name: str, extensions: Sequence[str] = EXTENSIONS) -> bool:
     # A hub name is "name" or "owner/name"; anything else cannot be on the hub, so skip the hub lookup.
     return (
         os.path.isabs(name)
         or name.startswith((".", "~"))
         or name.count("/") > 1
-        or name.rsplit(".", 1)[-1].lower() in EXTENSIONS
+        or name.rsplit(".", 1)[-1].lower() in extensions
     )
 
 
@@ -165,6 +170,7 @@ def load_raw_datasets(
     data_dir: str | None = None,
     split: str = "969,30,1",
     seed: int = 1234,
+    readers: Mapping[str, Reader] | None = None,
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
@@ -179,10 +185,14 @@ def load_raw_datasets(
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
       data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
 
+    ``readers`` reads more file types, by extension (a task's own text format, e.g. CoNLL files); they are
+    found and split as the others.
+
     Which file (or share of one) became which split is logged in one line.
     """
     import datasets
 
+    extensions = (*EXTENSIONS, *(readers or {}))
     if not data_path:
         raise DataError("--data-path: empty; pass a local directory, a data file or a dataset hub name")
     weights = parse_split(split)  # validate early, even if a validation file makes it unused
@@ -194,7 +204,7 @@ def load_raw_datasets(
                 path = os.path.join(path, sub)
                 if not os.path.isdir(path):
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
-        return _log_splits(*_load_local_dir(path, weights, seed))
+        return _log_splits(*_load_local_dir(path, weights, seed, readers))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -204,11 +214,11 @@ def load_raw_datasets(
                 "is a file; drop the flag"
             )
         ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
-        if ext not in EXTENSIONS:
+        if ext not in extensions:
             raise DataError(
-                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in EXTENSIONS)}"
+                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in extensions)}"
             )
-        ds = _load_file(path)
+        ds = _load_file(path, readers)
         if len(ds) == 0:
             raise DataError(f"--data-path {data_path}: the file has no rows")
         parts = _split_dataset(ds, weights, SPLIT_ORDER, seed, f"--data-path {data_path}")
@@ -216,7 +226,7 @@ def load_raw_datasets(
         sources = {k: f"{w:.0%} of {name} (--split)" for k, w in zip(SPLIT_ORDER, weights, strict=True) if w > 0}
         return _log_splits(datasets.DatasetDict(parts), sources)
 
-    if _looks_like_path(data_path):
+    if _looks_like_path(data_path, extensions):
         raise DataError(f"--data-path {data_path}: no such file or directory")
     return _log_splits(*_load_hub(data_path, data_name, data_dir, weights, seed))
 
@@ -244,14 +254,17 @@ def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, 
     }
 
 
-def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> tuple[datasets.DatasetDict, dict[str, str]]:
+def _load_local_dir(
+    directory: str, weights: Sequence[float], seed: int, readers: Mapping[str, Reader] | None = None
+) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
-    files = {name: _find_split_file(directory, name) for name in SPLIT_ORDER}
+    extensions = (*EXTENSIONS, *(readers or {}))
+    files = {name: _find_split_file(directory, name, extensions) for name in SPLIT_ORDER}
     if files["train"] is None:
-        expected = ", ".join(f"train.{e}" for e in EXTENSIONS[:-1]) + f" or train.{EXTENSIONS[-1]}"
+        expected = ", ".join(f"train.{e}" for e in extensions[:-1]) + f" or train.{extensions[-1]}"
         raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
-    parts = {name: _load_file(f) for name, f in files.items() if f is not None}
+    parts = {name: _load_file(f, readers) for name, f in files.items() if f is not None}
     sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
     if len(parts["train"]) == 0:
         raise DataError(f"{files['train']}: the train file has no rows")

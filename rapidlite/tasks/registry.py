@@ -119,6 +119,12 @@ def _check_question_answering(args: Any) -> None:
         )
 
 
+def _check_seq2seq(args: Any) -> None:
+    for flag, value in (("--max-target-length", args.max_target_length), ("--num-beams", args.num_beams)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -161,6 +167,26 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": 384},
             load_model_dir=True,
             check=_check_question_answering,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="token_classification",
+            summary="fine-tune AutoModelForTokenClassification on tagged words, NER or POS (entity F1, accuracy)",
+            trainer="rapidlite.tasks.token_classification:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.token_classification_demo:demo",
+            defaults={"seq_length": 128},
+            load_model_dir=True,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="seq2seq",
+            summary="fine-tune AutoModelForSeq2SeqLM (T5, BART, ...) on summaries or translations (ROUGE, BLEU)",
+            trainer="rapidlite.tasks.seq2seq:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.seq2seq_demo:demo",
+            load_model_dir=True,
+            check=_check_seq2seq,
             eval_only=True,
         ),
     )
