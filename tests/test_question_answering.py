@@ -317,6 +317,8 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, 
     assert "raise --seq-length or lower --doc-stride" in err
     err = _refused(task_args(model_dir, data_dir, "--doc-stride", "64", "--save", str(save)), capsys)
     assert "--doc-stride 64: must be positive and below --seq-length 64" in err
+    err = _refused(task_args(model_dir, data_dir, "--padding-free", "--save", str(save)), capsys)
+    assert "--padding-free: question answering" in err and "drop --padding-free" in err
     assert not save.exists() or not any(save.iterdir())
 
 
@@ -351,7 +353,9 @@ def test_a_run_logs_squad_metrics_and_exports_a_question_answering_model(tiny_as
         assert rescored[key] == pytest.approx(final[key], rel=1e-6), key
 
 
-def test_squad_v2_data_reports_has_and_no_answer_scores(tiny_assets, tmp_path):
+def test_squad_v2_data_reports_has_and_no_answer_scores(tiny_assets, tmp_path, log_lines):
+    """SQuAD v2 rows (a third unanswerable) train and report the official v2 scores with their HasAns/NoAns
+    splits; the run also groups its windows by length (--group-by-length)."""
     model_dir, data_dir = tiny_assets
     rows = {s: rows_of(data_dir, s) for s in ("train", "validation")}
     # Every third question is asked about another context: unanswerable there.
@@ -361,8 +365,9 @@ def test_squad_v2_data_reports_has_and_no_answer_scores(tiny_assets, tmp_path):
             rows[split][i] = {**rows[split][i], "context": contexts[(i + 9) % len(contexts)],
                               "answers": {"text": [], "answer_start": []}}  # fmt: skip
     data = write_jsonl(tmp_path / "v2", rows)
-    flags = ("--version-2-with-negative", "--train-iters", "2", "--save", str(tmp_path / "run"))
+    flags = ("--version-2-with-negative", "--group-by-length", "--train-iters", "2", "--save", str(tmp_path / "run"))
     assert rapidlite_here(*task_args(model_dir, data, *flags)) == 0
+    assert any(line.startswith("--group-by-length: ") for line in log_lines)
     final = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"][-1]
     assert final["total"] == 30 and final["NoAns_total"] == 10 and final["HasAns_total"] == 20
     assert final["exact"] == pytest.approx((20 * final["HasAns_exact"] + 10 * final["NoAns_exact"]) / 30)

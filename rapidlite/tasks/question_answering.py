@@ -44,6 +44,18 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if k != FEATURE_INDEX and k not in POSITION_KEYS}
 
 
+def span_losses(start_logits: torch.Tensor, end_logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each window's loss: the mean of its start and end cross-entropies over its own tokens. The model's loss
+    softmaxes over the padded width too (padding scores are not masked), so it would change with how a batch is
+    padded: with the micro-batch size, the ranks' shares and the padding side."""
+    padding = batch["attention_mask"] == 0
+    losses = []
+    for logits, key in zip((start_logits, end_logits), POSITION_KEYS, strict=True):
+        masked = logits.float().masked_fill(padding, torch.finfo(torch.float32).min)
+        losses.append(F.cross_entropy(masked, batch[key], reduction="none"))
+    return (losses[0] + losses[1]) / 2
+
+
 class QuestionAnsweringFinetuner(Finetuner):
     """Extractive question answering: the model scores each token as the answer's start and end."""
 
@@ -82,7 +94,10 @@ class QuestionAnsweringFinetuner(Finetuner):
         super().begin_training()  # after it, so the first interval's rates count training only
 
     def run_forward_step(self, batch, model):
-        return model(**_model_inputs(batch), **{k: batch[k] for k in POSITION_KEYS}).loss
+        # A sum and a count: exact over micro-batches and ranks of any size (a last, shorter micro-batch too).
+        out = model(**_model_inputs(batch))
+        losses = span_losses(out.start_logits, out.end_logits, batch)
+        return losses.sum(), losses.numel()
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         # Every window's logits over the longest window (-inf beyond its own tokens) are gathered with its index,
@@ -94,10 +109,7 @@ class QuestionAnsweringFinetuner(Finetuner):
         for batch in eval_dataloader:
             out = model(**_model_inputs(batch))
             start_logits, end_logits = out.start_logits.float(), out.end_logits.float()
-            per_window = (
-                F.cross_entropy(start_logits, batch["start_positions"], reduction="none")
-                + F.cross_entropy(end_logits, batch["end_positions"], reduction="none")
-            ) / 2
+            per_window = span_losses(start_logits, end_logits, batch)
             lengths = batch["attention_mask"].sum(dim=1).tolist()
             aligned = []
             for logits in (start_logits, end_logits):

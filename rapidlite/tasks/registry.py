@@ -108,6 +108,11 @@ def _check_pretraining(args: Any) -> None:
 
 
 def _check_question_answering(args: Any) -> None:
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: question answering picks each window's answer span by a softmax over the whole window, "
+            "which a row of packed windows would mix; drop --padding-free (--group-by-length also cuts padding)"
+        )
     seq_length = args.seq_length or 384
     for flag, value in (("--n-best-size", args.n_best_size), ("--max-answer-length", args.max_answer_length)):
         if value < 1:
