@@ -325,6 +325,17 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, 
 # ------------------------------------------------------------------------------------------------ runs
 
 
+def test_dry_run_plans_the_question_answering_model(tiny_assets, capsys):
+    """--dry-run builds the task's model class (the span head) on the meta device from the directory's config."""
+    from transformers import AutoModelForQuestionAnswering
+
+    model_dir, data_dir = tiny_assets
+    assert main([*task_args(model_dir, data_dir), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    params = sum(p.numel() for p in AutoModelForQuestionAnswering.from_pretrained(model_dir).parameters())
+    assert f"model: {params / 1e6:.2f}M parameters" in out, out
+
+
 @pytest.fixture(scope="module")
 def trained_run(tiny_assets, tmp_path_factory):
     """A 6-iteration run with --save (its metrics and export)."""
