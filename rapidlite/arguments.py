@@ -399,6 +399,32 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "--packing", action="store_true", help="causal_lm: pack samples into full sequences (attention kept per sample)"
     )
     g.add_argument(
+        "--doc-stride",
+        type=int,
+        default=128,
+        help="question_answering: tokens shared by consecutive windows of a context longer than --seq-length",
+    )
+    g.add_argument(
+        "--max-answer-length", type=int, default=30, help="question_answering: the longest answer predicted, in tokens"
+    )
+    g.add_argument(
+        "--n-best-size",
+        type=int,
+        default=20,
+        help="question_answering: start and end logits searched per window for the best answer",
+    )
+    g.add_argument(
+        "--version-2-with-negative",
+        action="store_true",
+        help="question_answering: SQuAD v2 data, where some questions have no answer",
+    )
+    g.add_argument(
+        "--null-score-diff-threshold",
+        type=float,
+        default=0.0,
+        help="question_answering (v2): answer nothing when the null score beats the best span's by more than this",
+    )
+    g.add_argument(
         "--group-by-length",
         action="store_true",
         help="fine-tuning: shuffle in megabatches of 50 global batches sorted by length, so micro-batches pad little",

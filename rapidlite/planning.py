@@ -54,6 +54,8 @@ def _task_auto_class(task: str | None, config: Any) -> Any:
         return transformers.AutoModelForSequenceClassification
     if task == "token_classification":
         return transformers.AutoModelForTokenClassification
+    if task == "question_answering":
+        return transformers.AutoModelForQuestionAnswering
     if task == "pretraining" and getattr(config, "model_type", None) == "bert":
         return transformers.BertForPreTraining
     if task in ("pretraining", "causal_lm"):

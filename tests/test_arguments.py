@@ -38,6 +38,7 @@ FLAGS = """
 --keep-last
 --dry-run --memory-budget
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
+--doc-stride --max-answer-length --n-best-size --version-2-with-negative --null-score-diff-threshold
 --label-all-tokens
 --group-by-length --padding-free
 --source-lang --target-lang --source-prefix --max-target-length --num-beams

@@ -107,6 +107,23 @@ def _check_pretraining(args: Any) -> None:
         )
 
 
+def _check_question_answering(args: Any) -> None:
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: question answering picks each window's answer span by a softmax over the whole window, "
+            "which a row of packed windows would mix; drop --padding-free (--group-by-length also cuts padding)"
+        )
+    seq_length = args.seq_length or 384
+    for flag, value in (("--n-best-size", args.n_best_size), ("--max-answer-length", args.max_answer_length)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    if not 0 < args.doc_stride < seq_length:
+        raise ConfigError(
+            f"--doc-stride {args.doc_stride}: must be positive and below --seq-length {seq_length} (windows of a "
+            "long context overlap by that many tokens)"
+        )
+
+
 def _check_seq2seq(args: Any) -> None:
     for flag, value in (("--max-target-length", args.max_target_length), ("--num-beams", args.num_beams)):
         if value is not None and value < 1:
@@ -144,6 +161,17 @@ TASKS: dict[str, TaskSpec] = {
             demo="rapidlite.tasks.causal_lm_demo:demo",
             defaults={"seq_length": 512},
             load_model_dir=True,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="question_answering",
+            summary="fine-tune AutoModelForQuestionAnswering on SQuAD-style extractive QA (exact match, F1)",
+            trainer="rapidlite.tasks.question_answering:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.question_answering_demo:demo",
+            defaults={"seq_length": 384},
+            load_model_dir=True,
+            check=_check_question_answering,
             eval_only=True,
         ),
         TaskSpec(
