@@ -98,8 +98,11 @@ def meta_model(args: Any) -> torch.nn.Module:
     if args.task == "pretraining":
         _override_sizes(config, args)
     auto = _task_auto_class(args.task, config)
+    # Auto classes build from a config with from_config; a model class named by the config's architectures
+    # (the fallback for a task not listed above) with _from_config.
+    build = getattr(auto, "from_config", None) or auto._from_config
     with torch.device("meta"):
-        return auto.from_config(config)
+        return build(config)
 
 
 def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

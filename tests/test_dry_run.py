@@ -150,3 +150,20 @@ def test_bad_input_is_one_line(corpus, argv, message):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"rapidlite: error: {message}")
+
+
+def test_a_model_class_named_by_the_config_is_built_on_meta(tmp_path):
+    """A task the planner has no auto class for falls back to the class the config's ``architectures`` names; model
+    classes build with ``_from_config`` (only the auto classes have ``from_config``)."""
+    from argparse import Namespace
+
+    from transformers import BertConfig
+
+    from rapidlite.planning import meta_model
+
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config.architectures = ["BertForMaskedLM"]
+    config.save_pretrained(tmp_path)
+    model = meta_model(Namespace(pretrained_model_name_or_path=str(tmp_path), load=None, task="other"))
+    assert type(model).__name__ == "BertForMaskedLM"
+    assert next(model.parameters()).device.type == "meta"
