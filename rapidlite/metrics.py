@@ -15,3 +15,11 @@ def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, nu
         f1 = multiclass_f1_score(preds, target, num_classes=num_labels, average="macro")
     accuracy = multiclass_accuracy(preds, target, num_classes=max(num_labels, 2), average="micro")
     return {"accuracy": float(accuracy), "f1": float(f1)}
+
+
+def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor, num_choices: int) -> float:
+    """The share of questions whose highest-scored choice is the labelled one (torchmetrics' micro accuracy)."""
+    if labels.numel() == 0:
+        return float("nan")
+    accuracy = multiclass_accuracy(preds.cpu(), labels.cpu(), num_classes=max(num_choices, 2), average="micro")
+    return float(accuracy)

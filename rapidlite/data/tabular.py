@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be 
     import datasets
 
 EXTENSIONS: tuple[str, ...] = ("csv", "tsv", "json", "jsonl", "parquet")
+# Plain text, one row (column ``text``) per line: read only where a task asks for it (``text_lines``).
+TEXT_EXTENSION = "txt"
 SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
     "train": ("train",),
     "validation": ("validation", "val", "dev", "valid"),
@@ -103,6 +105,8 @@ def _builder_for(path: str) -> tuple[str, dict[str, Any]]:
         return "csv", {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
     if ext in ("json", "jsonl"):
         return "json", {}
+    if ext == TEXT_EXTENSION:
+        return "text", {}
     return ext, {}
 
 
@@ -131,11 +135,11 @@ def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str
     return f"{type(e).__name__}: {text}"
 
 
-def _find_split_file(directory: str, split: str) -> str | None:
+def _find_split_file(directory: str, split: str, extensions: Sequence[str] = EXTENSIONS) -> str | None:
     found = [
         os.path.join(directory, f"{stem}.{ext}")
         for stem in SPLIT_FILE_STEMS[split]
-        for ext in EXTENSIONS
+        for ext in extensions
         if os.path.isfile(os.path.join(directory, f"{stem}.{ext}"))
     ]
     if len(found) > 1:
@@ -144,13 +148,13 @@ def _find_split_file(directory: str, split: str) -> str | None:
     return found[0] if found else None
 
 
-def _looks_like_path(name: str) -> bool:
+def _looks_like_path(name: str, extensions: Sequence[str] = EXTENSIONS) -> bool:
     # A hub name is "name" or "owner/name"; anything else cannot be on the hub, so skip the hub lookup.
     return (
         os.path.isabs(name)
         or name.startswith((".", "~"))
         or name.count("/") > 1
-        or name.rsplit(".", 1)[-1].lower() in EXTENSIONS
+        or name.rsplit(".", 1)[-1].lower() in extensions
     )
 
 
@@ -160,6 +164,7 @@ def load_raw_datasets(
     data_dir: str | None = None,
     split: str = "969,30,1",
     seed: int = 1234,
+    text_lines: bool = False,
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
@@ -169,6 +174,8 @@ def load_raw_datasets(
       file, validation is carved out of train (seeded shuffle) with the fraction
       ``w_validation / (w_train + w_validation)`` of the ``--split`` weights; the test weight is not
       used because test comes only from a ``test.*`` file.
+    * ``text_lines``: ``.txt`` files are read too, one row per line in a column ``text`` (``--task masked_lm``'s
+      raw text, one document per line).
     * Local file: shuffled with ``seed`` and cut into train/validation/test by ``--split``; splits with
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
@@ -182,6 +189,7 @@ def load_raw_datasets(
         raise DataError("--data-path: empty; pass a local directory, a data file or a dataset hub name")
     weights = parse_split(split)  # validate early, even if a validation file makes it unused
     path = os.path.expanduser(data_path)
+    extensions = (*EXTENSIONS, TEXT_EXTENSION) if text_lines else EXTENSIONS
 
     if os.path.isdir(path):
         for flag, sub in (("--data-name", data_name), ("--data-dir", data_dir)):
@@ -189,7 +197,7 @@ def load_raw_datasets(
                 path = os.path.join(path, sub)
                 if not os.path.isdir(path):
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
-        return _log_splits(*_load_local_dir(path, weights, seed))
+        return _log_splits(*_load_local_dir(path, weights, seed, extensions))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -199,9 +207,9 @@ def load_raw_datasets(
                 "is a file; drop the flag"
             )
         ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
-        if ext not in EXTENSIONS:
+        if ext not in extensions:
             raise DataError(
-                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in EXTENSIONS)}"
+                f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in extensions)}"
             )
         ds = _load_file(path)
         if len(ds) == 0:
@@ -211,7 +219,7 @@ def load_raw_datasets(
         sources = {k: f"{w:.0%} of {name} (--split)" for k, w in zip(SPLIT_ORDER, weights, strict=True) if w > 0}
         return _log_splits(datasets.DatasetDict(parts), sources)
 
-    if _looks_like_path(data_path):
+    if _looks_like_path(data_path, extensions):
         raise DataError(f"--data-path {data_path}: no such file or directory")
     return _log_splits(*_load_hub(data_path, data_name, data_dir, weights, seed))
 
@@ -239,12 +247,14 @@ def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, 
     }
 
 
-def _load_local_dir(directory: str, weights: Sequence[float], seed: int) -> tuple[datasets.DatasetDict, dict[str, str]]:
+def _load_local_dir(
+    directory: str, weights: Sequence[float], seed: int, extensions: Sequence[str] = EXTENSIONS
+) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
-    files = {name: _find_split_file(directory, name) for name in SPLIT_ORDER}
+    files = {name: _find_split_file(directory, name, extensions) for name in SPLIT_ORDER}
     if files["train"] is None:
-        expected = ", ".join(f"train.{e}" for e in EXTENSIONS[:-1]) + f" or train.{EXTENSIONS[-1]}"
+        expected = ", ".join(f"train.{e}" for e in extensions[:-1]) + f" or train.{extensions[-1]}"
         raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
     parts = {name: _load_file(f) for name, f in files.items() if f is not None}
     sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}

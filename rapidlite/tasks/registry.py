@@ -107,6 +107,11 @@ def _check_pretraining(args: Any) -> None:
         )
 
 
+def _check_masked_lm(args: Any) -> None:
+    if not 0 < args.mask_prob < 1:
+        raise ConfigError(f"--mlm-probability {args.mask_prob:g}: must be in (0, 1); 0.15 is usual")
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -137,6 +142,25 @@ TASKS: dict[str, TaskSpec] = {
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.causal_lm_demo:demo",
             defaults={"seq_length": 512},
+            load_model_dir=True,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="masked_lm",
+            summary="adapt AutoModelForMaskedLM (BERT, RoBERTa, ...) to raw text of a domain (perplexity)",
+            trainer="rapidlite.tasks.masked_lm:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.masked_lm_demo:demo",
+            load_model_dir=True,
+            check=_check_masked_lm,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="multiple_choice",
+            summary="fine-tune AutoModelForMultipleChoice on SWAG/HellaSwag-style questions (accuracy)",
+            trainer="rapidlite.tasks.multiple_choice:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.multiple_choice_demo:demo",
             load_model_dir=True,
             eval_only=True,
         ),
