@@ -53,6 +53,12 @@ setup(
             "wandb>=0.16",
             # curves.png and rapidlite plot are tested
             "matplotlib>=3.6",
+            # --task token_classification's entity scores are tested equal to seqeval's
+            "seqeval>=1.2",
+            # --task seq2seq: ROUGE, and its metrics are tested equal to sacrebleu's and rouge_score's
+            "rouge_score>=0.1.2",
+            "nltk>=3.8",
+            "sacrebleu>=2.3",
         ],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
@@ -63,12 +69,14 @@ setup(
         "wandb": ["wandb>=0.16"],
         # DIR/curves.png at the end of a --save run, and rapidlite plot DIR
         "plot": ["matplotlib>=3.6"],
+        # --task seq2seq: ROUGE of summaries (rouge_score, as run_summarization scores; nltk splits sentences)
+        "seq2seq": ["rouge_score>=0.1.2", "nltk>=3.8"],
     },
     entry_points={
         "console_scripts": [
-            "rapidlite=rapidlite.cli:main",
+            "rapidlite=rapidlite.cli:console",
             # Rapidformer's command name, so launch scripts written for it run unchanged.
-            "rapidformer=rapidlite.cli:main",
+            "rapidformer=rapidlite.cli:console",
             "rapidlite-preprocess=rapidlite.data.preprocess:main",
             "rapidlite-bench=rapidlite.flops:bench_main",
             "rapidlite-eval=rapidlite.evaluation.command:main",

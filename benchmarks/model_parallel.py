@@ -82,10 +82,10 @@ BUBBLES = [  # (pipeline layout, 1-rank layout with the same micro-batch, m, vir
     ("pp2 interleaved m=4", "1 rank m=4", 4, 2),
     ("pp2 1f1b m=8 split3,1", "1 rank m=8", 8, 1),
 ]
-# --quick checks the script: every row of the first table, and of the pipeline table one plain and one
-# interleaved schedule (each pipeline layout is proved against one process in tests/test_pipeline_parallel.py).
-QUICK = ("1 rank", "dp2", "tp2", "tp2 + sp", "tp2 x dp2", "tp2+sp x fsdp dp2", "1 rank m=4", "pp2 1f1b m=4",
-         "pp2 interleaved m=4")  # fmt: skip
+# --quick checks the script, not the layouts (each is proved against one process in tests/test_tensor_parallel.py and
+# tests/test_pipeline_parallel.py): the baseline, tensor parallelism (for its parameter-share line), the widest
+# combination of the first table, and one interleaved pipeline with its 1-rank baseline for the second.
+QUICK = ("1 rank", "tp2", "tp2+sp x fsdp dp2", "1 rank m=4", "pp2 interleaved m=4")
 SKIP = 2  # the first steps warm up allocators, caches and the process group
 
 

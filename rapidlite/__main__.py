@@ -1,5 +1,3 @@
-import sys
+from rapidlite.cli import console
 
-from rapidlite.cli import main
-
-sys.exit(main())
+console()

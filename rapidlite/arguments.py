@@ -70,8 +70,9 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         "--seq-length",
         type=int,
         default=None,
-        help="maximum sequence length (tokens); default: the task's (sequence_classification 128, pretraining "
-        "1024 for GPT and 512 for BERT)",
+        help="maximum sequence length (tokens); default: the task's (sequence_classification and "
+        "token_classification 128, causal_lm 512, pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 "
+        "source tokens)",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
@@ -124,6 +125,15 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="optimizer steps (PreTrainer); also bounds an epoch-based run",
+    )
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="size the run to end within MINUTES of the command's start: after a few timed steps it takes the "
+        "iterations that fit (at most --train-iters or the epochs), the schedule decays over them; the embedded "
+        "pretraining default uses 3.5 unless --train-iters is given",
     )
     g.add_argument("--seed", type=int, default=1234)
 
@@ -411,11 +421,47 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         help="multiple_choice: the column holding the list of choices, or one column per choice (ending0 ending1 ...)",
     )
     g.add_argument(
+        "--group-by-length",
+        action="store_true",
+        help="fine-tuning: shuffle in megabatches of 50 global batches sorted by length, so micro-batches pad little",
+    )
+    g.add_argument(
+        "--padding-free",
+        action="store_true",
+        help="fine-tuning: each training micro-batch as one row of its samples' tokens (no padding), position ids "
+        "restarting at each sample and attention kept inside it",
+    )
+    g.add_argument(
         "--eval-generate",
         type=int,
         default=0,
         metavar="N",
         help="causal_lm: print N greedy completions of validation prompts at each evaluation (with exact match)",
+    )
+    g.add_argument(
+        "--label-all-tokens",
+        action="store_true",
+        help="token_classification: every sub-token of a word trains on its tag (B- as I- after the first), "
+        "not only the first",
+    )
+    g.add_argument("--source-lang", default=None, help="seq2seq: the source language of translation pairs (e.g. en)")
+    g.add_argument("--target-lang", default=None, help="seq2seq: the target language of translation pairs (e.g. de)")
+    g.add_argument(
+        "--source-prefix",
+        default=None,
+        help="seq2seq: text put before every source, as T5 expects (e.g. 'summarize: ')",
+    )
+    g.add_argument(
+        "--max-target-length",
+        type=int,
+        default=None,
+        help="seq2seq: target tokens kept for training and generated at most in evaluation (default 128)",
+    )
+    g.add_argument(
+        "--num-beams",
+        type=int,
+        default=None,
+        help="seq2seq: beam search width of evaluation's generation (default: the model's generation config)",
     )
 
 

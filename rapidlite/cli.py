@@ -16,10 +16,11 @@ import sys
 from collections.abc import Sequence
 
 from rapidlite.arguments import parse_known
-from rapidlite.entry import run_command
+from rapidlite.entry import end_process, run_command
 from rapidlite.errors import ConfigError
 from rapidlite.launcher import launch_or_join
 from rapidlite.resolve import RunConfig, resolve, with_embedded_demo
+from rapidlite.time_budget import mark_start
 
 
 def run_user_script(script: str, argv: list[str]) -> int:
@@ -72,6 +73,7 @@ def dry_run(config: RunConfig) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    mark_start()  # --time-budget counts from here
     # Subcommands come before the flag parser: `rapidlite env`, `rapidlite plot DIR`.
     if argv and argv[0] == "env":
         from rapidlite.env_report import main as env_main
@@ -101,5 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(_run, argv)
 
 
+def console() -> None:
+    """The ``rapidlite`` command (and ``python -m rapidlite``)."""
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

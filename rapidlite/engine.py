@@ -272,9 +272,12 @@ class RapidliteEngine:
         shuffle: bool = True,
         collate_fn: Callable | None = None,
         pad: bool | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> DeviceDataLoader:
         """Training loaders (``shuffle``) give each rank its share of a seeded shuffle per epoch, padded so
-        ranks stay in step; evaluation loaders keep the order and pad only the last batches (see gather)."""
+        ranks stay in step; evaluation loaders keep the order and pad only the last batches (see gather).
+        ``lengths`` (tokens per sample): the training shuffle is grouped by length, megabatches of global
+        batches (``--group-by-length``)."""
         return build_data_loader(
             dataset,
             micro_batch_size or self.args.micro_batch_size,
@@ -287,6 +290,8 @@ class RapidliteEngine:
             num_workers=self.args.num_workers,
             pad=pad,
             gather_trim=self._gather_trim,
+            lengths=lengths,
+            group_size=self.args.global_batch_size,
         )
 
 

@@ -5,9 +5,12 @@ errors never load it, so they stay fast)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from rapidlite.errors import RapidliteError
 from rapidlite.progress import close_bars
@@ -45,3 +48,23 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None = No
 
         shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
     return code
+
+
+def end_process(code: int) -> NoReturn:
+    """End a command-line process (``rapidlite``, ``python -m rapidlite``) with ``code``.
+
+    Once torch and transformers are loaded, the interpreter's own teardown (freeing every module) takes about a
+    second, after the run is done. Like a launched worker (``distributed.shutdown``), the process skips it: the
+    exit handlers still run (logging flushed, temporary directories removed, child processes reaped), streams are
+    flushed, then ``os._exit``. A process whose non-daemon threads are still running exits the ordinary way,
+    which waits for them."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if "torch" not in sys.modules or others:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

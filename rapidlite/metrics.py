@@ -1,6 +1,11 @@
-"""Task metrics, computed as the community computes them (torchmetrics), on predictions gathered from every rank."""
+"""Task metrics, computed as the community computes them (torchmetrics; seqeval's rules for tagging), on predictions
+gathered from every rank."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torchmetrics.functional.classification import binary_f1_score, multiclass_accuracy, multiclass_f1_score
@@ -23,3 +28,97 @@ def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor, num_choi
         return float("nan")
     accuracy = multiclass_accuracy(preds.cpu(), labels.cpu(), num_classes=max(num_choices, 2), average="micro")
     return float(accuracy)
+
+
+# ------------------------------------------------------------------------------------------------ tagging
+# Entity-level scores as seqeval computes them by default (conlleval-compatible chunking, what run_ner and the
+# `evaluate` seqeval metric report), written out here so scoring a tagger does not pull scikit-learn and scipy.
+# A tag is 'O' or PREFIX-TYPE: its first character is the prefix (B, I, E, S), the rest after '-' the type.
+ENTITY_PREFIXES = ("B-", "I-", "E-", "S-")
+
+
+def _split_tag(tag: str) -> tuple[str, str]:
+    return tag[0], tag[1:].split("-", maxsplit=1)[-1] or "_"
+
+
+def _chunk_ends(prev_tag: str, tag: str, prev_type: str, type_: str) -> bool:
+    """Whether an entity ended between the previous word and this one (seqeval's ``end_of_chunk``)."""
+    if prev_tag in ("E", "S"):
+        return True
+    if prev_tag in ("B", "I") and tag in ("B", "S", "O"):
+        return True
+    return prev_tag not in ("O", ".") and prev_type != type_
+
+
+def _chunk_starts(prev_tag: str, tag: str, prev_type: str, type_: str) -> bool:
+    """Whether an entity starts at this word (seqeval's ``start_of_chunk``): an I- or E- after O starts one,
+    as does any change of type."""
+    if tag in ("B", "S"):
+        return True
+    if prev_tag in ("E", "S", "O") and tag in ("E", "I"):
+        return True
+    return tag not in ("O", ".") and prev_type != type_
+
+
+def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The entities of one sentence's tags as ``(type, first word, last word)``, by seqeval's default rules:
+    ``entities(["B-PER", "I-PER", "O", "I-LOC"]) == [("PER", 0, 1), ("LOC", 3, 3)]``."""
+    found = []
+    prev_tag, prev_type, begin = "O", "", 0
+    for i, tag_string in enumerate([*tags, "O"]):
+        tag, type_ = _split_tag(tag_string)
+        if _chunk_ends(prev_tag, tag, prev_type, type_):
+            found.append((prev_type, begin, i - 1))
+        if _chunk_starts(prev_tag, tag, prev_type, type_):
+            begin = i
+        prev_tag, prev_type = tag, type_
+    return found
+
+
+def is_entity_tagset(names: Sequence[str]) -> bool:
+    """Whether tags ``names`` mark entities (every one 'O' or B-/I-/E-/S- and a type: IOB1, IOB2, IOBES), so
+    entity scores mean something; POS tags and bare class names do not."""
+    return any(n != "O" for n in names) and all(n == "O" or (len(n) > 2 and n[:2] in ENTITY_PREFIXES) for n in names)
+
+
+def _prf(tp: int, pred: int, true: int) -> tuple[float, float, float]:
+    # A zero denominator scores 0, as seqeval's default (zero_division="warn") does.
+    precision = tp / pred if pred else 0.0
+    recall = tp / true if true else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1
+
+
+def tagging_metrics(
+    true: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], entity: bool = True
+) -> dict[str, Any]:
+    """Scores of predicted word tags against the true ones, sentence by sentence: ``accuracy`` (of word tags)
+    and, with ``entity``, entity-level micro ``precision``/``recall``/``f1`` and per entity type
+    ``TYPE_precision``/``TYPE_recall``/``TYPE_f1``/``TYPE_number`` (true entities) for every type that occurs in
+    either: the numbers of seqeval's ``accuracy_score``, ``precision_score``/``recall_score``/``f1_score`` and
+    ``classification_report`` (the names of run_ner's results)."""
+    if len(true) != len(pred) or any(len(t) != len(p) for t, p in zip(true, pred, strict=True)):
+        raise ValueError("true and predicted tags differ in shape")
+    words = sum(len(t) for t in true)
+    correct = sum(a == b for t, p in zip(true, pred, strict=True) for a, b in zip(t, p, strict=True))
+    accuracy = correct / words if words else 0.0
+    if not entity:
+        return {"accuracy": accuracy}
+    true_by_type: dict[str, set] = defaultdict(set)
+    pred_by_type: dict[str, set] = defaultdict(set)
+    for index, (t, p) in enumerate(zip(true, pred, strict=True)):
+        for type_, first, last in entities(t):
+            true_by_type[type_].add((index, first, last))
+        for type_, first, last in entities(p):
+            pred_by_type[type_].add((index, first, last))
+    counts = {
+        type_: (len(true_by_type[type_] & pred_by_type[type_]), len(pred_by_type[type_]), len(true_by_type[type_]))
+        for type_ in sorted(true_by_type.keys() | pred_by_type.keys())
+    }
+    tp, predicted, actual = (sum(c[i] for c in counts.values()) for i in range(3))
+    precision, recall, f1 = _prf(tp, predicted, actual)
+    out: dict[str, Any] = {"precision": precision, "recall": recall, "f1": f1, "accuracy": accuracy}
+    for type_, (tp_t, pred_t, true_t) in counts.items():
+        p_t, r_t, f_t = _prf(tp_t, pred_t, true_t)
+        out.update({f"{type_}_precision": p_t, f"{type_}_recall": r_t, f"{type_}_f1": f_t, f"{type_}_number": true_t})
+    return out

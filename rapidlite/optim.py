@@ -206,6 +206,19 @@ class LRScheduler:
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def resize(self, decay_steps: int, warmup_steps: int | None = None, warmup_fraction: float | None = None) -> None:
+        """Decay over ``decay_steps`` from now on (a run sized by --time-budget): the schedule a run of that length
+        has. The warmup is ``warmup_steps`` if given, else ``warmup_fraction`` of the new length if given, else
+        unchanged; never longer than the run."""
+        if warmup_steps is None and warmup_fraction is not None:
+            warmup_steps = int(warmup_fraction * decay_steps)
+        if warmup_steps is not None:
+            self.warmup_steps = warmup_steps
+        self.decay_steps = decay_steps
+        if self.decay_style != "constant":
+            self.warmup_steps = min(self.warmup_steps, decay_steps)
+        self.step(0)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "num_steps": self.num_steps,

@@ -52,10 +52,14 @@ def _task_auto_class(task: str | None, config: Any) -> Any:
 
     if task == "sequence_classification":
         return transformers.AutoModelForSequenceClassification
+    if task == "token_classification":
+        return transformers.AutoModelForTokenClassification
     if task == "pretraining" and getattr(config, "model_type", None) == "bert":
         return transformers.BertForPreTraining
     if task in ("pretraining", "causal_lm"):
         return transformers.AutoModelForCausalLM
+    if task == "seq2seq":
+        return transformers.AutoModelForSeq2SeqLM
     architectures = getattr(config, "architectures", None) or []
     name = architectures[0] if architectures else None
     if name is not None and hasattr(transformers, name):
@@ -103,7 +107,9 @@ def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(model, GPTModel):
         logits = model(ids)
     else:
-        out = model(input_ids=ids)
+        # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
+        seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None
         )
@@ -422,6 +428,8 @@ def sequence_length(args: Any) -> int:
         return args.seq_length
     if args.task == "causal_lm":
         from rapidlite.tasks.causal_lm import DEFAULT_SEQ_LENGTH
+    elif args.task == "seq2seq":
+        from rapidlite.tasks.seq2seq import DEFAULT_SEQ_LENGTH
     else:
         from rapidlite.tasks.sequence_classification import DEFAULT_SEQ_LENGTH
     return DEFAULT_SEQ_LENGTH

@@ -158,8 +158,12 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
             setattr(args, dest, value)
     for dest, value in demo.assets.items():
         setattr(args, dest, value)
+    # The values the demo chose, not the command line: a sized run (--time-budget) may space them over its length.
+    args.demo_defaults = frozenset(d for d in demo.defaults if given is None or d not in given)
     if given is not None:  # the demo's values count as given (a DeepSpeed file's do not replace them)
         args.explicit_flags = given | frozenset(demo.defaults) | frozenset(demo.assets)
+        if given & {"train_iters", "epochs"} and "time_budget" not in given:
+            args.time_budget = None  # the demo's budget gives way to the length asked for
     args.demo = True
     return args
 
@@ -219,6 +223,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    budget = getattr(args, "time_budget", None)
+    if budget is not None and not budget > 0:
+        raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
     for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
         value = getattr(args, name)
         if value is not None and value < 0:
@@ -250,6 +257,11 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.padding_free and args.packing:
+        raise ConfigError(
+            "--padding-free and --packing both remove padding: --packing packs rows into --seq-length sequences "
+            "before training, --padding-free packs each micro-batch into one row; choose one"
+        )
     if args.memory_budget is not None and not args.dry_run:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
@@ -335,6 +347,12 @@ def _check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             raise ConfigError(f"--task {task.name} needs {' and '.join(missing)}{hint}")
     if task.iteration_based and args.train_iters is None:
         raise ConfigError(f"--task {task.name} is iteration-based: pass --train-iters N")
+    if task.iteration_based and (args.group_by_length or args.padding_free):
+        flag = "--group-by-length" if args.group_by_length else "--padding-free"
+        raise ConfigError(
+            f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
+            f"drop {flag}"
+        )
     if task.check is not None:
         task.check(args)
 

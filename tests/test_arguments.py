@@ -27,8 +27,8 @@ FLAGS = """
 --position-embedding-type --pretrained-model-name-or-path --recompute-granularity --recompute-num-layers
 --reset-attention-mask --reset-position-ids --save --save-interval --seed --seq-length --sequence-parallel
 --sgd-momentum --short-seq-prob --split --swiglu --task --tensor-model-parallel-size --tensorboard-dir --text-keys
---tf32 --no-tf32 --tokenizer-model --tokenizer-type --torch-compile --train-iters --untie-embeddings-and-output-weights
---user-script
+--tf32 --no-tf32 --time-budget --tokenizer-model --tokenizer-type --torch-compile --train-iters
+--untie-embeddings-and-output-weights --user-script
 --vocab-file --vocab-size --weight-decay --zero-1-memory-optimization --zero-2-memory-optimization
 --zero-3-memory-optimization
 --prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
@@ -40,6 +40,9 @@ FLAGS = """
 --mlm-probability --whole-word-masking --line-by-line
 --choices-key
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
+--label-all-tokens
+--group-by-length --padding-free
+--source-lang --target-lang --source-prefix --max-target-length --num-beams
 """.split()
 
 

@@ -53,11 +53,12 @@ def test_model_parallel_benchmark_quick():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    labels = ["1 rank", "dp2", "tp2", "tp2 + sp", "tp2 x dp2", "tp2+sp x fsdp dp2"]
-    rows = [line[:18].strip() for line in lines[1:7]]
+    labels = ["1 rank", "tp2", "tp2+sp x fsdp dp2"]
+    rows = [line[:18].strip() for line in lines[1:4]]
     assert rows == labels, proc.stdout
     assert any(line.startswith("check per-iteration losses") and line.endswith(": ok") for line in lines), proc.stdout
     assert any(line.startswith("tp2 parameter bytes per rank: ") for line in lines), proc.stdout
+    assert any(line.startswith("pp2 interleaved m=4 ") for line in lines), proc.stdout  # the pipeline table
 
 
 @pytest.mark.slow
@@ -180,3 +181,33 @@ def test_lora_benchmark_quick():
         assert row in rows, (row, proc.stdout)
     for ratio in ("rapidlite vs plain peft loop tokens/s: x", "rapidlite vs HF Trainer + peft tokens/s: x"):
         assert any(line.startswith(ratio) for line in lines), proc.stdout
+
+
+@pytest.mark.slow
+def test_padding_benchmark_quick():
+    """--padding-free trains the losses of the same grouped batches padded (checked before any speed is printed);
+    both workloads' tables and ratio lines are there (nothing is asserted on speed)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "padding.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    checks = [line for line in lines if line.startswith("check loss --padding-free vs padded")]
+    assert len(checks) == 4 and all(line.endswith(": ok") for line in checks), proc.stdout
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "contender" not in line]
+    labels = [
+        "HF Trainer",
+        "HF Trainer group_by_length",
+        "rapidlite",
+        "rapidlite --group-by-length",
+        "rapidlite --group-by-length --padding-free",
+        "rapidlite --padding-free",
+    ]
+    assert rows == labels * 2, proc.stdout
+    for workload in ("cls", "tok"):
+        for ratio in ("--group-by-length vs HF Trainer useful tokens/s: x", "--padding-free vs HF Trainer useful"):
+            assert any(line.startswith(f"{workload}: rapidlite") and ratio in line for line in lines), proc.stdout

@@ -119,7 +119,8 @@ def test_a_task_default_comes_from_its_task_spec(tmp_path, monkeypatch):
 def test_the_embedded_demo_is_flag_values_until_the_cli_builds_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDLITE_CACHE", str(tmp_path / "cache"))
     config = resolve(with_embedded_demo(parse(["--task", "pretraining", "--lr", "0.5"])))
-    assert config.demo and config.train_iters == 400 and config.lr == 0.5  # the demo's values; the flag's wins
+    assert config.demo and config.train_iters == 2000 and config.lr == 0.5  # the demo's values; the flag's wins
+    assert config.time_budget == 3.5
     assert config.data_path[0].startswith(str(tmp_path / "cache")) and config.tokenizer_type == "GPT2BPETokenizer"
     assert config.dataset_path == config.data_path[0]  # derived from the demo's data like from a flag
     assert not (tmp_path / "cache").exists()  # nothing built by resolving

@@ -62,3 +62,35 @@ def test_a_crash_exits_non_zero_and_success_exits_zero(tmp_path, how, layout):
     if "--nproc-per-node" not in argv:  # one process: the script's own exit code
         exit3 = run(tmp_path, how, argv, "exit-3")
         assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
+
+
+ENDING = """
+import atexit, os, pathlib, sys, threading, time
+import torch
+from rapidlite import RapidliteEngine
+
+out = pathlib.Path(os.environ["OUT"])
+RapidliteEngine()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("finished")
+threading.Thread(target=late, daemon=os.environ["THREAD"] == "daemon").start()
+print("buffered", end="")  # no newline, no flush: the end of the process flushes it
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("thread", ["daemon", "non-daemon"])
+def test_the_fast_end_of_a_command_keeps_exit_handlers_output_and_threads(tmp_path, thread):
+    """``rapidlite`` ends without the interpreter's teardown once torch is loaded: exit handlers still run,
+    buffered output is flushed, the exit code is kept, and a running non-daemon thread is waited for."""
+    script = tmp_path / "script.py"
+    script.write_text(ENDING)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path), "THREAD": thread}
+    argv = [sys.executable, "-m", "rapidlite", "--user-script", str(script)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert proc.stdout.endswith("buffered")
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").exists() == (thread == "non-daemon")

@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.apex_kernels",
             "rapidlite.progress",
             "rapidlite.plot",
+            "rapidlite.time_budget",
         ),
     ),
 ]

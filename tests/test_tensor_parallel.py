@@ -49,6 +49,23 @@ def state(save):
     return record
 
 
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, data):
+    """``get(name, model_args)``: the one-process reference run of a Hugging Face model (6 iterations,
+    checkpoints at 3 and 6), trained once and shared by the module's tests."""
+    root, done = tmp_path_factory.mktemp("tp_single"), {}
+
+    def get(name, model):
+        if name not in done:
+            argv = [*COMMON, *data, *model, *LAYOUTS["single"], "--train-iters", "6", "--save-interval", "3"]
+            proc = rapidlite(*argv, "--save", str(root / name))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2", "tp2_sp_dp2_fsdp"])
 def test_tensor_parallel_trains_like_one_process(runs, layout):
     reference, run = runs("single"), runs(layout)
@@ -127,16 +144,13 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2_fsdp"])
-def test_hugging_face_llama_tensor_parallel_trains_like_one_process(data, llama, tmp_path, layout):
-    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
+def test_hugging_face_llama_tensor_parallel_trains_like_one_process(data, llama, single_run, tmp_path, layout):
+    layouts = {"tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
     layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
-    saves = {}
-    for name in ("single", layout):
-        saves[name] = tmp_path / name
-        argv = [*COMMON, *data, *llama, *layouts[name], "--train-iters", "5", "--save", str(saves[name])]
-        proc = rapidlite(*argv)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(train_losses(saves[layout])) == 5
+    saves = {"single": single_run("llama", llama), layout: tmp_path / layout}
+    proc = rapidlite(*COMMON, *data, *llama, *layouts[layout], "--train-iters", "6", "--save", str(saves[layout]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(saves[layout])) == 6
     assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
     assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
     single_bytes, split_bytes = state(saves["single"])["param_bytes"], state(saves[layout])["param_bytes"]
@@ -157,19 +171,16 @@ def gpt2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2_fsdp"])
-def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, tmp_path, layout):
+def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, single_run, tmp_path, layout):
     """GPT-2's fused q/k/v projection is split column-wise in its original layout and regrouped per head
     after the projection, so checkpoints and the export stay Hugging Face's."""
     from transformers import AutoModelForCausalLM
 
-    layouts = {"single": LAYOUTS["single"], "tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
+    layouts = {"tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
     layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
-    saves = {}
-    for name in ("single", layout):
-        saves[name] = tmp_path / name
-        argv = [*COMMON, *data, *gpt2, *layouts[name], "--train-iters", "5", "--save", str(saves[name])]
-        proc = rapidlite(*argv)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    saves = {"single": single_run("gpt2", gpt2), layout: tmp_path / layout}
+    proc = rapidlite(*COMMON, *data, *gpt2, *layouts[layout], "--train-iters", "6", "--save", str(saves[layout]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
     assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
     single_bytes, split_bytes = state(saves["single"])["param_bytes"], state(saves[layout])["param_bytes"]
@@ -180,13 +191,11 @@ def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, t
         assert (actual[k] - v).abs().max().item() < 1e-4, k
 
 
-def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, tmp_path):
-    saves = {}
-    for name in ("single", "tp2"):
-        saves[name] = tmp_path / name
-        argv = [*COMMON, *data, *gpt2, *LAYOUTS[name], "--train-iters", "6", "--save-interval", "3"]
-        proc = rapidlite(*argv, "--save", str(saves[name]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, single_run, tmp_path):
+    saves = {"single": single_run("gpt2", gpt2), "tp2": tmp_path / "tp2"}
+    argv = [*COMMON, *data, *gpt2, *LAYOUTS["tp2"], "--train-iters", "6", "--save-interval", "3"]
+    proc = rapidlite(*argv, "--save", str(saves["tp2"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     import shutil
 
     resumed = tmp_path / "resumed"

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from rapidlite.errors import DataError
+
 IGNORE_INDEX = -100
 _MASK_KEY = "attention_mask"
 
@@ -107,3 +109,90 @@ class PadCollator:
             real = [torch.ones(len(s["input_ids"]), dtype=torch.int64) for s in samples]
             batch[_MASK_KEY] = self._pad(real, ragged["input_ids"], 0)
         return batch
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding-free batches: samples concatenated into one row
+# --------------------------------------------------------------------------------------------------
+
+
+def _one_row(columns: dict[str, torch.Tensor], lengths: torch.Tensor, shift_labels: bool) -> dict[str, torch.Tensor]:
+    """Token fields already concatenated sample after sample (``columns``, 1-D) as one row ``[1, T]``, with the
+    ``position_ids`` of samples of ``lengths`` tokens and, with ``shift_labels``, -100 as each sample's first
+    label. The one packer: ``flatten_rows`` (lists, ``--packing``) and ``FlatteningCollator`` (batches) use it."""
+    if bool((lengths <= 0).any()):
+        raise DataError("--padding-free/--packing: a sample has no tokens; drop empty samples from the data")
+    starts = lengths.cumsum(0) - lengths
+    positions = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
+    flat = {key: value[None] for key, value in columns.items()}
+    if shift_labels and "labels" in flat:
+        flat["labels"] = flat["labels"].clone()
+        flat["labels"][0, starts] = IGNORE_INDEX
+    flat["position_ids"] = positions[None]
+    return flat
+
+
+def flatten_rows(rows: Sequence[Mapping[str, Any]], shift_labels: bool = False) -> dict[str, torch.Tensor]:
+    """Samples (dicts of equal-length token fields: lists or 1-D tensors) concatenated into one row ``[1, T]``
+    with ``position_ids`` restarting at 0 at each sample: Hugging Face's ``DataCollatorWithFlattening`` layout.
+    ``shift_labels`` (causal language models, whose token t predicts t+1): each sample's first label is -100, so
+    no sample learns to predict the next one's first token; the per-token loss then equals the samples' own."""
+    if not rows:
+        raise ValueError("no samples to flatten")
+    keys = list(rows[0].keys())
+    lengths = torch.tensor([len(row["input_ids"]) for row in rows], dtype=torch.int64)
+    columns = {}
+    for key in keys:
+        values = [_tensor(row[key]) for row in rows]
+        if any(len(v) != n for v, n in zip(values, lengths.tolist(), strict=True)):
+            raise ValueError(f"field {key} does not have one value per token of input_ids")
+        columns[key] = torch.cat(values)
+    return _one_row(columns, lengths, shift_labels)
+
+
+def packed_sample_count(position_ids: torch.Tensor) -> int:
+    """The samples of a row packed with restarting position ids (a new sample wherever a position does not follow
+    the one before it by 1: transformers' ``find_packed_sequence_indices`` rule)."""
+    if position_ids.numel() == 0:
+        return 0
+    return int((position_ids.diff(dim=-1) != 1).sum()) + position_ids.shape[0]
+
+
+class FlatteningCollator:
+    """Padding-free batches (``--padding-free``): the batch ``collate_fn`` makes (padded, with an attention mask
+    or of equal lengths) becomes one row holding only the real tokens of its samples, in order, with position
+    ids restarting at each sample and no attention mask (``flatten_rows``). Fields with one value per token are
+    concatenated; fields with one value per sample (a class label) stay ``[samples, ...]``. ``shift_labels``:
+    see ``flatten_rows``; settable after construction (it depends on the model, which is built later)."""
+
+    def __init__(self, collate_fn: Any, shift_labels: bool = False) -> None:
+        self.collate_fn = collate_fn
+        self.shift_labels = shift_labels
+
+    def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+        batch = self.collate_fn(samples)
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            raise DataError(
+                "--padding-free flattens batches of token rows: the batches have no 2-D input_ids; drop --padding-free"
+            )
+        if "position_ids" in batch:
+            raise DataError(
+                "--padding-free: the batches have position_ids already (they are packed); drop --padding-free"
+            )
+        mask = batch.get(_MASK_KEY)
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        token_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.shape == ids.shape]
+        # A boolean selection reads row after row: each sample's real tokens, in order, samples concatenated.
+        columns = {k: batch[k][real] for k in token_keys if k != _MASK_KEY}
+        flat: dict[str, Any] = _one_row(columns, real.sum(1), self.shift_labels)
+        for key, value in batch.items():
+            if key in token_keys:
+                continue
+            if not (isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == ids.shape[0]):
+                raise DataError(
+                    f"--padding-free: batch field {key} has neither one value per token nor one per sample; drop "
+                    "--padding-free"
+                )
+            flat[key] = value
+        return flat

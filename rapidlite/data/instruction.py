@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from rapidlite.data.collate import flatten_rows
 from rapidlite.errors import DataError
 from rapidlite.progress import progress_bar
 
@@ -220,19 +221,21 @@ def encode(
 
 def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
     """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
-    position ids restarting at each row; the per-token loss over the packs equals the rows' own."""
-    packs: list[dict[str, list[int]]] = []
-    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
+    are made by too); the per-token loss over the packs equals the rows' own."""
+    buckets: list[list[Encoded]] = []
+    size = 0
     for row in rows:
-        if current["input_ids"] and len(current["input_ids"]) + len(row.input_ids) > seq_length:
-            packs.append(current)
-            current = {"input_ids": [], "labels": [], "position_ids": []}
-        current["input_ids"] += row.input_ids
+        if not buckets or size + len(row.input_ids) > seq_length:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(row)
+        size += len(row.input_ids)
+    packs = []
+    for bucket in buckets:
         # A row's first token is no target within the row; packed, the previous row's last token would learn it.
-        current["labels"] += [-100, *row.labels[1:]]
-        current["position_ids"] += list(range(len(row.input_ids)))
-    if current["input_ids"]:
-        packs.append(current)
+        flat = flatten_rows([{"input_ids": r.input_ids, "labels": r.labels} for r in bucket], shift_labels=True)
+        packs.append({key: value[0].tolist() for key, value in flat.items()})
     return packs
 
 

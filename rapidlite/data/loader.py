@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rapidlite.data.collate import PadCollator
+from rapidlite.data.collate import PadCollator, packed_sample_count
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
 
@@ -27,9 +27,14 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 def batch_stats(batch: Any) -> tuple[int, int | None]:
-    """(samples, tokens) of a batch; tokens are the attention-mask ones when there is a mask."""
+    """(samples, tokens) of a batch; tokens are the attention-mask ones when there is a mask. A padding-free
+    batch (one row with position ids and no mask, ``FlatteningCollator``) holds as many samples as its positions
+    restart."""
     if isinstance(batch, Mapping):
         mask = batch.get("attention_mask")
+        positions = batch.get("position_ids")
+        if mask is None and isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[0] == 1:
+            return packed_sample_count(positions), positions.numel()
         for key in ("input_ids", "text", "tokens", "labels"):
             value = batch.get(key)
             if isinstance(value, torch.Tensor) and value.ndim >= 1:
@@ -212,6 +217,8 @@ def build_data_loader(
     drop_last: bool = False,
     pad: bool | None = None,
     gather_trim: GatherTrim | None = None,
+    lengths: Sequence[int] | None = None,
+    group_size: int | None = None,
 ) -> DeviceDataLoader:
     """Shard ``dataset`` over data-parallel ranks and batch it.
 
@@ -220,7 +227,9 @@ def build_data_loader(
     equal batch counts on every rank, padding only in the last batches, and ``gather_trim`` told which
     rows are padding. ``pad=False`` gives each rank its exact share instead (batch counts may differ).
     Without ``collate_fn``, dict samples of token lists are padded to the longest in the batch
-    (``PadCollator``); anything else is collated as torch's ``default_collate`` does.
+    (``PadCollator``); anything else is collated as torch's ``default_collate`` does. ``lengths`` (one per
+    sample, training loaders): the shuffle is grouped by length in megabatches of global batches of
+    ``group_size`` samples (``EpochSampler``), so a micro-batch pads little.
     """
     if collate_fn is None:  # tokenized rows of different lengths are padded, not refused
         collate_fn = PadCollator()
@@ -247,6 +256,8 @@ def build_data_loader(
         rank=rank,
         world_size=world_size,
         pad=shuffle if pad is None else pad,
+        lengths=lengths if shuffle else None,
+        group_size=group_size,
     )
     loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=drop_last, **common)
     return DeviceDataLoader(loader, device, gather_trim)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rapidlite.data.tabular import SPLIT_ORDER
+from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets
 from rapidlite.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -43,6 +43,31 @@ IGNORE_INDEX = -100
 MASK_SHARE, RANDOM_SHARE = 0.8, 0.1  # of the predicted tokens; the rest stay as they are
 CHUNK = 1000  # documents tokenized (and grouped) together, as datasets.map batches them
 EVAL_STREAM = 0  # the random stream of evaluation masks; training epochs use streams (1, epoch)
+
+
+TEXT_EXTENSIONS: tuple[str, ...] = ("txt",)
+
+
+def read_text_lines(path: str) -> datasets.Dataset:
+    """A plain text file as rows ``{"text": line}``, one document per line (``datasets``' text builder, so a
+    large corpus is memory-mapped, not held in Python strings)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset("text", data_files={"train": path}, split="train")
+    except Exception as e:  # the builder raises its own types for unreadable files
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise DataError(f"{path}: cannot be read as text, one document per line ({reason})") from None
+
+
+def load_text_datasets(
+    data_path: str, data_name: str | None = None, data_dir: str | None = None, split: str = "969,30,1", seed: int = 1234
+) -> datasets.DatasetDict:
+    """``--data-path`` as a DatasetDict: what ``load_raw_datasets`` reads, plus ``.txt`` files (one document per
+    line, column ``text``)."""
+    return load_raw_datasets(
+        data_path, data_name, data_dir, split, seed, readers=dict.fromkeys(TEXT_EXTENSIONS, read_text_lines)
+    )
 
 
 def text_column(dataset: datasets.Dataset, text_keys: Sequence[str] | None = None) -> str:
@@ -253,6 +278,15 @@ class IndexedRows:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {**self.rows[int(index)], "index": int(index)}
+
+    # What ``--group-by-length`` measures the samples by (``rapidlite.data.samplers.sample_lengths`` reads the
+    # Arrow column of a ``datasets.Dataset``): the rows' own.
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.rows.column_names)
+
+    def with_format(self, *args: Any, **kwargs: Any) -> Any:
+        return self.rows.with_format(*args, **kwargs)
 
 
 class MaskedLMCollator:

@@ -13,7 +13,7 @@ import csv
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.errors import DataError
@@ -22,8 +22,6 @@ if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be 
     import datasets
 
 EXTENSIONS: tuple[str, ...] = ("csv", "tsv", "json", "jsonl", "parquet")
-# Plain text, one row (column ``text``) per line: read only where a task asks for it (``text_lines``).
-TEXT_EXTENSION = "txt"
 SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
     "train": ("train",),
     "validation": ("validation", "val", "dev", "valid"),
@@ -36,6 +34,8 @@ _HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
     "test": ("test", "test_matched"),
 }
 SPLIT_ORDER = ("train", "validation", "test")
+# A reader of one more file type (``load_raw_datasets(readers=...)``): the file's path -> its rows, or a DataError.
+Reader = Callable[[str], "datasets.Dataset"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,15 +105,16 @@ def _builder_for(path: str) -> tuple[str, dict[str, Any]]:
         return "csv", {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
     if ext in ("json", "jsonl"):
         return "json", {}
-    if ext == TEXT_EXTENSION:
-        return "text", {}
     return ext, {}
 
 
-def _load_file(path: str) -> datasets.Dataset:
+def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datasets.Dataset:
     """Load one local data file as a single ``Dataset``; any failure is a DataError naming the file."""
     import datasets
 
+    reader = (readers or {}).get(path.rsplit(".", 1)[-1].lower())
+    if reader is not None:
+        return reader(path)
     builder, kwargs = _builder_for(path)
     try:
         ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
@@ -164,7 +165,7 @@ def load_raw_datasets(
     data_dir: str | None = None,
     split: str = "969,30,1",
     seed: int = 1234,
-    text_lines: bool = False,
+    readers: Mapping[str, Reader] | None = None,
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
@@ -174,22 +175,23 @@ def load_raw_datasets(
       file, validation is carved out of train (seeded shuffle) with the fraction
       ``w_validation / (w_train + w_validation)`` of the ``--split`` weights; the test weight is not
       used because test comes only from a ``test.*`` file.
-    * ``text_lines``: ``.txt`` files are read too, one row per line in a column ``text`` (``--task masked_lm``'s
-      raw text, one document per line).
     * Local file: shuffled with ``seed`` and cut into train/validation/test by ``--split``; splits with
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
       data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
 
+    ``readers`` reads more file types, by extension (a task's own text format, e.g. CoNLL files); they are
+    found and split as the others.
+
     Which file (or share of one) became which split is logged in one line.
     """
     import datasets
 
+    extensions = (*EXTENSIONS, *(readers or {}))
     if not data_path:
         raise DataError("--data-path: empty; pass a local directory, a data file or a dataset hub name")
     weights = parse_split(split)  # validate early, even if a validation file makes it unused
     path = os.path.expanduser(data_path)
-    extensions = (*EXTENSIONS, TEXT_EXTENSION) if text_lines else EXTENSIONS
 
     if os.path.isdir(path):
         for flag, sub in (("--data-name", data_name), ("--data-dir", data_dir)):
@@ -197,7 +199,7 @@ def load_raw_datasets(
                 path = os.path.join(path, sub)
                 if not os.path.isdir(path):
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
-        return _log_splits(*_load_local_dir(path, weights, seed, extensions))
+        return _log_splits(*_load_local_dir(path, weights, seed, readers))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -211,7 +213,7 @@ def load_raw_datasets(
             raise DataError(
                 f"--data-path {data_path}: unsupported file type; use one of {', '.join('.' + e for e in extensions)}"
             )
-        ds = _load_file(path)
+        ds = _load_file(path, readers)
         if len(ds) == 0:
             raise DataError(f"--data-path {data_path}: the file has no rows")
         parts = _split_dataset(ds, weights, SPLIT_ORDER, seed, f"--data-path {data_path}")
@@ -248,15 +250,16 @@ def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, 
 
 
 def _load_local_dir(
-    directory: str, weights: Sequence[float], seed: int, extensions: Sequence[str] = EXTENSIONS
+    directory: str, weights: Sequence[float], seed: int, readers: Mapping[str, Reader] | None = None
 ) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
+    extensions = (*EXTENSIONS, *(readers or {}))
     files = {name: _find_split_file(directory, name, extensions) for name in SPLIT_ORDER}
     if files["train"] is None:
         expected = ", ".join(f"train.{e}" for e in extensions[:-1]) + f" or train.{extensions[-1]}"
         raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
-    parts = {name: _load_file(f) for name, f in files.items() if f is not None}
+    parts = {name: _load_file(f, readers) for name, f in files.items() if f is not None}
     sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
     if len(parts["train"]) == 0:
         raise DataError(f"{files['train']}: the train file has no rows")

@@ -96,12 +96,13 @@ def load_error(what: str, name: str, error: Exception) -> ConfigError:
     )
 
 
-def load_tokenizer(name: str) -> Any:
-    """``AutoTokenizer`` from ``name``, or one line saying why not."""
+def load_tokenizer(name: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
+    not."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("tokenizer", name, e) from None
 

@@ -270,7 +270,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _task_type(model: nn.Module) -> str | None:
     name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+    task = next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+    if task is None and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        # T5ForConditionalGeneration, MarianMTModel, ...: no one suffix (vision-language models share
+        # "ForConditionalGeneration" but are decoder-only).
+        task = "SEQ_2_SEQ_LM" if hasattr(model, "generate") else None
+    return task
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

@@ -5,6 +5,7 @@ and hold no backend branches (the shape of Lightning Fabric's strategies).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -163,6 +164,12 @@ class Strategy:
     def module(self, model: Any) -> torch.nn.Module:
         """The user's module inside what ``setup`` returned."""
         return model
+
+    def whole_parameters(self, model: Any) -> contextlib.AbstractContextManager:
+        """Around calls that reach the model's submodules past its own forward (Hugging Face ``generate`` runs a
+        sequence-to-sequence model's encoder directly): the parameters the backend shards stay whole inside. Here
+        nothing is needed: the parameters are whole, or gathered per submodule (DeepSpeed's ZeRO-3)."""
+        return contextlib.nullcontext()
 
     def parameter_count(self, model: Any) -> int:
         return sum(p.numel() for p in self.module(model).parameters())

@@ -3,8 +3,10 @@ offload (``FullySharded``); tensor parallelism composes with both."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -98,3 +100,13 @@ class FullySharded(DataParallel):
         if hooks.reduce_found_inf is None:  # sharded gradients overflow on some ranks only
             hooks = dataclasses.replace(hooks, reduce_found_inf=functools.partial(self.dist.all_reduce, op="max"))
         return hooks
+
+    @contextlib.contextmanager
+    def whole_parameters(self, model: Any) -> Iterator[None]:
+        # The blocks gather their own parameters in their forward hooks; the root's (embeddings, heads, whatever
+        # no block holds) are gathered by the root's forward, which a direct call to a submodule skips.
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()

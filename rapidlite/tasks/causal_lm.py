@@ -18,6 +18,7 @@ from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
@@ -40,23 +41,10 @@ def load_causal_lm(name: str, **kwargs: Any) -> torch.nn.Module:
 
 def honours_packed_positions(model: torch.nn.Module) -> bool:
     """Whether ``model`` keeps attention inside each packed sample when given restarting position ids and no
-    attention mask: a sample's logits packed behind another equal its logits alone. Decided by running it (a
-    6-token forward), since which model classes read packed position ids differs between transformers
-    versions."""
-    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-    if vocab < 2:
-        return False
-    ids = torch.arange(6, device=next(model.parameters()).device).remainder(vocab)[None]
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=ids.device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 3:].float()
-            alone = model(input_ids=ids[:, 3:], position_ids=positions[:, 3:], use_cache=False).logits[0].float()
-    finally:
-        model.train(was_training)
-    return torch.allclose(packed, alone, rtol=1e-3, atol=1e-4 * max(1.0, float(alone.abs().max())))
+    attention mask: packed samples' hidden states and logits equal theirs alone. Decided by running it (a 7-token
+    forward, ``rapidlite.models.padding_free``), since which model classes read packed position ids differs
+    between transformers versions."""
+    return packs_exactly(model, PackedPlan(TOKEN, POSITIONS, shift_labels=True))
 
 
 def _strip_end(text: str) -> str:

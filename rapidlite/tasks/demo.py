@@ -334,7 +334,11 @@ def prepare_demo() -> None:
 
 
 # Flag values the demo starts from; any flag given on the command line wins.
+# The run ends within TIME_BUDGET minutes of the command's start on any machine (--time-budget: on a machine
+# slow enough, fewer steps than the epochs); --epochs or --train-iters given runs that length.
+TIME_BUDGET = 3.0
 DEMO_FLAGS = {
+    "time_budget": TIME_BUDGET,
     "micro_batch_size": 32,
     "lr": 1e-3,
     "epochs": 3,

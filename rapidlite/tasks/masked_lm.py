@@ -23,9 +23,9 @@ from rapidlite.data.masked_lm import (
     MaskedLMCollator,
     build_masked_lm_data,
     draw_masks,
+    load_text_datasets,
     mask_tokens,
 )
-from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
@@ -56,9 +56,7 @@ class MaskedLMFinetuner(Finetuner):
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         self.seq_length = sequence_length(args.seq_length, self.tokenizer, MAX_DEFAULT_SEQ_LENGTH)
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(
-                args.data_path[0], args.data_name, args.data_dir, args.split, args.seed, text_lines=True
-            )
+            raw = load_text_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_masked_lm_data(
                 raw,
                 self.tokenizer,

@@ -110,6 +110,25 @@ def _check_pretraining(args: Any) -> None:
 def _check_masked_lm(args: Any) -> None:
     if not 0 < args.mask_prob < 1:
         raise ConfigError(f"--mlm-probability {args.mask_prob:g}: must be in (0, 1); 0.15 is usual")
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task masked_lm draws each sample's masks over its own row of tokens (and grouped "
+            "blocks have no padding to remove); drop --padding-free"
+        )
+
+
+def _check_multiple_choice(args: Any) -> None:
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task multiple_choice scores each question's choices as rows of one [choices, length] "
+            "block, which cannot be flattened into one row; drop --padding-free (--group-by-length works)"
+        )
+
+
+def _check_seq2seq(args: Any) -> None:
+    for flag, value in (("--max-target-length", args.max_target_length), ("--num-beams", args.num_beams)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -162,6 +181,27 @@ TASKS: dict[str, TaskSpec] = {
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.multiple_choice_demo:demo",
             load_model_dir=True,
+            check=_check_multiple_choice,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="token_classification",
+            summary="fine-tune AutoModelForTokenClassification on tagged words, NER or POS (entity F1, accuracy)",
+            trainer="rapidlite.tasks.token_classification:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.token_classification_demo:demo",
+            defaults={"seq_length": 128},
+            load_model_dir=True,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="seq2seq",
+            summary="fine-tune AutoModelForSeq2SeqLM (T5, BART, ...) on summaries or translations (ROUGE, BLEU)",
+            trainer="rapidlite.tasks.seq2seq:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.seq2seq_demo:demo",
+            load_model_dir=True,
+            check=_check_seq2seq,
             eval_only=True,
         ),
     )

@@ -13,13 +13,13 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from rapidlite import checkpoint as ckpt
-from rapidlite import config_file, distributed, preemption
+from rapidlite import config_file, distributed, preemption, time_budget
 from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
@@ -107,6 +107,9 @@ class BaseTrainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.total_iters = 0
+        # The run's log and evaluation intervals: the flags', unless --time-budget spaces them over its length.
+        self.log_every: int = self.args.log_interval
+        self.eval_every: int | None = self.args.eval_interval
         self._metrics: MetricsWriter | None = None
         self._interval = self._new_interval()
         self._last_saved = -1
@@ -122,6 +125,9 @@ class BaseTrainer:
         self._stop_signals = preemption.StopSignals()
         self._wandb_resume_id: str | None = None  # the W&B run of the checkpoint this run resumes
         self._saved_config: str | None = None  # iter_N/config.yaml: the settings, loadable with --config
+        self._step_clock: float | None = None  # --time-budget: when the last step's bookkeeping ended
+        self._timed_steps: list[float] = []  # --time-budget: the timed steps' seconds (None once sized)
+        self._eval_seconds: float | None = None  # the last evaluation's seconds
 
     # ------------------------------------------------------------------ hooks
     def train_valid_test_datasets_provider(self, *args: Any) -> tuple:
@@ -138,6 +144,11 @@ class BaseTrainer:
         """Return a scalar loss (mean over the micro-batch) or ``(loss_sum, num_items)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement run_forward_step")
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The provider's model as the loop will train it, before ``engine.compose`` wraps it (the default: as it
+        is). A ``Finetuner`` fits it for ``--padding-free`` batches here."""
+        return model
+
     # ------------------------------------------------------------------ helpers for subclasses
     def pretrained_load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` arguments for the model to fine-tune: fp32 weights for full fine-tuning; with
@@ -153,13 +164,21 @@ class BaseTrainer:
         shuffle: bool = True,
         collate_fn: Callable | None = None,
         pad: bool | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> DeviceDataLoader:
         """A loader that shards ``dataset`` over data-parallel ranks and moves batches to the device. Without a
         ``collate_fn``, tokenized rows are padded to the batch's longest (with ``self.tokenizer``'s pad id when
-        it is set, else 0) and given an attention mask if they have none."""
-        if collate_fn is None and self.tokenizer is not None:
-            collate_fn = PadCollator.for_tokenizer(self.tokenizer)
-        return self.engine.build_data_loader(dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad)
+        it is set, else 0) and given an attention mask if they have none. ``lengths`` (tokens per sample): a
+        training loader's shuffle is grouped by length (``--group-by-length``)."""
+        if collate_fn is None:
+            collate_fn = self.default_collate()
+        return self.engine.build_data_loader(
+            dataset, micro_batch_size, shuffle=shuffle, collate_fn=collate_fn, pad=pad, lengths=lengths
+        )
+
+    def default_collate(self) -> PadCollator:
+        """The collation of a loader given no ``collate_fn``: rows padded with the tokenizer's pad id (else 0)."""
+        return PadCollator.for_tokenizer(self.tokenizer) if self.tokenizer is not None else PadCollator()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate ``tensor`` over data-parallel ranks (for metrics)."""
@@ -190,6 +209,7 @@ class BaseTrainer:
             self.engine.strategy.prepare_resume(self.args.load)
         with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
             model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        model = self.prepare_model(model)
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
@@ -341,6 +361,8 @@ class BaseTrainer:
     def after_step(self, samples_this_step: int) -> None:
         """Bookkeeping after each optimizer step: consumed samples, logging, evaluation, checkpoints."""
         self.consumed_samples += samples_this_step * self.engine.dp_size
+        if self._step_clock is not None:
+            self._time_step(time.perf_counter() - self._step_clock)
         if self._progress is not None:
             self._progress.update(1)
         if self._first_step_start is not None:
@@ -354,13 +376,17 @@ class BaseTrainer:
             self._log_recompiles()
         if not self._state_bytes_logged:
             self.log_model_state_bytes()
-        if self.iteration % self.args.log_interval == 0 or self.iteration == self.total_iters:
+        if self.iteration % self.log_every == 0 or self.iteration == self.total_iters:
             self.log_interval()
-        if self.args.eval_interval and self.iteration % self.args.eval_interval == 0:
+        if self.eval_every and self.iteration % self.eval_every == 0:
+            start = time.perf_counter()
             self.evaluate("validation")
+            self._eval_seconds = time.perf_counter() - start
         # Not while steps are being skipped for NaN/inf: latest stays at the last step that trained.
         if self.args.save_interval and self.iteration % self.args.save_interval == 0 and not self._skip_streak:
             self.save_checkpoint()
+        if self._step_clock is not None:
+            self._step_clock = time.perf_counter()  # the next step's time excludes this bookkeeping
 
     def _log_recompiles(self) -> None:
         """A graph built after the first step is a recompilation (new shapes or modes): said in one line, so
@@ -542,6 +568,76 @@ class BaseTrainer:
         else:
             self.logger.info(f"loss, learning rate and throughput curves: {path}")
 
+    # ------------------------------------------------------------------ --time-budget
+    def estimated_eval_seconds(self, step_s: float) -> float:
+        """One evaluation's seconds before any was timed (a forward is about a third of a training step)."""
+        return step_s / 3
+
+    def evaluations_left(self) -> int | None:
+        """Evaluations still to come whatever the run's length (an epoch-based run's); None: they follow its
+        length (every --eval-interval)."""
+        return None
+
+    def _time_step(self, seconds: float) -> None:
+        if self.iteration - 1 <= self._first_iteration:  # the first step warms up (and compiles): not timed
+            return
+        self._timed_steps.append(seconds)
+        if len(self._timed_steps) >= time_budget.TIMED_STEPS:
+            self._size_to_budget()
+
+    def _size_to_budget(self) -> None:
+        """Set the run's length to the iterations that fit the rest of --time-budget (``rapidlite.time_budget``).
+        Every rank decides from the slowest rank's numbers, so all agree."""
+        args = self.args
+        step_s = sorted(self._timed_steps)[len(self._timed_steps) // 2]
+        elapsed = time.time() - time_budget.command_start()
+        measured = torch.tensor([step_s, elapsed], dtype=torch.float64, device=self.engine.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+        step_s, elapsed = (float(x) for x in measured.cpu())
+        given = getattr(args, "explicit_flags", None)  # None: settings built by hand, every value counts as given
+        demo = getattr(args, "demo_defaults", frozenset())
+        user_given = set(vars(args)) if given is None else given - demo
+        sized_evaluations = self.evaluations_left() is None and "eval_interval" not in user_given
+        eval_s = self._eval_seconds if self._eval_seconds is not None else self.estimated_eval_seconds(step_s)
+        plan = time_budget.fit(
+            budget_s=args.time_budget * 60,
+            elapsed_s=elapsed,
+            done_iters=self.iteration,
+            step_s=step_s,
+            max_iters=self.total_iters,
+            eval_s=eval_s,
+            eval_interval=self.eval_every,
+            fixed_evaluations=self.evaluations_left(),
+            size_eval_interval=sized_evaluations,
+            size_log_interval="log_interval" not in user_given,
+        )
+        timed = len(self._timed_steps)
+        self._step_clock, self._timed_steps = None, []
+        self.total_iters = plan.total_iters
+        if plan.eval_interval is not None:
+            self.eval_every = plan.eval_interval
+        if plan.log_interval is not None:
+            self.log_every = plan.log_interval
+        resize = getattr(self.lr_scheduler, "resize", None)
+        if resize is not None and args.lr_decay_iters is None:
+            warmup = None
+            if "lr_warmup_iters" not in user_given and args.lr_warmup_iters:
+                warmup = min(args.lr_warmup_iters, max(plan.total_iters // 4, 1))  # a demo's warmup fits its length
+            resize(plan.total_iters, warmup_steps=warmup, warmup_fraction=args.lr_warmup_fraction)
+        if self._progress is not None:
+            self._progress.total = plan.total_iters
+            self._progress.refresh()
+        ends = time.strftime("%H:%M:%S", time.localtime(time.time() + plan.seconds_left))
+        bound = " (the upper bound: it fits with time to spare)" if plan.capped else ""
+        if elapsed + plan.seconds_left > args.time_budget * 60 * 1.05:
+            bound = " (the budget is spent: this machine is slower than it allows; raise --time-budget)"
+        self.logger.info(
+            f"--time-budget {args.time_budget:g} min: {timed} steps timed at "
+            f"{step_s:.2f} s, {time_budget.describe(elapsed / 60)} used: training {plan.total_iters} iterations"
+            f"{bound}, about {time_budget.describe(plan.seconds_left / 60)} more (until {ends})"
+        )
+
     def begin_training(self) -> None:
         """Called once everything is built, right before the first step."""
         if self._resume_rng is not None:
@@ -549,10 +645,20 @@ class BaseTrainer:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._progress = self.progress_bar(self.total_iters, "train", initial=self.iteration)
+        self._first_iteration = self.iteration
         # The first interval's rates count from here, not from the set-up (data, model, checkpoint loading).
         self._interval["start"] = time.perf_counter()
         self._first_step_start = time.perf_counter()
         self._stop_signals.install()
+        budget = getattr(self.args, "time_budget", None)
+        if budget is not None and self.iteration < self.total_iters:
+            self._step_clock = time.perf_counter()
+            elapsed = time.time() - time_budget.command_start()
+            self.logger.info(
+                f"--time-budget {budget:g} min: {time_budget.describe(elapsed / 60)} used so far; the run is sized "
+                f"after {time_budget.TIMED_STEPS} timed steps to end within the budget (at most {self.total_iters} "
+                "iterations)"
+            )
 
     def stop_if_signalled(self) -> None:
         """Called by the loops after each optimizer step. When SIGTERM or SIGUSR1 reached any rank, every rank

@@ -9,9 +9,12 @@ from typing import Any
 
 import torch
 
+from rapidlite.data.collate import FlatteningCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, slice_batch
+from rapidlite.data.samplers import padded_share, sample_lengths
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
+from rapidlite.models.padding_free import fit_padding_free
 from rapidlite.trainer.base import BaseTrainer, split_datasets
 
 
@@ -33,6 +36,8 @@ class Finetuner(BaseTrainer):
     valid_dataloader = None
     test_dataloader = None
     steps_per_epoch = 1
+    padding_free = None  # the hooks --padding-free put on the model (rapidlite.models.padding_free)
+    _flattener = None
 
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
         total = torch.zeros((), dtype=torch.float64)
@@ -52,6 +57,14 @@ class Finetuner(BaseTrainer):
         total = self.engine.all_reduce_sum(total)
         count = self.engine.all_reduce_sum(count)
         return {"loss": float(total / count.clamp(min=1))}
+
+    def estimated_eval_seconds(self, step_s: float) -> float:
+        batches = len(self.valid_dataloader) if self.valid_dataloader is not None else 0
+        return batches * step_s / max(self.args.gradient_accumulation_steps, 1) / 3  # forward only
+
+    def evaluations_left(self) -> int | None:
+        """One evaluation at each epoch's end, the last at the run's."""
+        return max(1, math.ceil(self.total_iters / self.steps_per_epoch) - self.iteration // self.steps_per_epoch)
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         loader = self.valid_dataloader if split == "validation" else self.test_dataloader
@@ -97,7 +110,15 @@ class Finetuner(BaseTrainer):
             return self.evaluate_only(train_ds, valid_ds, test_ds, collate_fn)
         if not _has_rows(train_ds):
             raise DataError("the training dataset is empty")
-        self.train_dataloader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn)
+        lengths = self._train_lengths(train_ds) if args.group_by_length else None
+        if args.padding_free:  # flattens what the task's collation makes; the model's head sets shift_labels
+            self._flattener = FlatteningCollator(collate_fn if collate_fn is not None else self.default_collate())
+            collate_fn_train = self._flattener
+        else:
+            collate_fn_train = collate_fn
+        self.train_dataloader = self.build_data_loader(
+            train_ds, shuffle=True, collate_fn=collate_fn_train, lengths=lengths
+        )
         self._build_eval_loaders(valid_ds, test_ds, collate_fn)
         if self.valid_dataloader is None:
             split = f" (--split {args.split} gives it none)" if args.split else ""
@@ -114,24 +135,53 @@ class Finetuner(BaseTrainer):
         self.begin_training()
         start_epoch, start_step = divmod(self.iteration, self.steps_per_epoch)
         for epoch in range(start_epoch, args.epochs):
+            total = self.total_iters  # --time-budget may shorten the run after its first steps
             if self.iteration >= total:
                 break
             skip = start_step * accumulation if epoch == start_epoch else 0
             self.train_dataloader.set_epoch(epoch, start_batch=skip)
             batches = iter(self.train_dataloader)
-            while self.iteration < total:
+            while self.iteration < self.total_iters:
                 micro = list(islice(batches, accumulation))
                 if not micro:
                     break
                 self.train_step(functools.partial(self._forward_batch, b) for b in micro)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
                 self.stop_if_signalled()
-            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= total:
+            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
                 self.evaluate("validation")
         if self.test_dataloader is not None:
             self.evaluate("test")
         self.finish()
         return self.last_evaluation
+
+    def _train_lengths(self, train_ds: Any) -> list[int]:
+        """``--group-by-length``: the tokens of every training sample (its ``input_ids``), logged with the padding
+        the grouping saves in this run's micro-batches."""
+        lengths = sample_lengths(train_ds)
+        if lengths is None:
+            raise DataError(
+                "--group-by-length: the training samples have no input_ids to measure their length by; drop "
+                "--group-by-length (or give the samples input_ids)"
+            )
+        if self.engine.is_main_process:
+            m, g = self.args.micro_batch_size, self.args.global_batch_size
+            plain, grouped = padded_share(lengths, m, g, grouped=False), padded_share(lengths, m, g, grouped=True)
+            self.logger.info(
+                f"--group-by-length: {len(lengths)} samples of {min(lengths)}-{max(lengths)} tokens; padding in "
+                f"micro-batches of {m}: {grouped:.1%} of the tokens computed, against {plain:.1%} in a plain shuffle"
+            )
+        return lengths
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``--padding-free``: the hooks that run a packed row on the model exactly, or one line refusing it."""
+        if not self.args.padding_free or self.args.eval_only:
+            return model
+        self.padding_free = fit_padding_free(model)
+        if self._flattener is not None:
+            self._flattener.shift_labels = self.padding_free.plan.shift_labels
+        self.logger.info(f"--padding-free: {self.padding_free.describe()}")
+        return model
 
     def evaluate_only(self, train_ds: Any, valid_ds: Any, test_ds: Any, collate_fn: Any) -> dict[str, Any]:
         """``--eval-only``: the model's scores on the validation split (and the test split if the data has

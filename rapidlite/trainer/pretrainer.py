@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rapidlite import time_budget
 from rapidlite.data.loader import DeviceDataLoader
 from rapidlite.data.samplers import PretrainingBatchSampler
 from rapidlite.errors import ConfigError, DataError
@@ -52,6 +53,9 @@ class PreTrainer(BaseTrainer):
         step = functools.partial(self.run_forward_step, iterator, self.model)
         return iterator.replayable(step) if self.engine.pipeline is not None else step
 
+    def estimated_eval_seconds(self, step_s: float) -> float:
+        return self.args.eval_iters * step_s / 3  # --eval-iters global batches, forward only
+
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         iterator = self.valid_data_iterator if split == "validation" else self.test_data_iterator
         if iterator is None:
@@ -94,13 +98,22 @@ class PreTrainer(BaseTrainer):
                 "--eval-only runs Finetuner jobs; a PreTrainer evaluates every --eval-interval while it trains: drop "
                 "--eval-only"
             )
+        for flag in ("group_by_length", "padding_free"):
+            if getattr(args, flag, False):
+                name = "--" + flag.replace("_", "-")
+                raise ConfigError(
+                    f"{name} batches a Finetuner's map-style data; a PreTrainer draws consecutive samples: drop {name}"
+                )
         if args.train_iters is None:
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
         eval_interval = args.eval_interval or args.train_iters
         global_batch = args.global_batch_size
+        evaluations = args.train_iters // eval_interval + 1
+        if getattr(args, "time_budget", None) is not None:  # a sized run may space its evaluations anew
+            evaluations = max(evaluations, time_budget.EVALUATIONS + 1)
         num_samples = [
             args.train_iters * global_batch,
-            (args.train_iters // eval_interval + 1) * args.eval_iters * global_batch,
+            evaluations * args.eval_iters * global_batch,
             args.eval_iters * global_batch,
         ]
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider(num_samples))
@@ -124,13 +137,13 @@ class PreTrainer(BaseTrainer):
 
         self.begin_training()
         iterator = self.train_data_iterator
-        while self.iteration < args.train_iters:
+        while self.iteration < self.total_iters:  # --time-budget may shorten it after the first steps
             self.train_step(self._micro_step(iterator) for _ in range(args.gradient_accumulation_steps))
             samples, tokens = iterator.take_counts()
             self.count_batch(samples, tokens)
             self.after_step(samples)
             self.stop_if_signalled()
-        if not args.eval_interval or self.iteration % args.eval_interval:
+        if not self.eval_every or self.iteration % self.eval_every:
             self.evaluate("validation")
         if self.test_data_iterator is not None:
             self.evaluate("test")
