@@ -207,6 +207,15 @@ def test_lora_adapts_a_masked_lm(tiny_assets, tmp_path):
     assert (out / "hf" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_line_by_line_documents_are_grouped_by_length(tiny_assets, tmp_path):
+    """``--group-by-length`` measures the samples (one per document with --line-by-line) by their own tokens."""
+    model_dir, data_dir = tiny_assets
+    out = tmp_path / "grouped"
+    argv = task_args(model_dir, data_dir, "--line-by-line", "--group-by-length", "--train-iters", "2")
+    assert main([*argv, "--save", str(out)]) == 0
+    assert len(train_losses(out)) == 2
+
+
 @pytest.mark.parametrize(
     "flags, rows, words",
     [
@@ -216,6 +225,7 @@ def test_lora_adapts_a_masked_lm(tiny_assets, tmp_path):
         (["--text-keys", "n"], [{"body": "a", "n": 3}], "--text-keys n: the column holds int64, not text"),
         (["--seq-length", "4096"], [{"text": "a"}], "--seq-length 4096: the model takes at most 128 tokens"),
         (["--mlm-probability", "0"], [{"text": "a"}], "--mlm-probability 0: must be in (0, 1)"),
+        (["--padding-free"], [{"text": "a"}], "--padding-free: --task masked_lm draws each sample's masks"),
     ],
 )
 def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, capsys, flags, rows, words):

@@ -153,6 +153,14 @@ def test_lora_trains_the_scoring_head_in_full(tiny_assets, tmp_path):
     assert any("classifier" in k for k in adapter) and any("lora_A" in k for k in adapter)
 
 
+def test_questions_are_grouped_by_length(tiny_assets, tmp_path):
+    """``--group-by-length`` measures a question by the tokens of all its choices."""
+    model_dir, data_dir = tiny_assets
+    out = tmp_path / "grouped"
+    assert main(task_args(model_dir, data_dir, "--group-by-length", "--train-iters", "2", "--save", str(out))) == 0
+    assert len(train_losses(out)) == 2
+
+
 def _bad(rows, field, value):
     changed = [dict(r) for r in rows]
     changed[3][field] = value
@@ -169,6 +177,7 @@ def _bad(rows, field, value):
         (lambda rows: _bad(rows, "sent1", ""), ["--text-keys", "sent1"], "train row 4 has an empty context"),
         (lambda rows: rows, ["--choices-key", "ending0", "ending9"], "--choices-key ending0 ending9: no such column"),
         (lambda rows: [{k: v for k, v in r.items() if k != "label"} for r in rows], [], "no label column found"),
+        (lambda rows: rows, ["--padding-free"], "--padding-free: --task multiple_choice scores each question's"),
     ],
 )
 def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, capsys, change, flags, words):

@@ -154,7 +154,7 @@ def _demo_root() -> pathlib.Path:
 
 
 def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT masked LM, its tokenizer and the forecast corpus in the cache."""
+    """Write (once) the embedded demo: a tiny BERT masked LM, its tokenizer and the clinic notes in the cache."""
     write_demo_assets(_demo_root())
 
 
