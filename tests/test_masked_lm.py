@@ -200,6 +200,29 @@ def test_cli_run_exports_a_masked_lm_and_its_evaluation_is_repeatable(tiny_asset
     assert read_metrics(again)[0]["loss"] == pytest.approx(final["loss"], rel=1e-6)
 
 
+def test_eval_only_loss_is_the_models_own_masked_lm_loss(tiny_assets, tmp_path, tokenizer):
+    """--eval-only's loss is the mean cross-entropy over every masked validation token, computed here by hand from
+    the same draws (seed, each block's index, the evaluation stream) with the model's own masked-LM loss over the
+    whole split at once; ppl is its exponential."""
+    from transformers import AutoModelForMaskedLM
+
+    model_dir, data_dir = tiny_assets
+    out = tmp_path / "eval"
+    assert main(task_args(model_dir, data_dir, "--eval-only", "--seed", "7", "--save", str(out))) == 0
+    scored = read_metrics(out)[0]
+    docs = (data_dir / "validation.txt").read_text().splitlines()
+    data = build_masked_lm_data(raw(train={"text": docs}), tokenizer, seq_length=32)
+    batch = MaskedLMCollator(tokenizer.pad_token_id)([data.train[i] for i in range(len(data.train))])
+    draws = draw_masks(batch["index"], batch["input_ids"].shape[1], 32, len(tokenizer), 7, (EVAL_STREAM,))
+    inputs, labels = mask_tokens(batch["input_ids"], batch["maskable"], draws, tokenizer.mask_token_id, 0.15)
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = model(input_ids=inputs, attention_mask=batch["attention_mask"], labels=labels).loss
+    assert scored["masked_tokens"] == int((labels != IGNORE_INDEX).sum())
+    assert scored["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert scored["ppl"] == pytest.approx(math.exp(float(expected)), rel=1e-5)
+
+
 def test_lora_adapts_a_masked_lm(tiny_assets, tmp_path):
     model_dir, data_dir = tiny_assets
     out = tmp_path / "lora"
