@@ -224,10 +224,15 @@ def test_eval_only_loss_is_the_models_own_masked_lm_loss(tiny_assets, tmp_path, 
 
 
 def test_lora_adapts_a_masked_lm(tiny_assets, tmp_path):
+    """Adapters on the encoder; the head's transform trained in full when named (the decoder stays tied)."""
+    from safetensors.torch import load_file
+
     model_dir, data_dir = tiny_assets
     out = tmp_path / "lora"
-    assert main(task_args(model_dir, data_dir, "--lora-rank", "4", "--train-iters", "2", "--save", str(out))) == 0
-    assert (out / "hf" / "adapter" / "adapter_model.safetensors").is_file()
+    lora = ["--lora-rank", "4", "--lora-modules-to-save", "transform", "--train-iters", "2", "--save", str(out)]
+    assert main(task_args(model_dir, data_dir, *lora)) == 0
+    adapter = load_file(out / "hf" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_A" in k for k in adapter) and any("predictions.transform.dense" in k for k in adapter)
 
 
 def test_line_by_line_documents_are_grouped_by_length(tiny_assets, tmp_path):
