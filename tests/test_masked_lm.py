@@ -267,6 +267,16 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, 
     assert not save.exists() or not any(save.iterdir())
 
 
+def test_a_text_file_that_is_not_utf8_is_one_line(tiny_assets, tmp_path, capsys):
+    model_dir, _ = tiny_assets
+    data = tmp_path / "notes.txt"
+    data.write_bytes(b"the patient reports \xff\xfe nausea .\n")
+    assert main(task_args(model_dir, data, "--save", str(tmp_path / "save"))) == 2
+    err = capsys.readouterr().err
+    assert "notes.txt: cannot be read as text" in err and "UnicodeDecodeError" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
+
+
 @pytest.mark.slow
 def test_demo_perplexity_falls(tmp_path, monkeypatch):
     """``--task masked_lm --demo`` as the README runs it: the validation perplexity, scored before training and

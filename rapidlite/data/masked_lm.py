@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets
+from rapidlite.data.tabular import SPLIT_ORDER, _short_reason, load_raw_datasets
 from rapidlite.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -55,9 +55,10 @@ def read_text_lines(path: str) -> datasets.Dataset:
 
     try:
         return datasets.load_dataset("text", data_files={"train": path}, split="train")
-    except Exception as e:  # the builder raises its own types for unreadable files
-        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise DataError(f"{path}: cannot be read as text, one document per line ({reason})") from None
+    except Exception as e:  # the builder wraps the reader's error (a UnicodeDecodeError, ...) in its own type
+        raise DataError(
+            f"{path}: cannot be read as text, one document per line ({_short_reason(e, root=True)}); give UTF-8 text"
+        ) from None
 
 
 def load_text_datasets(
