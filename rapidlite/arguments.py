@@ -370,7 +370,13 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "--reset-attention-mask", action="store_true", help="GPT: attention does not cross EOD (built-in GPT)"
     )
     g.add_argument("--mmap-warmup", action="store_true", help="read the .bin files once before training")
-    g.add_argument("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens to predict (80/10/10)")
+    g.add_argument(
+        "--mask-prob",
+        "--mlm-probability",
+        type=float,
+        default=0.15,
+        help="BERT pretraining and masked_lm: fraction of tokens to predict (80%% [MASK], 10%% random, 10%% kept)",
+    )
     g.add_argument(
         "--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter sample than --seq-length"
     )
@@ -423,6 +429,22 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="question_answering (v2): answer nothing when the null score beats the best span's by more than this",
+    )
+    g.add_argument(
+        "--whole-word-masking",
+        action="store_true",
+        help="masked_lm: mask every sub-token of a chosen word together (needs a fast tokenizer)",
+    )
+    g.add_argument(
+        "--line-by-line",
+        action="store_true",
+        help="masked_lm: one sample per document (cut at --seq-length) instead of blocks of concatenated text",
+    )
+    g.add_argument(
+        "--choices-key",
+        nargs="+",
+        default=None,
+        help="multiple_choice: the column holding the list of choices, or one column per choice (ending0 ending1 ...)",
     )
     g.add_argument(
         "--group-by-length",

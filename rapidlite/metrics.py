@@ -26,6 +26,16 @@ def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, nu
     return {"accuracy": float(accuracy), "f1": float(f1)}
 
 
+def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor, num_choices: int) -> float:
+    """The share of questions whose highest-scored choice is the labelled one (torchmetrics' micro accuracy)."""
+    from torchmetrics.functional.classification import multiclass_accuracy
+
+    if labels.numel() == 0:
+        return float("nan")
+    accuracy = multiclass_accuracy(preds.cpu(), labels.cpu(), num_classes=max(num_choices, 2), average="micro")
+    return float(accuracy)
+
+
 # ------------------------------------------------------------------------------------------------ tagging
 # Entity-level scores as seqeval computes them by default (conlleval-compatible chunking, what run_ner and the
 # `evaluate` seqeval metric report), written out here so scoring a tagger does not pull scikit-learn and scipy.

@@ -56,6 +56,10 @@ def _task_auto_class(task: str | None, config: Any) -> Any:
         return transformers.AutoModelForTokenClassification
     if task == "question_answering":
         return transformers.AutoModelForQuestionAnswering
+    if task == "masked_lm":
+        return transformers.AutoModelForMaskedLM
+    if task == "multiple_choice":
+        return transformers.AutoModelForMultipleChoice
     if task == "pretraining" and getattr(config, "model_type", None) == "bert":
         return transformers.BertForPreTraining
     if task in ("pretraining", "causal_lm"):

@@ -37,6 +37,8 @@ FLAGS = """
 --eval-only --overwrite --max-skipped-steps
 --keep-last
 --dry-run --memory-budget
+--mlm-probability --whole-word-masking --line-by-line
+--choices-key
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
 --doc-stride --max-answer-length --n-best-size --version-2-with-negative --null-score-diff-threshold
 --label-all-tokens

@@ -107,6 +107,22 @@ def load_tokenizer(name: str, **kwargs: Any) -> Any:
         raise load_error("tokenizer", name, e) from None
 
 
+def sequence_length(seq_length: int | None, tokenizer: Any, default_cap: int = 512) -> int:
+    """``--seq-length``, or the model's limit (the tokenizer's ``model_max_length``) up to ``default_cap`` (as
+    Hugging Face's example scripts cap it); a length beyond the model's limit is one line (its position
+    embeddings end there)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    # A tokenizer that does not know its model's limit says 1e30.
+    limit = int(limit) if isinstance(limit, (int, float)) and limit < 1_000_000 else None
+    if seq_length is None:
+        return min(limit or default_cap, default_cap)
+    if limit is not None and seq_length > limit:
+        raise ConfigError(
+            f"--seq-length {seq_length}: the model takes at most {limit} tokens; use --seq-length {limit}"
+        )
+    return seq_length
+
+
 def unquantized(model: Any) -> Any:
     """A model to ``save_pretrained`` full-precision weights with: ``model`` itself, or for a model that
     transformers loaded quantised (bitsandbytes), a weightless twin (on the meta device) whose config has no

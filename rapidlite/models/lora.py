@@ -55,6 +55,9 @@ SKIP_ON_LOAD = tuple(name for name in HEAD_NAMES if name != "output")
 _TASK_TYPES = {
     "ForCausalLM": "CAUSAL_LM",
     "ForSequenceClassification": "SEQ_CLS",
+    # peft has no multiple-choice type; its sequence classifier trains the scoring head ("classifier") in full
+    # and passes the [batch, choices, length] inputs through unchanged
+    "ForMultipleChoice": "SEQ_CLS",
     "ForTokenClassification": "TOKEN_CLS",
     "ForQuestionAnswering": "QUESTION_ANS",
 }

@@ -124,6 +124,24 @@ def _check_question_answering(args: Any) -> None:
         )
 
 
+def _check_masked_lm(args: Any) -> None:
+    if not 0 < args.mask_prob < 1:
+        raise ConfigError(f"--mlm-probability {args.mask_prob:g}: must be in (0, 1); 0.15 is usual")
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task masked_lm draws each sample's masks over its own row of tokens (and grouped "
+            "blocks have no padding to remove); drop --padding-free"
+        )
+
+
+def _check_multiple_choice(args: Any) -> None:
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task multiple_choice scores each question's choices as rows of one [choices, length] "
+            "block, which cannot be flattened into one row; drop --padding-free (--group-by-length works)"
+        )
+
+
 def _check_seq2seq(args: Any) -> None:
     for flag, value in (("--max-target-length", args.max_target_length), ("--num-beams", args.num_beams)):
         if value is not None and value < 1:
@@ -172,6 +190,26 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": 384},
             load_model_dir=True,
             check=_check_question_answering,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="masked_lm",
+            summary="adapt AutoModelForMaskedLM (BERT, RoBERTa, ...) to raw text of a domain (perplexity)",
+            trainer="rapidlite.tasks.masked_lm:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.masked_lm_demo:demo",
+            load_model_dir=True,
+            check=_check_masked_lm,
+            eval_only=True,
+        ),
+        TaskSpec(
+            name="multiple_choice",
+            summary="fine-tune AutoModelForMultipleChoice on SWAG/HellaSwag-style questions (accuracy)",
+            trainer="rapidlite.tasks.multiple_choice:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.multiple_choice_demo:demo",
+            load_model_dir=True,
+            check=_check_multiple_choice,
             eval_only=True,
         ),
         TaskSpec(
