@@ -109,6 +109,10 @@ def meta_model(args: Any) -> torch.nn.Module:
         return build(config)
 
 
+# A multiple-choice micro-batch is planned with SWAG's four choices per question (each choice is a sequence).
+PLANNED_CHOICES = 4
+
+
 def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it)."""
     from rapidlite.models.gpt import GPTModel
@@ -118,6 +122,8 @@ def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     else:
         # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        if type(model).__name__.endswith("ForMultipleChoice"):  # [questions, choices, tokens]
+            ids = ids.unsqueeze(1).repeat(1, PLANNED_CHOICES, 1)
         out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None

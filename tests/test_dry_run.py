@@ -167,3 +167,17 @@ def test_a_model_class_named_by_the_config_is_built_on_meta(tmp_path):
     model = meta_model(Namespace(pretrained_model_name_or_path=str(tmp_path), load=None, task="other"))
     assert type(model).__name__ == "BertForMaskedLM"
     assert next(model.parameters()).device.type == "meta"
+
+
+@pytest.mark.parametrize("task", ["multiple_choice", "masked_lm"])
+def test_fine_tuning_tasks_are_planned(task, tmp_path):
+    """The task's model class is built and profiled on meta; multiple choice with four choices a question
+    (question answering's plan is tested with its task)."""
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config.save_pretrained(tmp_path / "model")
+    argv = ["--task", task, "--pretrained-model-name-or-path", str(tmp_path / "model"), "--data-path", "unused"]
+    proc = run_cli(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted memory per rank" in proc.stdout
