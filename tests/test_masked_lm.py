@@ -1,5 +1,6 @@
 """The black box ``--task masked_lm`` end to end, on the demo's tiny BERT and generated clinic notes."""
 
+import importlib.util
 import json
 import math
 
@@ -233,6 +234,19 @@ def test_lora_adapts_a_masked_lm(tiny_assets, tmp_path):
     assert main(task_args(model_dir, data_dir, *lora)) == 0
     adapter = load_file(out / "hf" / "adapter" / "adapter_model.safetensors")
     assert any("lora_A" in k for k in adapter) and any("predictions.transform.dense" in k for k in adapter)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_qlora_keeps_the_tied_head_unquantised(tiny_assets, tmp_path):
+    """``--load-in-4bit`` quantises the encoder's linear layers but not the masked-LM head, whose decoder shares
+    the (unquantised) input embeddings: quantising it broke the first forward."""
+    model_dir, data_dir = tiny_assets
+    out = tmp_path / "qlora"
+    argv = task_args(
+        model_dir, data_dir, "--lora-rank", "4", "--load-in-4bit", "--train-iters", "2", "--save", str(out)
+    )
+    assert main(argv) == 0
+    assert len(train_losses(out)) == 2 and all(math.isfinite(loss) for loss in train_losses(out))
 
 
 def test_line_by_line_documents_are_grouped_by_length(tiny_assets, tmp_path):

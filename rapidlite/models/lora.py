@@ -49,7 +49,9 @@ QUANT_INSTALL = "pip install 'rapidlite[quant]'"
 HEAD_NAMES = ("lm_head", "embed_out", "output", "classifier", "score", "qa_outputs")
 # What transformers leaves unquantised when it loads a base quantised: the heads by name, which it matches as a
 # suffix of a module's name, so not "output" (a BERT layer's attention.output would match).
-SKIP_ON_LOAD = tuple(name for name in HEAD_NAMES if name != "output")
+# Masked-LM heads too: their decoder is tied to the input embeddings, which stay unquantised (BERT's "cls",
+# DistilBERT's "vocab_projector", ELECTRA's "generator_lm_head"; RoBERTa's is "lm_head").
+SKIP_ON_LOAD = (*(name for name in HEAD_NAMES if name != "output"), "cls", "vocab_projector", "generator_lm_head")
 # peft's task types by the Hugging Face head class: the type decides which heads peft trains in full
 # (a sequence classifier's "classifier"/"score") and the forward signature of the wrapper.
 _TASK_TYPES = {
