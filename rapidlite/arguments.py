@@ -71,8 +71,8 @@ def _add_task_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="maximum sequence length (tokens); default: the task's (sequence_classification and "
-        "token_classification 128, causal_lm 512, pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 "
-        "source tokens)",
+        "token_classification 128, question_answering 384, causal_lm 512, masked_lm and multiple_choice the "
+        "model's limit up to 512, pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 source tokens)",
     )
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
