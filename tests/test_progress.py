@@ -261,3 +261,43 @@ def test_training_on_a_pseudo_terminal(tmp_path):
     code, quiet, screen = run_on_pty([*argv, "--save", str(tmp_path / "quiet"), "--no-progress"])
     assert code == 0 and screen == "" and "\r" not in quiet
     assert len(quiet.splitlines()) == len(out.splitlines())
+
+
+EXPORT_SCRIPT = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from rapidlite import Finetuner, RapidliteEngine
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return {"input_ids": torch.arange(i, i + 6) % 50}
+
+class Trainer(Finetuner):
+    def train_valid_test_datasets_provider(self):
+        return Tokens(), None, None
+    def model_optimizer_lr_scheduler_provider(self):
+        config = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+        return GPT2LMHeadModel(config), None, None
+    def run_forward_step(self, batch, model):
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+Trainer(engine=RapidliteEngine(argv=sys.argv[1:])).train()
+"""
+
+
+def test_export_is_quiet_in_a_pipe(tmp_path):
+    """The final Hugging Face export writes no bar into a pipe (save_pretrained's own), and no line from a library
+    the run does not use (accelerate imports DeepSpeed where it is installed, which announced its CPU choice)."""
+    script = tmp_path / "export.py"
+    script.write_text(EXPORT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAPIDLITE_NO_PROGRESS", "DS_ACCELERATOR")}
+    env["PYTHONPATH"] = str(REPO)
+    argv = [sys.executable, str(script), "--micro-batch-size", "4", "--epochs", "1", "--save", str(tmp_path / "run")]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exported Hugging Face model" in proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "hf" / "model.safetensors").exists()
+    for noise in ("Writing model shards", "Setting accelerator"):
+        assert noise not in proc.stdout + proc.stderr

@@ -546,7 +546,8 @@ class BaseTrainer:
             self._progress.close()
         if self.args.save is not None:
             self.save_checkpoint()
-            out = self.engine.strategy.export(self.model, f"{self.args.save}/hf", self.tokenizer)
+            with hf_transformers_progress(self.show_progress):  # save_pretrained's bars: on a terminal only
+                out = self.engine.strategy.export(self.model, f"{self.args.save}/hf", self.tokenizer)
             if out is not None:
                 self.logger.info(f"exported Hugging Face model to {out}")
         if self._metrics is not None:
