@@ -123,6 +123,37 @@ def sequence_length(seq_length: int | None, tokenizer: Any, default_cap: int = 5
     return seq_length
 
 
+# Module names of learned absolute position tables: GPT-2/GPT-Neo/GPTBigCode, OPT/BioGPT, BERT-style encoders.
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def learned_positions(model: Any) -> int | None:
+    """How many positions ``model``'s learned absolute position table holds (its config's
+    ``max_position_embeddings``; GPT-2's ``n_positions``), or None for a model without one (rotary, ALiBi,
+    relative positions), which runs past its configured length rather than failing on an index."""
+    import torch
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module is not inputs and name.split(".")[-1] in _POSITION_TABLES:
+            return limit
+    return None
+
+
+def check_positions(model: Any, seq_length: int, name: str) -> None:
+    """One line, before any step, for ``--seq-length`` beyond a learned position table: the first long batch
+    would otherwise fail deep inside the model with an index error."""
+    limit = learned_positions(model)
+    if limit is not None and seq_length > limit:
+        raise ConfigError(
+            f"--seq-length {seq_length}: {name} has learned position embeddings for {limit} positions; use "
+            f"--seq-length {limit} or less"
+        )
+
+
 def unquantized(model: Any) -> Any:
     """A model to ``save_pretrained`` full-precision weights with: ``model`` itself, or for a model that
     transformers loaded quantised (bitsandbytes), a weightless twin (on the meta device) whose config has no

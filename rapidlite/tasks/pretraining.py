@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.data.tokenizers import tokenizer_from_args
-from rapidlite.errors import ConfigError
+from rapidlite.errors import ConfigError, first_line
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import load_hf_model
+from rapidlite.models.hf import check_positions, load_error, load_hf_model
 from rapidlite.models.spec import spec_for_config
 from rapidlite.tasks.registry import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
@@ -46,16 +46,49 @@ def _override_sizes(config: Any, args: Any) -> None:
 def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
     """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request;
     attention through SDPA where the model class has it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     name = args.pretrained_model_name_or_path
     if args.load_pretrained_weights:
-        return load_hf_model(AutoModelForCausalLM.from_pretrained, name, dtype=torch.float32)  # a bf16 file too
-    config = AutoConfig.from_pretrained(name)
+        model = _load_weights(AutoModelForCausalLM.from_pretrained, name, "causal language model")
+        check_positions(model, args.seq_length, name)
+        return model
+    config = _load_config(name)
     _override_sizes(config, args)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
+    _grow_positions(config, args.seq_length)
     return load_hf_model(AutoModelForCausalLM.from_config, config)
+
+
+def _load_config(name: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise load_error("model config", name, e) from None
+
+
+def _load_weights(load: Any, name: str, what: str) -> torch.nn.Module:
+    """``--load-pretrained-weights``: the weights in fp32 (a bf16 file too), or one line saying why not (a
+    directory holding only a config, say)."""
+    try:
+        return load_hf_model(load, name, dtype=torch.float32)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing weights
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {name} --load-pretrained-weights: cannot load the {what}'s weights "
+            f"({first_line(e, 160)}); name a directory or hub model with weights, or leave out "
+            "--load-pretrained-weights to train from the config"
+        ) from None
+
+
+def _grow_positions(config: Any, seq_length: int) -> None:
+    """A model built from its config trains from scratch: a learned position table too short for
+    ``--seq-length`` is made long enough (rotary and ALiBi models have no table; the value is then unused)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_length > limit:
+        config.max_position_embeddings = seq_length
 
 
 def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
@@ -63,7 +96,6 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
     (layer sizes overridable, vocabulary and positions grown to the data's), weights on request; attention
     through SDPA."""
     from transformers import (
-        AutoConfig,
         AutoModelForMaskedLM,
         AutoModelForPreTraining,
         BertForMaskedLM,
@@ -73,11 +105,13 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
     name = args.pretrained_model_name_or_path
     if args.load_pretrained_weights:
         cls = BertForPreTraining if args.binary_head else BertForMaskedLM
-        return load_hf_model(cls.from_pretrained, name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(name)
+        model = _load_weights(cls.from_pretrained, name, "BERT model")
+        check_positions(model, args.seq_length, name)
+        return model
+    config = _load_config(name)
     _override_sizes(config, args)
     config.vocab_size = max(config.vocab_size, vocab_size)
-    config.max_position_embeddings = max(config.max_position_embeddings, args.seq_length)
+    _grow_positions(config, args.seq_length)
     # The auto classes map a BERT config to BertForPreTraining / BertForMaskedLM; unlike the classes' own
     # constructors, their from_config takes the attention implementation.
     auto = AutoModelForPreTraining if args.binary_head else AutoModelForMaskedLM
