@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from rapidlite import config_file
 from rapidlite.errors import ConfigError
+from rapidlite.megatron_flags import add_megatron_args
 from rapidlite.resolve import LR_DECAY_STYLES, RunConfig, resolve
 from rapidlite.tasks.registry import task_names
 
@@ -623,6 +624,7 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         _add_data_args,
         _add_checkpoint_logging_args,
         _add_distributed_args,
+        add_megatron_args,
     ):
         add(p)
     if extra_args_provider is not None:

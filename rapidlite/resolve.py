@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rapidlite import megatron_flags
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
@@ -117,7 +118,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     args.dataset_path = paths[0] if paths and len(paths) == 1 else paths
     args.dataset_name = args.data_name
 
-    notices += _check_lr(args)
+    notices += megatron_flags.check_megatron_flags(args)
     args.precision = _precision_of_flags(args)
     _resolve_recompute(args)
     # A DeepSpeed file may decide the precision, the batch and the ZeRO stage: it is read before anything is
@@ -126,6 +127,8 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     _check_precision(args)
     _check_data_parallel(args)
     _resolve_batch(args)
+    megatron_flags.samples_to_iterations(args)
+    notices += _check_lr(args)
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += _resolve_load(args)
     _check_save_dir(args, given_load)
@@ -162,7 +165,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
     args.demo_defaults = frozenset(d for d in demo.defaults if given is None or d not in given)
     if given is not None:  # the demo's values count as given (a DeepSpeed file's do not replace them)
         args.explicit_flags = given | frozenset(demo.defaults) | frozenset(demo.assets)
-        if given & {"train_iters", "epochs"} and "time_budget" not in given:
+        if given & {"train_iters", "train_samples", "epochs"} and "time_budget" not in given:
             args.time_budget = None  # the demo's budget gives way to the length asked for
     args.demo = True
     return args

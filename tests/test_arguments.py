@@ -44,6 +44,17 @@ FLAGS = """
 --label-all-tokens
 --group-by-length --padding-free
 --source-lang --target-lang --source-prefix --max-target-length --num-beams
+--use-distributed-optimizer --train-samples --lr-decay-samples --lr-warmup-samples --exit-interval
+--exit-duration-in-mins --use-rotary-position-embeddings --no-position-embedding --rotary-base --rotary-percent
+--disable-bias-linear --group-query-attention --num-query-groups --kv-channels --rampup-batch-size
+--train-data-path --valid-data-path --test-data-path
+--use-flash-attn --attention-backend --use-mcore-models --use-legacy-models --transformer-impl
+--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
+--no-gradient-accumulation-fusion --no-async-tensor-model-parallel-allreduce --overlap-grad-reduce
+--overlap-param-gather --DDP-impl --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--apply-query-key-layer-scaling --empty-unused-memory-level --use-cpu-initialization --distribute-saved-activations
+--log-throughput --timing-log-level --log-timers-to-tensorboard --log-memory-to-tensorboard
+--log-validation-ppl-to-tensorboard --tensorboard-log-interval --ckpt-format --dataloader-type --no-save-rng
 """.split()
 
 

@@ -27,7 +27,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("rapidlite.trainer",)),
     ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
     ("strategies", ("rapidlite.strategies",)),
-    ("config", ("rapidlite.arguments", "rapidlite.resolve", "rapidlite.config_file", "rapidlite.tasks.registry")),
+    (
+        "config",
+        (
+            "rapidlite.arguments",
+            "rapidlite.resolve",
+            "rapidlite.config_file",
+            "rapidlite.megatron_flags",
+            "rapidlite.tasks.registry",
+        ),
+    ),
     (
         "parallel and training machinery",
         (

@@ -156,6 +156,8 @@ class GPTConfig:
             swiglu=args.swiglu,
             position_embedding_type=args.position_embedding_type,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            rotary_base=getattr(args, "rotary_base", None) or 10000.0,
+            bias=not getattr(args, "disable_bias_linear", False),
         )
 
     @classmethod

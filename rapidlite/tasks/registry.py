@@ -99,12 +99,35 @@ def _pretraining_seq_length(args: Any) -> int:
     return 512 if model_family(args.pretrained_model_name_or_path) == "bert" else 1024
 
 
+# The built-in GPT's architecture flags; a Hugging Face config describes its own architecture.
+_BUILT_IN_GPT_FLAGS = (
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "untie_embeddings_and_output_weights",
+    "use_rotary_position_embeddings",
+    "no_position_embedding",
+    "rotary_base",
+    "disable_bias_linear",
+)
+
+
 def _check_pretraining(args: Any) -> None:
     if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
         raise ConfigError(
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
             "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
         )
+    given = getattr(args, "explicit_flags", None)
+    if args.pretrained_model_name_or_path is not None and given is not None:
+        for dest in _BUILT_IN_GPT_FLAGS:
+            if dest in given:
+                flag = "--" + dest.replace("_", "-")
+                raise ConfigError(
+                    f"{flag} shapes the built-in GPT; the config of --pretrained-model-name-or-path "
+                    f"{args.pretrained_model_name_or_path} defines its own architecture (its sizes follow "
+                    f"--num-layers, --hidden-size, ...): drop {flag} or --pretrained-model-name-or-path"
+                )
 
 
 def _check_question_answering(args: Any) -> None:

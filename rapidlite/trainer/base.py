@@ -661,6 +661,50 @@ class BaseTrainer:
                 "iterations)"
             )
 
+    def exit_if_due(self) -> bool:
+        """Megatron's ``--exit-interval N`` (after an iteration divisible by N) and ``--exit-duration-in-mins M``
+        (after the first step ending M minutes after the command's start; every rank stops after the same one):
+        called by the loops after each optimizer step. When due, the checkpoint is saved (with --save), one line
+        says how to resume, and it returns True: the loop returns without the final evaluation and export, and
+        the process ends with exit code 0. The run's own last iteration is never cut short here."""
+        args = self.args
+        interval = getattr(args, "exit_interval", None)
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        if (interval is None and minutes is None) or self.iteration >= self.total_iters:
+            return False
+        reason = None
+        if interval is not None and self.iteration % interval == 0:
+            reason = f"--exit-interval {interval}"
+        if minutes is not None and self._any_rank((time.time() - time_budget.command_start()) / 60 >= minutes):
+            reason = reason or f"--exit-duration-in-mins {minutes:g}"
+        if reason is None:
+            return False
+        self.log_interval()
+        if self._progress is not None:
+            self._progress.close()
+        if args.save is not None:
+            self.save_checkpoint()
+            self.engine.barrier()
+            how = f"saved a checkpoint in {args.save}; the same command with --load {args.save} continues it"
+        else:
+            how = "nothing saved (no --save): a rerun starts over"
+        self.logger.info(f"{reason}: stopped after iteration {self.iteration} of {self.total_iters} and {how}")
+        if self._metrics is not None:
+            self._metrics.close()
+            self.plot_curves()
+        self._stop_signals.restore()
+        return True
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job (all of them: tensor and pipeline ranks too)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.engine.device)  # NCCL reduces int32
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def stop_if_signalled(self) -> None:
         """Called by the loops after each optimizer step. When SIGTERM or SIGUSR1 reached any rank, every rank
         stops here, after the same iteration: the checkpoint is saved (with --save), one line says how to resume,

@@ -148,6 +148,8 @@ class Finetuner(BaseTrainer):
                 self.train_step(functools.partial(self._forward_batch, b) for b in micro)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
                 self.stop_if_signalled()
+                if self.exit_if_due():
+                    return self.last_evaluation
             if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
                 self.evaluate("validation")
         if self.test_dataloader is not None:

@@ -143,6 +143,8 @@ class PreTrainer(BaseTrainer):
             self.count_batch(samples, tokens)
             self.after_step(samples)
             self.stop_if_signalled()
+            if self.exit_if_due():
+                return self.last_evaluation
         if not self.eval_every or self.iteration % self.eval_every:
             self.evaluate("validation")
         if self.test_data_iterator is not None:
