@@ -170,6 +170,11 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
     if args.use_distributed_optimizer and not (
         args.zero_2_memory_optimization or args.zero_3_memory_optimization or args.fsdp_memory_optimization
     ):
+        if args.tensor_model_parallel_size > 1:
+            raise ConfigError(
+                "--use-distributed-optimizer is ZeRO-1 here, which does not combine with tensor parallelism; with "
+                "it use --zero-2-memory-optimization (FSDP2 over the data-parallel ranks)"
+            )
         args.zero_1_memory_optimization = True  # ZeRO-2/3 shard the optimizer state already
 
     given = [flag for flag in NO_EFFECT if _given(args, flag.lstrip("-").replace("-", "_"))]

@@ -70,6 +70,8 @@ def test_samples_replace_the_embedded_defaults_length():
         (["--train-iters", "5", "--rampup-batch-size", "2", "2", "100"], "the global batch is constant"),
         (["--train-iters", "5", "--train-data-path", "a"], "divide it with --split"),
         (["--train-iters", "5", "--no-position-embedding"], "add --position-embedding-type rope"),
+        (["--train-iters", "5", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+          "--nproc-per-node", "2"], "with it use --zero-2-memory-optimization"),
         (["--train-iters", "5", "--exit-interval", "0"], "--exit-interval 0: must be a positive integer"),
         (["--train-iters", "5", "--pretrained-model-name-or-path", "gpt2", "--swiglu"],
          "--swiglu shapes the built-in GPT"),
