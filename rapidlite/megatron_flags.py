@@ -47,6 +47,7 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--ckpt-format": ({}, "rapidlite writes its own checkpoints (safetensors and torch files per rank)"),
     "--dataloader-type": ({}, "samples are read in Megatron's 'single' order"),
     "--no-save-rng": ({"action": "store_true"}, "the RNG states are a few kilobytes and keep a resume exact"),
+    "--data-cache-path": ({}, "indices are cached beside the data (PREFIX_cache/), else under $RAPIDLITE_CACHE"),
 }
 
 
@@ -94,6 +95,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="built-in GPT: no biases in linear layers (nor in LayerNorm)",
     )
+    g.add_argument("--bert-no-binary-head", dest="binary_head", action="store_false", help="BERT: --no-binary-head")
     g.add_argument("--group-query-attention", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--num-query-groups", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--kv-channels", type=int, default=None, help=argparse.SUPPRESS)

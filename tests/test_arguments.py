@@ -55,6 +55,7 @@ FLAGS = """
 --apply-query-key-layer-scaling --empty-unused-memory-level --use-cpu-initialization --distribute-saved-activations
 --log-throughput --timing-log-level --log-timers-to-tensorboard --log-memory-to-tensorboard
 --log-validation-ppl-to-tensorboard --tensorboard-log-interval --ckpt-format --dataloader-type --no-save-rng
+--data-cache-path --bert-no-binary-head
 """.split()
 
 

@@ -51,6 +51,10 @@ def test_translations():
     zero3 = resolved("--train-iters", "5", "--use-distributed-optimizer", "--zero-3-memory-optimization")
     assert zero3.zero_3_memory_optimization and not zero3.zero_1_memory_optimization  # it shards the state already
     assert not [n for n in resolved("--train-iters", "5").notices if "Megatron" in n]
+    assert (
+        resolved("--train-iters", "5").binary_head
+        and not resolved("--train-iters", "5", "--bert-no-binary-head").binary_head
+    )
 
 
 def test_samples_replace_the_embedded_defaults_length():
