@@ -113,7 +113,8 @@ def hand_scores(model_dir: str, rows: list[dict]) -> dict[str, float]:
 
 def run_eval(*argv: str, threads: int = 1) -> subprocess.CompletedProcess:
     """``rapidlite-eval ARGV`` in a fresh process, as a user runs it (one thread per process: two cores)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+    env = {k: v for k, v in os.environ.items() if k != "RAPIDLITE_NO_PROGRESS"}  # as a user's: bars by the rule
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "rapidlite.evaluation.command", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
@@ -184,6 +185,8 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_overwritten(model_dir, tm
         (write_jsonl(tmp_path / "mc.jsonl", mc_rows(2, 0)), "--task", "perplexity"): ["mc.jsonl", "context", "text"],
         (write_jsonl(tmp_path / "label.jsonl", [{"context": "c", "endings": ["a", "b"], "label": 5}]),): ["label 5"],
         (str(tmp_path / "absent.jsonl"),): ["absent.jsonl", "not found"],
+        # a window longer than the model's learned position table (64)
+        (write_jsonl(tmp_path / "text.jsonl", [{"text": "a b c"}]), "--seq-length", "128"): ["--seq-length 128", "64"],
     }
     for (data, *extra), words in cases.items():
         code = main(["--model", model_dir, "--data", data, "--output", str(output), "--overwrite", *extra])
@@ -206,6 +209,7 @@ def test_two_ranks_equal_one(model_dir, tmp_path):
     for data, extra in ((mc, ["--micro-batch-size", "4"]), (text, ["--micro-batch-size", "2", "--seq-length", "16"])):
         one, two = (run_eval("--model", model_dir, "--data", data, *extra, "--nproc-per-node", n) for n in "12")
         assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+        assert "Loading weights" not in one.stderr + two.stderr  # transformers' bars stay off a pipe
         one, two = last_json(one.stdout), last_json(two.stdout)
         assert (one.pop("world_size"), two.pop("world_size")) == (1, 2)
         assert one == two  # exactly: the same batches, gathered in request order

@@ -205,17 +205,21 @@ def load_scorer(
     weights unless ``bf16``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rapidlite.models.hf import load_hf_model
+    from rapidlite.models.hf import check_positions, load_hf_model
+    from rapidlite.progress import hf_transformers_progress
 
     if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        net = load_hf_model(
-            AutoModelForCausalLM.from_pretrained, model, dtype=torch.bfloat16 if bf16 else torch.float32
-        )
+        with hf_transformers_progress(True):  # its bars on a terminal only
+            net = load_hf_model(
+                AutoModelForCausalLM.from_pretrained, model, dtype=torch.bfloat16 if bf16 else torch.float32
+            )
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model {model}: cannot load a causal LM and its tokenizer ({first_line(e)})") from None
+    if max_length is not None:
+        check_positions(net, max_length, model)  # a longer window would index past the position table
     device = device or torch.device("cpu")
     return CausalLMScorer(net.to(device), tokenizer, max_length, batch_size, device)
 
