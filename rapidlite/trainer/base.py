@@ -232,7 +232,7 @@ class BaseTrainer:
         n_params = strategy.parameter_count(self.model)
         a = self.args
         self.logger.info(
-            f"model: {type(strategy.module(self.model)).__name__}, {n_params / 1e6:.2f}M parameters | "
+            f"model: {model_class_name(strategy.module(self.model))}, {n_params / 1e6:.2f}M parameters | "
             f"device: {self.engine.device} | "
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
             f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
@@ -729,6 +729,15 @@ class BaseTrainer:
         if self._metrics is not None:
             self._metrics.close(preemption.EXIT_CODE, preempted=True)
         preemption.exit_preempted()
+
+
+def model_class_name(module: torch.nn.Module) -> str:
+    """The class the user built: PyTorch's composable DDP and FSDP2 swap a module's class for a subclass
+    (``DDPGPTModel``, ``FSDPLlamaForCausalLM``) defined in ``torch.distributed``."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed"):
+            return cls.__name__
+    return type(module).__name__
 
 
 def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
