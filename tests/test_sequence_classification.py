@@ -192,3 +192,38 @@ def test_readme_demo_reaches_90_percent(tmp_path):
     final = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"][-1]
     assert final["accuracy"] >= 0.9
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
+def test_a_decoder_model_whose_tokenizer_has_no_padding_token(tiny_assets, tmp_path, capsys):
+    """LLaMA-style classifiers: the tokenizer pads with its EOS token (one line says so), the model pools each
+    row's last real token, so a padded row scores as it does alone; the export carries the padding token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    _, data_dir = tiny_assets
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    words = "the film was not good at all a truly wonderful story bad great".split()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"])
+    bpe.train_from_iterator(words * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    assert tokenizer.pad_token is None
+    model_dir = tmp_path / "llama"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    args = parse_args(task_args(model_dir, data_dir, "--train-iters", "3", "--save", str(tmp_path / "run")))
+    SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    out = capsys.readouterr()
+    assert "the tokenizer has no padding token; padding with '</s>'" in out.out + out.err
+
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "hf").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf")
+    assert tokenizer.pad_token == "</s>" and exported.config.pad_token_id == tokenizer.eos_token_id
+    texts = ["a truly wonderful story", "bad"]
+    with torch.no_grad():
+        together = exported(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+        alone = torch.cat([exported(**tokenizer([t], return_tensors="pt")).logits for t in texts])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)

@@ -98,13 +98,21 @@ def load_error(what: str, name: str, error: Exception) -> ConfigError:
 
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
-    not."""
+    not. A tokenizer without a padding token (GPT-2's, LLaMA's) pads with its EOS token (else UNK), as decoder
+    models are fine-tuned: padded positions are masked out of attention and loss, and one line says so."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("tokenizer", name, e) from None
+    fill = tokenizer.eos_token or tokenizer.unk_token
+    if tokenizer.pad_token is None and fill is not None:
+        tokenizer.pad_token = fill
+        logging.getLogger(LOGGER_NAME).info(
+            f"{name}: the tokenizer has no padding token; padding with {fill!r} (padded positions are masked out)"
+        )
+    return tokenizer
 
 
 def sequence_length(seq_length: int | None, tokenizer: Any, default_cap: int = 512) -> int:

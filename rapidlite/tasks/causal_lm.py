@@ -56,9 +56,7 @@ class CausalLMFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token  # the custom for causal LMs: padding is masked
+        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)  # no padding token: EOS pads
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
