@@ -242,6 +242,51 @@ def test_negative_labels_dropped_from_train_kept_in_test(tokenizer):
     assert list(data.test["labels"]) == [-1, -1, -1]
 
 
+def test_integer_labels_not_from_zero_are_mapped_to_their_sorted_values(tokenizer):
+    # Star ratings 1..5 (or labels 1/2) are classes by value: no phantom class 0 in the head or the macro F1.
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad", "awful", "great"], "stars": [5, 1, 1, 3]}),
+        validation=ds({"text": ["good", "bad"], "stars": [5, -1]}),
+    )
+    data = build_text_classification_data(raw, tokenizer, seq_length=16, label_key="stars")
+    assert data.num_labels == 3 and data.id2label == {0: "1", 1: "3", 2: "5"}
+    assert list(data.train["labels"]) == [2, 0, 0, 1] and list(data.validation["labels"]) == [2]
+
+
+def test_unseen_integer_validation_label_is_an_error(tokenizer):
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"], "label": [0, 1]}),
+        validation=ds({"text": ["good"], "label": [2]}),
+    )
+    with pytest.raises(DataError, match="validation label 2 does not occur in train"):
+        build_text_classification_data(raw, tokenizer, seq_length=16)
+
+
+@pytest.mark.parametrize("labels", [["pos", "pos"], [1, 1]])
+def test_a_single_class_is_refused(tokenizer, labels):
+    # One class would make a one-output head, which transformers trains as a regression.
+    raw = datasets.DatasetDict(train=ds({"text": ["good", "great"], "label": labels}))
+    with pytest.raises(DataError, match="only one class"):
+        build_text_classification_data(raw, tokenizer, seq_length=16)
+
+
+def test_save_to_disk_directories_are_read(tmp_path, tokenizer):
+    both = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"] * 10, "label": [1, 0] * 10}),
+        dev=ds({"text": ["great"], "label": [1]}),
+    )
+    both.save_to_disk(str(tmp_path / "dict"))
+    raw = load_raw_datasets(str(tmp_path / "dict"))
+    assert set(raw) == {"train", "validation"} and len(raw["train"]) == 20 and raw["validation"]["text"] == ["great"]
+    both["train"].save_to_disk(str(tmp_path / "one"))
+    raw = load_raw_datasets(str(tmp_path / "one"), split="75,25")
+    assert {k: len(v) for k, v in raw.items()} == {"train": 15, "validation": 5}
+    datasets.DatasetDict(validation=both["dev"]).save_to_disk(str(tmp_path / "no-train"))
+    with pytest.raises(DataError, match="the saved dataset has no train split"):
+        load_raw_datasets(str(tmp_path / "no-train"))
+    assert sorted(os.listdir(tmp_path / "one")) == ["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]
+
+
 def test_labels_stay_aligned_with_text_after_a_seeded_split(tmp_path, tokenizer):
     word = {1: "good", 0: "bad", -1: "awful"}
     write_csv(tmp_path / "all.csv", ["text", "label"], [(word[i % 3 - 1], i % 3 - 1) for i in range(60)])

@@ -155,7 +155,7 @@ def _is_missing(value: Any) -> bool:
 class _LabelPlan:
     """How raw label values become ids; plain data so ``datasets.map`` workers can pickle it."""
 
-    to_id: dict[Any, int] | None  # None: labels are already integer ids
+    to_id: dict[Any, int] | None  # None: labels are already ids (a ClassLabel); int keys: integer labels
     num_labels: int
     id2label: dict[int, str]
 
@@ -164,6 +164,9 @@ class _LabelPlan:
             return -1
         if self.to_id is None:
             return int(value)
+        if isinstance(next(iter(self.to_id)), int):
+            number = int(float(value))
+            return -1 if number < 0 else self.to_id[number]
         return self.to_id[str(value)]
 
 
@@ -183,8 +186,33 @@ def _class_id(value: Any, split: str, label: str) -> int | None:
     return int(number)
 
 
+def _check_known(values: dict[str, list], known: Any, label: str, shown: list[str]) -> None:
+    """A validation or test label the train split lacks is one line: the model could never learn to predict it."""
+    for name in ("validation", "test"):
+        for v in values.get(name, []):
+            if v is not None and v not in known:
+                raise DataError(
+                    f"--label-key {label}: {name} label {v!r} does not occur in train "
+                    f"(train labels: {', '.join(shown[:20])}); fix the {name} file"
+                )
+
+
+def _at_least_two(classes: list[str], label: str) -> None:
+    if len(classes) < 2:
+        raise DataError(
+            f"--label-key {label}: the train split has only one class ({', '.join(classes)}); classification needs "
+            "at least two, add rows of another class"
+        )
+
+
 def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
-    """Decide the label mapping from the train (and validation) values and check every split against it."""
+    """Decide the label mapping from the train values and check every split against it.
+
+    A ClassLabel keeps its ids and names. Other integer labels are mapped, as run_glue maps them, to the sorted
+    distinct non-negative train values (1..5 stars become ids 0..4 named "1".."5"; ids 0..N-1 stay as they
+    are), and strings to their sorted distinct train values; negative integers (GLUE's unlabelled test rows)
+    and missing labels are unlabelled.
+    """
     from datasets import ClassLabel
 
     feature = splits["train"].features[label]
@@ -209,32 +237,35 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
         classes = sorted({str(v) for v in train_values})
         if not classes:
             raise DataError(f"--label-key {label}: the train split has no labels")
+        _at_least_two(classes, label)
         to_id = {c: i for i, c in enumerate(classes)}
-        for name in ("validation", "test"):
-            for v in values.get(name, []):
-                if not _is_missing(v) and str(v) not in to_id:
-                    raise DataError(
-                        f"--label-key {label}: {name} label {v!r} does not occur in train "
-                        f"(train labels: {', '.join(classes[:20])}); fix the {name} file"
-                    )
+        shown = {n: [None if _is_missing(v) else str(v) for v in vals] for n, vals in values.items()}
+        _check_known(shown, to_id, label, classes)
         return _LabelPlan(to_id, len(classes), dict(enumerate(classes)))
 
-    # Integer ids: negatives (GLUE test sets use -1) mean "unlabelled" and are dropped from train/validation.
     ids = {name: [_class_id(v, name, label) for v in vals] for name, vals in values.items()}
-    labelled = [v for name in ("train", "validation") for v in ids.get(name, []) if v is not None]
-    num_labels = max((v for v in labelled if v >= 0), default=-1) + 1
-    names = list(feature.names) if isinstance(feature, ClassLabel) else []
-    num_labels = max(num_labels, len(names))
-    if num_labels == 0:
+    # Negatives (GLUE test sets use -1) mean "unlabelled": dropped from train/validation, not scored in test.
+    labelled = {name: [None if v is None or v < 0 else v for v in vals] for name, vals in ids.items()}
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+        num_labels = max(
+            [len(names)] + [v + 1 for n in ("train", "validation") for v in labelled.get(n, []) if v is not None]
+        )
+        for v in labelled.get("test", []):
+            if v is not None and v >= num_labels:
+                raise DataError(
+                    f"--label-key {label}: test label {v} is not one of the {num_labels} classes "
+                    f"(ids 0..{num_labels - 1}); fix the test file"
+                )
+        return _LabelPlan(None, num_labels, {i: names[i] if i < len(names) else str(i) for i in range(num_labels)})
+    classes_int = sorted({v for v in labelled["train"] if v is not None})
+    if not classes_int:
         raise DataError(f"--label-key {label}: the train split has no non-negative labels")
-    for v in ids.get("test", []):
-        if v is not None and v >= num_labels:
-            raise DataError(
-                f"--label-key {label}: test label {v} does not occur in train/validation "
-                f"(ids 0..{num_labels - 1}); fix the test file"
-            )
-    id2label = {i: names[i] if i < len(names) else str(i) for i in range(num_labels)}
-    return _LabelPlan(None, num_labels, id2label)
+    _at_least_two([str(c) for c in classes_int], label)
+    _check_known(labelled, set(classes_int), label, [str(c) for c in classes_int])
+    return _LabelPlan(
+        {c: i for i, c in enumerate(classes_int)}, len(classes_int), dict(enumerate(map(str, classes_int)))
+    )
 
 
 def _tokenize_batch(
