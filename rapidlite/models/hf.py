@@ -96,6 +96,16 @@ def load_error(what: str, name: str, error: Exception) -> ConfigError:
     )
 
 
+def load_config(name: str) -> Any:
+    """``AutoConfig`` of ``name``, or one line saying why not."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise load_error("model config", name, e) from None
+
+
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
     not."""
@@ -107,18 +117,61 @@ def load_tokenizer(name: str, **kwargs: Any) -> Any:
         raise load_error("tokenizer", name, e) from None
 
 
-def sequence_length(seq_length: int | None, tokenizer: Any, default_cap: int = 512) -> int:
-    """``--seq-length``, or the model's limit (the tokenizer's ``model_max_length``) up to ``default_cap`` (as
-    Hugging Face's example scripts cap it); a length beyond the model's limit is one line (its position
-    embeddings end there)."""
+# Models whose learned positions start after the padding id (``padding_idx + 1``), so a table of N rows holds
+# N - pad_token_id - 1 tokens (RoBERTa's 514 rows hold 512).
+_PADDING_OFFSET_POSITIONS = (
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "longformer",
+    "data2vec-text",
+    "roberta-prelayernorm",
+    "xmod",
+    "ibert",
+    "mpnet",
+    "luke",
+)
+
+
+def position_limit(config: Any) -> int | None:
+    """The tokens a model's learned position table holds (``max_position_embeddings``, less RoBERTa's padding
+    offset), or None for a model without one (rotary positions, DeBERTa-v3's relative ones, T5's buckets)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    if getattr(config, "position_biased_input", True) is False or any(
+        getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")
+    ):
+        return None
+    if getattr(config, "model_type", None) in _PADDING_OFFSET_POSITIONS:
+        limit -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return limit if limit > 0 else None
+
+
+def sequence_length(
+    seq_length: int | None, tokenizer: Any, default_cap: int = 512, config: Any = None, explicit: bool = True
+) -> int:
+    """``--seq-length``, or the model's limit up to ``default_cap`` (as Hugging Face's example scripts cap it).
+    The limit is the tokenizer's ``model_max_length`` and, given the model's ``config``, its position table
+    (a tokenizer saved beside a smaller model may not know it). A length beyond the limit is one line (the
+    position embeddings end there), unless it is a task's default (``explicit=False``): that is lowered to it."""
+    limits = []
     limit = getattr(tokenizer, "model_max_length", None)
     # A tokenizer that does not know its model's limit says 1e30.
-    limit = int(limit) if isinstance(limit, (int, float)) and limit < 1_000_000 else None
+    if isinstance(limit, (int, float)) and limit < 1_000_000:
+        limits.append((int(limit), "its tokenizer's model_max_length"))
+    table = position_limit(config) if config is not None else None
+    if table is not None:
+        limits.append((table, f"its position table, max_position_embeddings {config.max_position_embeddings}"))
+    limit, source = min(limits) if limits else (None, "")
     if seq_length is None:
         return min(limit or default_cap, default_cap)
     if limit is not None and seq_length > limit:
+        if not explicit:
+            return limit
         raise ConfigError(
-            f"--seq-length {seq_length}: the model takes at most {limit} tokens; use --seq-length {limit}"
+            f"--seq-length {seq_length}: the model takes at most {limit} tokens ({source}); use --seq-length {limit}"
         )
     return seq_length
 

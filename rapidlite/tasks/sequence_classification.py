@@ -12,7 +12,7 @@ import torch
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -44,19 +44,23 @@ class SequenceClassificationFinetuner(Finetuner):
     def train_valid_test_datasets_provider(self):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
+        config = load_config(args.pretrained_model_name_or_path)
+        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,
-                seq_length=args.seq_length or DEFAULT_SEQ_LENGTH,
+                seq_length=seq_length,
                 text_keys=args.text_keys,
                 label_key=args.label_key,
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "
             f"{len(self.data.validation) if self.data.validation is not None else 0} validation "
-            f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels"
+            f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels, cut at --seq-length "
+            f"{seq_length}"
         )
         for split, (dropped, rows) in self.data.dropped.items():
             self.logger.warning(
