@@ -192,3 +192,24 @@ def test_readme_demo_reaches_90_percent(tmp_path):
     final = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"][-1]
     assert final["accuracy"] >= 0.9
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
+def test_a_fine_tuned_head_keeps_its_label_ids(tiny_assets, tmp_path):
+    """A classifier whose head already has the data's labels, in another order than the sorted one (MNLI models
+    disagree on it), is scored with its own ids: the same model with its head rows and id2label swapped scores
+    exactly the same."""
+    model_dir, data_dir = tiny_assets
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.classifier.weight.copy_(model.classifier.weight.flip(0))
+        model.classifier.bias.copy_(model.classifier.bias.flip(0))
+    model.config.id2label = {0: "POSITIVE", 1: "NEGATIVE"}  # the labels case aside, as run_glue matches them
+    model.config.label2id = {"POSITIVE": 0, "NEGATIVE": 1}
+    model.save_pretrained(tmp_path / "swapped")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "swapped")
+    scores = {}
+    for name, path in (("original", model_dir), ("swapped", tmp_path / "swapped")):
+        args = parse_args(task_args(path, data_dir, "--eval-only", "--save", str(tmp_path / f"eval-{name}")))
+        scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "accuracy"):  # f1 is the class with id 1's, here NEGATIVE
+        assert scores["swapped"][key] == pytest.approx(scores["original"][key], rel=1e-6), key

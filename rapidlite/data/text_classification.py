@@ -121,6 +121,8 @@ class TextClassificationData:
     collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]]
     # Rows dropped per split for a missing or negative label: ``{"train": (dropped, rows)}``.
     dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Whether the ids are a model head's (``label_order``) rather than the sorted labels'.
+    follows_head: bool = False
 
 
 class PadCollator:
@@ -158,16 +160,32 @@ class _LabelPlan:
     to_id: dict[Any, int] | None  # None: labels are already ids (a ClassLabel); int keys: integer labels
     num_labels: int
     id2label: dict[int, str]
+    remap: list[int] | None = None  # these ids -> the ids of a model head with the same label names
 
     def convert(self, value: Any) -> int:
         if _is_missing(value):
             return -1
         if self.to_id is None:
-            return int(value)
-        if isinstance(next(iter(self.to_id)), int):
+            label = int(value)
+        elif isinstance(next(iter(self.to_id)), int):
             number = int(float(value))
-            return -1 if number < 0 else self.to_id[number]
-        return self.to_id[str(value)]
+            label = -1 if number < 0 else self.to_id[number]
+        else:
+            label = self.to_id[str(value)]
+        return self.remap[label] if self.remap is not None and label >= 0 else label
+
+    def follow_head(self, head: list[str] | None) -> bool:
+        """Take the ids of a model head whose names are these labels' (case aside, as run_glue matches them), so a
+        fine-tuned classifier is evaluated or trained further with its own ids; whether it did."""
+        names = [self.id2label[i] for i in range(self.num_labels)]
+        if head is None or sorted(n.lower() for n in head) != sorted(n.lower() for n in names) or names == head:
+            return False
+        if len({n.lower() for n in head}) != len(head):
+            return False
+        head_id = {n.lower(): i for i, n in enumerate(head)}
+        self.remap = [head_id[n.lower()] for n in names]
+        self.id2label = dict(enumerate(head))
+        return True
 
 
 def _class_id(value: Any, split: str, label: str) -> int | None:
@@ -292,11 +310,13 @@ def build_text_classification_data(
     text_keys: list[str] | None = None,
     label_key: str | None = None,
     num_proc: int | None = None,
+    label_order: list[str] | None = None,
 ) -> TextClassificationData:
     """Detect columns, map labels to ids and tokenize every split of ``raw`` (nothing is cached on disk).
 
     Rows with a negative or missing label are dropped from train/validation; test rows are kept with
-    label -1 (also when the test split has no label column at all).
+    label -1 (also when the test split has no label column at all). ``label_order``: the label names of a model's
+    head; when they are the data's labels, the ids are the head's.
     """
     if "train" not in raw:
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
@@ -317,6 +337,7 @@ def build_text_classification_data(
         raise DataError("--data-path: the train split is empty; add training rows")
 
     plan = _plan_labels(splits, label)
+    follows_head = plan.follow_head(label_order)
     out: dict[str, datasets.Dataset | None] = {"train": None, "validation": None, "test": None}
     dropped: dict[str, tuple[int, int]] = {}
     for name, ds in splits.items():
@@ -361,4 +382,5 @@ def build_text_classification_data(
         label_key=label,
         collate_fn=PadCollator(tokenizer),
         dropped=dropped,
+        follows_head=follows_head,
     )

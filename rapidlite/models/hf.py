@@ -106,6 +106,16 @@ def load_config(name: str) -> Any:
         raise load_error("model config", name, e) from None
 
 
+def head_labels(config: Any) -> list[str] | None:
+    """The label names of a model's classification head (``id2label`` in id order), or None when the config
+    has only transformers' placeholders (``LABEL_0``...)."""
+    id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    names = [id2label[i] for i in sorted(id2label)]
+    if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
+        return None
+    return names
+
+
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
     not."""

@@ -12,7 +12,7 @@ import torch
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics
-from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -55,6 +55,7 @@ class SequenceClassificationFinetuner(Finetuner):
                 seq_length=seq_length,
                 text_keys=args.text_keys,
                 label_key=args.label_key,
+                label_order=head_labels(config),
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "
@@ -62,6 +63,8 @@ class SequenceClassificationFinetuner(Finetuner):
             f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels, cut at --seq-length "
             f"{seq_length}"
         )
+        if self.data.follows_head:
+            self.logger.info(f"data: the model's head has these labels; its ids are kept ({self.data.id2label})")
         for split, (dropped, rows) in self.data.dropped.items():
             self.logger.warning(
                 f"data: dropped {dropped} of {rows} {split} rows whose label ({self.data.label_key}) is missing or "

@@ -23,23 +23,13 @@ from rapidlite.data.token_classification import (
 )
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.metrics import is_entity_tagset, tagging_metrics
-from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
 # Byte-level BPE tokenizers read pre-split words only with a space before each (run_ner's list).
 _PREFIX_SPACE_MODELS = ("bloom", "gpt2", "roberta", "deberta", "longformer", "bart")
-
-
-def head_labels(config: Any) -> list[str] | None:
-    """The tag names of a model's token-classification head (``id2label`` in id order), or None when the config
-    has only transformers' placeholders (``LABEL_0``...)."""
-    id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
-    names = [id2label[i] for i in sorted(id2label)]
-    if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
-        return None
-    return names
 
 
 def load_word_tokenizer(name: str, config: Any) -> Any:
