@@ -213,3 +213,30 @@ def test_a_fine_tuned_head_keeps_its_label_ids(tiny_assets, tmp_path):
         scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
     for key in ("loss", "accuracy"):  # f1 is the class with id 1's, here NEGATIVE
         assert scores["swapped"][key] == pytest.approx(scores["original"][key], rel=1e-6), key
+
+
+def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
+    """Scores with fractions (STS-B's layout) train one output with MSE, are scored with Pearson and Spearman
+    correlations and the MSE, and export a regression model that --eval-only scores the same."""
+    import csv
+
+    model_dir, data_dir = tiny_assets
+    scores = tmp_path / "scores"
+    scores.mkdir()
+    for split in ("train", "validation"):
+        with open(data_dir / f"{split}.csv", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        with open(scores / f"{split}.csv", "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "label"])
+            for i, row in enumerate(rows):
+                writer.writerow([row["sentence"], (4.0 if row["label"] == "positive" else 1.0) + (i % 5) / 10])
+    args = parse_args(task_args(model_dir, scores, "--epochs", "2", "--save", str(tmp_path / "run")))
+    final = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    assert set(final) >= {"pearson", "spearmanr", "loss"} and final["pearson"] > 0.5, final
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "hf")
+    assert exported.config.problem_type == "regression" and exported.config.num_labels == 1
+    args = parse_args(task_args(tmp_path / "run" / "hf", scores, "--eval-only", "--save", str(tmp_path / "eval")))
+    rescored = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "pearson", "spearmanr"):
+        assert rescored[key] == pytest.approx(final[key], rel=1e-5), key

@@ -315,10 +315,37 @@ def test_class_label_names_and_pairs(tokenizer):
     assert 1 in data.train[0]["token_type_ids"]  # the second sentence is segment 1
 
 
-def test_regression_labels_are_refused(tokenizer):
-    raw = datasets.DatasetDict(train=ds({"text": ["good", "bad"], "label": [0.5, 3.2]}))
-    with pytest.raises(DataError, match="regression is not supported"):
-        build_text_classification_data(raw, tokenizer, seq_length=16)
+def test_float_scores_are_a_regression(tokenizer):
+    # STS-B style: scores with fractions train one output; negative scores are scores, missing ones are dropped.
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad", "awful", "great"], "score": [4.5, -1.0, None, 3.0]}),
+        validation=ds({"text": ["good", "bad"], "score": [5, 0]}),
+        test=ds({"text": ["good"], "score": [None]}),
+    )
+    data = build_text_classification_data(raw, tokenizer, seq_length=16, label_key="score")
+    assert data.regression and data.num_labels == 1 and data.id2label == {0: "score"}
+    assert data.dropped == {"train": (1, 4)}
+    assert list(data.train["labels"]) == [4.5, -1.0, 3.0] and list(data.validation["labels"]) == [5.0, 0.0]
+    batch = data.collate_fn([data.train[0], data.train[1]])
+    assert batch["labels"].dtype == torch.float32 and batch["labels"].tolist() == [4.5, -1.0]
+    assert torch.isnan(torch.tensor(data.test["labels"])).all()
+    bad = datasets.DatasetDict(train=raw["train"], validation=ds({"text": ["good"], "score": ["high"]}))
+    with pytest.raises(DataError, match="validation label 'high' is not a number like the train scores"):
+        build_text_classification_data(bad, tokenizer, seq_length=16, label_key="score")
+    whole = datasets.DatasetDict(train=ds({"text": ["good", "bad"], "label": [1.0, 0.0]}))
+    assert not build_text_classification_data(whole, tokenizer, seq_length=16).regression  # whole numbers: classes
+
+
+def test_regression_metrics_are_pearson_spearman_and_mse():
+    from scipy.stats import pearsonr, spearmanr
+
+    from rapidlite.metrics import regression_metrics
+
+    scores, labels = torch.tensor([0.1, 2.0, 2.5, 4.0, 3.0]), torch.tensor([0.0, 1.5, 3.0, 5.0, 2.0])
+    metrics = regression_metrics(scores, labels)
+    assert metrics["pearson"] == pytest.approx(pearsonr(scores, labels)[0], rel=1e-6)
+    assert metrics["spearmanr"] == pytest.approx(spearmanr(scores, labels)[0], rel=1e-6)
+    assert metrics["loss"] == pytest.approx(float(((scores - labels) ** 2).mean()), rel=1e-6)
 
 
 def test_empty_train_is_refused(tokenizer):

@@ -123,6 +123,8 @@ class TextClassificationData:
     dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Whether the ids are a model head's (``label_order``) rather than the sorted labels'.
     follows_head: bool = False
+    # Float scores (STS-B style): one output, labels are floats, NaN where unlabelled.
+    regression: bool = False
 
 
 class PadCollator:
@@ -140,7 +142,9 @@ class PadCollator:
         padded = self.tokenizer.pad(inputs, padding="longest", return_tensors="pt")
         batch = {k: torch.as_tensor(v).to(torch.int64) for k, v in padded.items()}
         if labels is not None:
-            batch["labels"] = torch.as_tensor(labels, dtype=torch.int64)
+            values = torch.as_tensor(labels)
+            # Regression scores train a float head (MSE); class ids index logits.
+            batch["labels"] = values.float() if values.is_floating_point() else values.to(torch.int64)
         return batch
 
 
@@ -161,8 +165,11 @@ class _LabelPlan:
     num_labels: int
     id2label: dict[int, str]
     remap: list[int] | None = None  # these ids -> the ids of a model head with the same label names
+    regression: bool = False  # float scores, passed through (NaN where missing)
 
-    def convert(self, value: Any) -> int:
+    def convert(self, value: Any) -> int | float:
+        if self.regression:
+            return math.nan if _is_missing(value) else float(value)
         if _is_missing(value):
             return -1
         if self.to_id is None:
@@ -174,11 +181,20 @@ class _LabelPlan:
             label = self.to_id[str(value)]
         return self.remap[label] if self.remap is not None and label >= 0 else label
 
+    def labelled(self, label: float) -> bool:
+        """Whether a converted label is scored: not NaN for a score, not negative for a class."""
+        return not math.isnan(label) if self.regression else label >= 0
+
     def follow_head(self, head: list[str] | None) -> bool:
         """Take the ids of a model head whose names are these labels' (case aside, as run_glue matches them), so a
         fine-tuned classifier is evaluated or trained further with its own ids; whether it did."""
         names = [self.id2label[i] for i in range(self.num_labels)]
-        if head is None or sorted(n.lower() for n in head) != sorted(n.lower() for n in names) or names == head:
+        if (
+            self.regression
+            or head is None
+            or sorted(n.lower() for n in head) != sorted(n.lower() for n in names)
+            or names == head
+        ):
             return False
         if len({n.lower() for n in head}) != len(head):
             return False
@@ -199,7 +215,8 @@ def _class_id(value: Any, split: str, label: str) -> int | None:
     if isinstance(value, bool) or not number.is_integer():
         raise DataError(
             f"--label-key {label}: {split} label {value!r} is not an integer class id like the train "
-            "labels (regression is not supported); make the labels of all splits consistent"
+            "labels (whole numbers, read as classes; scores with fractions in train are a regression); make the "
+            "labels of all splits consistent"
         )
     return int(number)
 
@@ -241,13 +258,9 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     if isinstance(feature, ClassLabel) or (isinstance(dtype, str) and dtype.startswith(("int", "uint"))):
         mode = "int"
     elif isinstance(dtype, str) and dtype.startswith("float"):
-        bad = next((v for v in train_values if not float(v).is_integer()), None)
-        if bad is not None:
-            raise DataError(
-                f"--label-key {label}: train label {bad!r} is not a class id; regression is not "
-                "supported, labels must be integers or strings"
-            )
-        mode = "int"
+        if any(not float(v).is_integer() for v in train_values):
+            return _plan_regression(values, label)
+        mode = "int"  # whole numbers stored as floats (a csv column with empty cells): class ids
     else:  # strings, bools and anything else: classes are the sorted distinct train values
         mode = "str"
 
@@ -286,6 +299,18 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     )
 
 
+def _plan_regression(values: dict[str, list], label: str) -> _LabelPlan:
+    """Float scores (STS-B's 0-5 similarity, ratings): a one-output head trained with MSE, as run_glue does."""
+    for name, vals in values.items():
+        for v in vals:
+            if not _is_missing(v) and (isinstance(v, (bool, str)) or not math.isfinite(float(v))):
+                raise DataError(
+                    f"--label-key {label}: {name} label {v!r} is not a number like the train scores; "
+                    "make the labels of all splits numbers"
+                )
+    return _LabelPlan(None, 1, {0: label}, regression=True)
+
+
 def _tokenize_batch(
     batch: dict[str, list],
     tokenizer: Any,
@@ -299,7 +324,8 @@ def _tokenize_batch(
     encoded = tokenizer(texts[0], texts[1] if len(texts) > 1 else None, truncation=True, max_length=seq_length)
     out = dict(encoded)
     n = len(texts[0])
-    out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [-1] * n
+    unlabelled = math.nan if plan.regression else -1
+    out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [unlabelled] * n
     return out
 
 
@@ -344,7 +370,7 @@ def build_text_classification_data(
         has_label = label in ds.column_names
         if name != "test":
             labels = [plan.convert(v) for v in _column_values(ds, label)]
-            keep = [i for i, y in enumerate(labels) if y >= 0]
+            keep = [i for i, y in enumerate(labels) if plan.labelled(y)]
             if not keep:
                 raise DataError(
                     f"--data-path: the {name} split has no labelled rows (labels missing or "
@@ -383,4 +409,5 @@ def build_text_classification_data(
         collate_fn=PadCollator(tokenizer),
         dropped=dropped,
         follows_head=follows_head,
+        regression=plan.regression,
     )
