@@ -228,7 +228,8 @@ def _check_known(values: dict[str, list], known: Any, label: str, shown: list[st
             if v is not None and v not in known:
                 raise DataError(
                     f"--label-key {label}: {name} label {v!r} does not occur in train "
-                    f"(train labels: {', '.join(shown[:20])}); fix the {name} file"
+                    f"(train labels: {', '.join(shown[:20])}); fix the {name} file, or where --split carves {name} "
+                    "out of one file, give that label more rows or drop it"
                 )
 
 
