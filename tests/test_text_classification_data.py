@@ -287,6 +287,21 @@ def test_save_to_disk_directories_are_read(tmp_path, tokenizer):
     assert sorted(os.listdir(tmp_path / "one")) == ["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]
 
 
+def test_a_json_object_with_its_records_under_data_is_read_as_rows(tmp_path):
+    rows = [{"text": "good", "label": 1}, {"text": "bad", "label": 0}] * 5
+    (tmp_path / "obj.json").write_text(json.dumps({"version": "1.0", "data": rows}))
+    raw = load_raw_datasets(str(tmp_path / "obj.json"), split="80,20")
+    assert {k: len(v) for k, v in raw.items()} == {"train": 8, "validation": 2}
+    assert raw["train"].column_names == ["text", "label"]
+    # A one-row file whose row holds a list of records (a question's answers) stays one row.
+    answers = [{"question": "q", "answers": [{"text": "a", "answer_start": 0}]}]
+    (tmp_path / "one.json").write_text(json.dumps(answers))
+    assert len(load_raw_datasets(str(tmp_path / "one.json"), split="100,0")["train"]) == 1
+    (tmp_path / "two.json").write_text(json.dumps({"data": rows, "rows": rows}))
+    with pytest.raises(DataError, match="lists of records under several keys \\(data, rows\\)"):
+        load_raw_datasets(str(tmp_path / "two.json"))
+
+
 def test_labels_stay_aligned_with_text_after_a_seeded_split(tmp_path, tokenizer):
     word = {1: "good", 0: "bad", -1: "awful"}
     write_csv(tmp_path / "all.csv", ["text", "label"], [(word[i % 3 - 1], i % 3 - 1) for i in range(60)])

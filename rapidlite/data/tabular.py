@@ -34,6 +34,8 @@ _HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
     "test": ("test", "test_matched"),
 }
 SPLIT_ORDER = ("train", "validation", "test")
+# Keys under which one json object keeps its list of records (``{"version": "1.0", "data": [{...}, ...]}``).
+RECORDS_KEYS = ("data", "rows", "records", "examples", "instances", "items")
 # A reader of one more file type (``load_raw_datasets(readers=...)``): the file's path -> its rows, or a DataError.
 Reader = Callable[[str], "datasets.Dataset"]
 
@@ -125,7 +127,39 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
 
         if is_squad_layout(ds):  # the official SQuAD file: one object; its questions are the rows
             return squad_layout_rows(path)
+        field = _records_field(ds, path)
+        if field is not None:  # {"version": ..., "data": [{...}, ...]}: the records are the rows
+            try:
+                return datasets.load_dataset(builder, data_files={"train": path}, split="train", field=field)
+            except Exception as e:
+                raise DataError(
+                    f"{path}: cannot read the records under {field!r} ({_short_reason(e, root=True)})"
+                ) from e
     return ds
+
+
+def _records_field(ds: datasets.Dataset, path: str) -> str | None:
+    """The key of a one-object json file whose rows are a list of records under one key (``{"data": [...]}``, as
+    ``load_dataset("json", field=...)`` reads it), or None for a file of rows."""
+    import datasets
+
+    if len(ds) != 1:
+        return None
+
+    def holds_records(feature: Any) -> bool:
+        if isinstance(feature, list):  # datasets before 4 describe a list of records as [{...}]
+            return len(feature) == 1 and isinstance(feature[0], dict)
+        list_type = getattr(datasets, "List", datasets.Sequence)
+        return isinstance(feature, list_type) and isinstance(feature.feature, dict)
+
+    # Only the usual names: a one-row file of rows may hold a list of records itself (a question's answers).
+    fields = [name for name, feature in ds.features.items() if name in RECORDS_KEYS and holds_records(feature)]
+    if len(fields) > 1:
+        raise DataError(
+            f"{path}: one json object with lists of records under several keys ({', '.join(fields)}); "
+            "keep one list of records per file (train.json, validation.json, ...)"
+        )
+    return fields[0] if fields else None
 
 
 def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str:
