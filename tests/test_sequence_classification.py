@@ -214,6 +214,23 @@ def test_a_fine_tuned_head_keeps_its_label_ids(tiny_assets, tmp_path):
     for key in ("loss", "accuracy"):  # f1 is the class with id 1's, here NEGATIVE
         assert scores["swapped"][key] == pytest.approx(scores["original"][key], rel=1e-6), key
 
+    # Data holding only some of the head's classes is scored by the head as it is (not a fresh, smaller one).
+    import csv
+
+    with open(data_dir / "validation.csv", encoding="utf-8") as f:
+        positive = [row for row in csv.DictReader(f) if row["label"] == "positive"]
+    (tmp_path / "positive").mkdir()
+    with open(tmp_path / "positive" / "validation.csv", "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["sentence", "label"])
+        writer.writeheader()
+        writer.writerows(positive)
+    for name, path in (("original", model_dir), ("swapped", tmp_path / "swapped")):
+        argv = task_args(path, tmp_path / "positive" / "validation.csv", "--eval-only")
+        args = parse_args([*argv, "--save", str(tmp_path / f"positive-{name}")])
+        scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    assert scores["swapped"]["loss"] == pytest.approx(scores["original"]["loss"], rel=1e-6)
+    assert scores["swapped"]["accuracy"] == pytest.approx(scores["original"]["accuracy"], rel=1e-6)
+
 
 def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
     """Scores with fractions (STS-B's layout) train one output with MSE, are scored with Pearson and Spearman

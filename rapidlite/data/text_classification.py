@@ -186,21 +186,18 @@ class _LabelPlan:
         return not math.isnan(label) if self.regression else label >= 0
 
     def follow_head(self, head: list[str] | None) -> bool:
-        """Take the ids of a model head whose names are these labels' (case aside, as run_glue matches them), so a
-        fine-tuned classifier is evaluated or trained further with its own ids; whether it did."""
+        """Take the ids of a model head whose names include all these labels (case aside, as run_glue matches them),
+        so a fine-tuned classifier is evaluated or trained further with its own head, also on data holding only
+        some of its classes; whether it did."""
         names = [self.id2label[i] for i in range(self.num_labels)]
-        if (
-            self.regression
-            or head is None
-            or sorted(n.lower() for n in head) != sorted(n.lower() for n in names)
-            or names == head
-        ):
-            return False
-        if len({n.lower() for n in head}) != len(head):
+        if self.regression or head is None or names == head or len({n.lower() for n in head}) != len(head):
             return False
         head_id = {n.lower(): i for i, n in enumerate(head)}
+        if any(n.lower() not in head_id for n in names):
+            return False
         self.remap = [head_id[n.lower()] for n in names]
         self.id2label = dict(enumerate(head))
+        self.num_labels = len(head)
         return True
 
 
@@ -269,7 +266,6 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
         classes = sorted({str(v) for v in train_values})
         if not classes:
             raise DataError(f"--label-key {label}: the train split has no labels")
-        _at_least_two(classes, label)
         to_id = {c: i for i, c in enumerate(classes)}
         shown = {n: [None if _is_missing(v) else str(v) for v in vals] for n, vals in values.items()}
         _check_known(shown, to_id, label, classes)
@@ -293,7 +289,6 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     classes_int = sorted({v for v in labelled["train"] if v is not None})
     if not classes_int:
         raise DataError(f"--label-key {label}: the train split has no non-negative labels")
-    _at_least_two([str(c) for c in classes_int], label)
     _check_known(labelled, set(classes_int), label, [str(c) for c in classes_int])
     return _LabelPlan(
         {c: i for i, c in enumerate(classes_int)}, len(classes_int), dict(enumerate(map(str, classes_int)))
@@ -365,6 +360,8 @@ def build_text_classification_data(
 
     plan = _plan_labels(splits, label)
     follows_head = plan.follow_head(label_order)
+    if not plan.regression:
+        _at_least_two(list(plan.id2label.values()), label)
     out: dict[str, datasets.Dataset | None] = {"train": None, "validation": None, "test": None}
     dropped: dict[str, tuple[int, int]] = {}
     for name, ds in splits.items():
