@@ -26,6 +26,22 @@ def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, nu
     return {"accuracy": float(accuracy), "f1": float(f1)}
 
 
+def regression_metrics(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Pearson and Spearman correlation (run_glue's STS-B metrics, from torchmetrics) and ``loss``, the mean squared
+    error the model trains on."""
+    from torchmetrics.functional import mean_squared_error, pearson_corrcoef, spearman_corrcoef
+
+    if scores.numel() == 0:
+        return {"pearson": float("nan"), "spearmanr": float("nan"), "loss": float("nan")}
+    preds, target = scores.double().cpu(), labels.double().cpu()
+    correlated = preds.numel() > 1 and bool(preds.std() > 0) and bool(target.std() > 0)
+    return {
+        "pearson": float(pearson_corrcoef(preds, target)) if correlated else float("nan"),
+        "spearmanr": float(spearman_corrcoef(preds, target)) if correlated else float("nan"),
+        "loss": float(mean_squared_error(preds, target)),
+    }
+
+
 def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor, num_choices: int) -> float:
     """The share of questions whose highest-scored choice is the labelled one (torchmetrics' micro accuracy)."""
     from torchmetrics.functional.classification import multiclass_accuracy

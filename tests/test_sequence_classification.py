@@ -227,3 +227,68 @@ def test_a_decoder_model_whose_tokenizer_has_no_padding_token(tiny_assets, tmp_p
         together = exported(**tokenizer(texts, padding=True, return_tensors="pt")).logits
         alone = torch.cat([exported(**tokenizer([t], return_tensors="pt")).logits for t in texts])
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_a_fine_tuned_head_keeps_its_label_ids(tiny_assets, tmp_path):
+    """A classifier whose head already has the data's labels, in another order than the sorted one (MNLI models
+    disagree on it), is scored with its own ids: the same model with its head rows and id2label swapped scores
+    exactly the same."""
+    model_dir, data_dir = tiny_assets
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.classifier.weight.copy_(model.classifier.weight.flip(0))
+        model.classifier.bias.copy_(model.classifier.bias.flip(0))
+    model.config.id2label = {0: "POSITIVE", 1: "NEGATIVE"}  # the labels case aside, as run_glue matches them
+    model.config.label2id = {"POSITIVE": 0, "NEGATIVE": 1}
+    model.save_pretrained(tmp_path / "swapped")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "swapped")
+    scores = {}
+    for name, path in (("original", model_dir), ("swapped", tmp_path / "swapped")):
+        args = parse_args(task_args(path, data_dir, "--eval-only", "--save", str(tmp_path / f"eval-{name}")))
+        scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "accuracy"):  # f1 is the class with id 1's, here NEGATIVE
+        assert scores["swapped"][key] == pytest.approx(scores["original"][key], rel=1e-6), key
+
+    # Data holding only some of the head's classes is scored by the head as it is (not a fresh, smaller one).
+    import csv
+
+    with open(data_dir / "validation.csv", encoding="utf-8") as f:
+        positive = [row for row in csv.DictReader(f) if row["label"] == "positive"]
+    (tmp_path / "positive").mkdir()
+    with open(tmp_path / "positive" / "validation.csv", "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["sentence", "label"])
+        writer.writeheader()
+        writer.writerows(positive)
+    for name, path in (("original", model_dir), ("swapped", tmp_path / "swapped")):
+        argv = task_args(path, tmp_path / "positive" / "validation.csv", "--eval-only")
+        args = parse_args([*argv, "--save", str(tmp_path / f"positive-{name}")])
+        scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    assert scores["swapped"]["loss"] == pytest.approx(scores["original"]["loss"], rel=1e-6)
+    assert scores["swapped"]["accuracy"] == pytest.approx(scores["original"]["accuracy"], rel=1e-6)
+
+
+def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
+    """Scores with fractions (STS-B's layout) train one output with MSE, are scored with Pearson and Spearman
+    correlations and the MSE, and export a regression model that --eval-only scores the same."""
+    import csv
+
+    model_dir, data_dir = tiny_assets
+    scores = tmp_path / "scores"
+    scores.mkdir()
+    for split in ("train", "validation"):
+        with open(data_dir / f"{split}.csv", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        with open(scores / f"{split}.csv", "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "label"])
+            for i, row in enumerate(rows):
+                writer.writerow([row["sentence"], (4.0 if row["label"] == "positive" else 1.0) + (i % 5) / 10])
+    args = parse_args(task_args(model_dir, scores, "--epochs", "2", "--save", str(tmp_path / "run")))
+    final = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    assert set(final) >= {"pearson", "spearmanr", "loss"} and final["pearson"] > 0.5, final
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "hf")
+    assert exported.config.problem_type == "regression" and exported.config.num_labels == 1
+    args = parse_args(task_args(tmp_path / "run" / "hf", scores, "--eval-only", "--save", str(tmp_path / "eval")))
+    rescored = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "pearson", "spearmanr"):
+        assert rescored[key] == pytest.approx(final[key], rel=1e-5), key

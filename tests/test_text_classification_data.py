@@ -242,6 +242,66 @@ def test_negative_labels_dropped_from_train_kept_in_test(tokenizer):
     assert list(data.test["labels"]) == [-1, -1, -1]
 
 
+def test_integer_labels_not_from_zero_are_mapped_to_their_sorted_values(tokenizer):
+    # Star ratings 1..5 (or labels 1/2) are classes by value: no phantom class 0 in the head or the macro F1.
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad", "awful", "great"], "stars": [5, 1, 1, 3]}),
+        validation=ds({"text": ["good", "bad"], "stars": [5, -1]}),
+    )
+    data = build_text_classification_data(raw, tokenizer, seq_length=16, label_key="stars")
+    assert data.num_labels == 3 and data.id2label == {0: "1", 1: "3", 2: "5"}
+    assert list(data.train["labels"]) == [2, 0, 0, 1] and list(data.validation["labels"]) == [2]
+
+
+def test_unseen_integer_validation_label_is_an_error(tokenizer):
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"], "label": [0, 1]}),
+        validation=ds({"text": ["good"], "label": [2]}),
+    )
+    with pytest.raises(DataError, match="validation label 2 does not occur in train"):
+        build_text_classification_data(raw, tokenizer, seq_length=16)
+
+
+@pytest.mark.parametrize("labels", [["pos", "pos"], [1, 1]])
+def test_a_single_class_is_refused(tokenizer, labels):
+    # One class would make a one-output head, which transformers trains as a regression.
+    raw = datasets.DatasetDict(train=ds({"text": ["good", "great"], "label": labels}))
+    with pytest.raises(DataError, match="only one class"):
+        build_text_classification_data(raw, tokenizer, seq_length=16)
+
+
+def test_save_to_disk_directories_are_read(tmp_path, tokenizer):
+    both = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"] * 10, "label": [1, 0] * 10}),
+        dev=ds({"text": ["great"], "label": [1]}),
+    )
+    both.save_to_disk(str(tmp_path / "dict"))
+    raw = load_raw_datasets(str(tmp_path / "dict"))
+    assert set(raw) == {"train", "validation"} and len(raw["train"]) == 20 and raw["validation"]["text"] == ["great"]
+    both["train"].save_to_disk(str(tmp_path / "one"))
+    raw = load_raw_datasets(str(tmp_path / "one"), split="75,25")
+    assert {k: len(v) for k, v in raw.items()} == {"train": 15, "validation": 5}
+    datasets.DatasetDict(validation=both["dev"]).save_to_disk(str(tmp_path / "no-train"))
+    with pytest.raises(DataError, match="the saved dataset has no train split"):
+        load_raw_datasets(str(tmp_path / "no-train"))
+    assert sorted(os.listdir(tmp_path / "one")) == ["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]
+
+
+def test_a_json_object_with_its_records_under_data_is_read_as_rows(tmp_path):
+    rows = [{"text": "good", "label": 1}, {"text": "bad", "label": 0}] * 5
+    (tmp_path / "obj.json").write_text(json.dumps({"version": "1.0", "data": rows}))
+    raw = load_raw_datasets(str(tmp_path / "obj.json"), split="80,20")
+    assert {k: len(v) for k, v in raw.items()} == {"train": 8, "validation": 2}
+    assert raw["train"].column_names == ["text", "label"]
+    # A one-row file whose row holds a list of records (a question's answers) stays one row.
+    answers = [{"question": "q", "answers": [{"text": "a", "answer_start": 0}]}]
+    (tmp_path / "one.json").write_text(json.dumps(answers))
+    assert len(load_raw_datasets(str(tmp_path / "one.json"), split="100,0")["train"]) == 1
+    (tmp_path / "two.json").write_text(json.dumps({"data": rows, "rows": rows}))
+    with pytest.raises(DataError, match="lists of records under several keys \\(data, rows\\)"):
+        load_raw_datasets(str(tmp_path / "two.json"))
+
+
 def test_labels_stay_aligned_with_text_after_a_seeded_split(tmp_path, tokenizer):
     word = {1: "good", 0: "bad", -1: "awful"}
     write_csv(tmp_path / "all.csv", ["text", "label"], [(word[i % 3 - 1], i % 3 - 1) for i in range(60)])
@@ -270,10 +330,37 @@ def test_class_label_names_and_pairs(tokenizer):
     assert 1 in data.train[0]["token_type_ids"]  # the second sentence is segment 1
 
 
-def test_regression_labels_are_refused(tokenizer):
-    raw = datasets.DatasetDict(train=ds({"text": ["good", "bad"], "label": [0.5, 3.2]}))
-    with pytest.raises(DataError, match="regression is not supported"):
-        build_text_classification_data(raw, tokenizer, seq_length=16)
+def test_float_scores_are_a_regression(tokenizer):
+    # STS-B style: scores with fractions train one output; negative scores are scores, missing ones are dropped.
+    raw = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad", "awful", "great"], "score": [4.5, -1.0, None, 3.0]}),
+        validation=ds({"text": ["good", "bad"], "score": [5, 0]}),
+        test=ds({"text": ["good"], "score": [None]}),
+    )
+    data = build_text_classification_data(raw, tokenizer, seq_length=16, label_key="score")
+    assert data.regression and data.num_labels == 1 and data.id2label == {0: "score"}
+    assert data.dropped == {"train": (1, 4)}
+    assert list(data.train["labels"]) == [4.5, -1.0, 3.0] and list(data.validation["labels"]) == [5.0, 0.0]
+    batch = data.collate_fn([data.train[0], data.train[1]])
+    assert batch["labels"].dtype == torch.float32 and batch["labels"].tolist() == [4.5, -1.0]
+    assert torch.isnan(torch.tensor(data.test["labels"])).all()
+    bad = datasets.DatasetDict(train=raw["train"], validation=ds({"text": ["good"], "score": ["high"]}))
+    with pytest.raises(DataError, match="validation label 'high' is not a number like the train scores"):
+        build_text_classification_data(bad, tokenizer, seq_length=16, label_key="score")
+    whole = datasets.DatasetDict(train=ds({"text": ["good", "bad"], "label": [1.0, 0.0]}))
+    assert not build_text_classification_data(whole, tokenizer, seq_length=16).regression  # whole numbers: classes
+
+
+def test_regression_metrics_are_pearson_spearman_and_mse():
+    from scipy.stats import pearsonr, spearmanr
+
+    from rapidlite.metrics import regression_metrics
+
+    scores, labels = torch.tensor([0.1, 2.0, 2.5, 4.0, 3.0]), torch.tensor([0.0, 1.5, 3.0, 5.0, 2.0])
+    metrics = regression_metrics(scores, labels)
+    assert metrics["pearson"] == pytest.approx(pearsonr(scores, labels)[0], rel=1e-6)
+    assert metrics["spearmanr"] == pytest.approx(spearmanr(scores, labels)[0], rel=1e-6)
+    assert metrics["loss"] == pytest.approx(float(((scores - labels) ** 2).mean()), rel=1e-6)
 
 
 def test_empty_train_is_refused(tokenizer):

@@ -234,6 +234,12 @@ def test_class_label_ids_string_tags_ints_and_csv_text(tmp_path, piece_tokenizer
         datasets.DatasetDict({"train": hub_like}), piece_tokenizer, 16, label_order=["VB", "X", "NN"]
     )
     assert data.id2label == {0: "VB", 1: "X", 2: "NN"} and data.sentences["train"].tags == [[2, 0]]
+    # ... also when the data has only some of its tags (and a validation tag train lacks is then known).
+    only_nn = datasets.Dataset.from_dict({"words": [["anna"]], "pos_tags": [["NN"]]})
+    valid = datasets.Dataset.from_dict({"words": [["moved"]], "pos_tags": [["VB"]]})
+    raw = datasets.DatasetDict({"train": only_nn, "validation": valid})
+    data = build_token_classification_data(raw, piece_tokenizer, 16, label_order=["VB", "X", "NN"])
+    assert data.id2label == {0: "VB", 1: "X", 2: "NN"} and data.sentences["validation"].tags == [[0]]
     ints = datasets.Dataset.from_dict({"tokens": [["anna", "to"], ["to"]], "tags": [[10, 2], [2]]})
     data = build_token_classification_data(datasets.DatasetDict({"train": ints}), piece_tokenizer, 16)
     assert data.id2label == {0: "2", 1: "10"}  # numbers in numeric order

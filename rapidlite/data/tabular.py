@@ -34,6 +34,8 @@ _HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
     "test": ("test", "test_matched"),
 }
 SPLIT_ORDER = ("train", "validation", "test")
+# Keys under which one json object keeps its list of records (``{"version": "1.0", "data": [{...}, ...]}``).
+RECORDS_KEYS = ("data", "rows", "records", "examples", "instances", "items")
 # A reader of one more file type (``load_raw_datasets(readers=...)``): the file's path -> its rows, or a DataError.
 Reader = Callable[[str], "datasets.Dataset"]
 
@@ -125,7 +127,39 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
 
         if is_squad_layout(ds):  # the official SQuAD file: one object; its questions are the rows
             return squad_layout_rows(path)
+        field = _records_field(ds, path)
+        if field is not None:  # {"version": ..., "data": [{...}, ...]}: the records are the rows
+            try:
+                return datasets.load_dataset(builder, data_files={"train": path}, split="train", field=field)
+            except Exception as e:
+                raise DataError(
+                    f"{path}: cannot read the records under {field!r} ({_short_reason(e, root=True)})"
+                ) from e
     return ds
+
+
+def _records_field(ds: datasets.Dataset, path: str) -> str | None:
+    """The key of a one-object json file whose rows are a list of records under one key (``{"data": [...]}``, as
+    ``load_dataset("json", field=...)`` reads it), or None for a file of rows."""
+    import datasets
+
+    if len(ds) != 1:
+        return None
+
+    def holds_records(feature: Any) -> bool:
+        if isinstance(feature, list):  # datasets before 4 describe a list of records as [{...}]
+            return len(feature) == 1 and isinstance(feature[0], dict)
+        list_type = getattr(datasets, "List", datasets.Sequence)
+        return isinstance(feature, list_type) and isinstance(feature.feature, dict)
+
+    # Only the usual names: a one-row file of rows may hold a list of records itself (a question's answers).
+    fields = [name for name, feature in ds.features.items() if name in RECORDS_KEYS and holds_records(feature)]
+    if len(fields) > 1:
+        raise DataError(
+            f"{path}: one json object with lists of records under several keys ({', '.join(fields)}); "
+            "keep one list of records per file (train.json, validation.json, ...)"
+        )
+    return fields[0] if fields else None
 
 
 def _short_reason(e: BaseException, root: bool = False, limit: int = 160) -> str:
@@ -180,6 +214,8 @@ def load_raw_datasets(
       file, validation is carved out of train (seeded shuffle) with the fraction
       ``w_validation / (w_train + w_validation)`` of the ``--split`` weights; the test weight is not
       used because test comes only from a ``test.*`` file.
+    * A directory written by ``save_to_disk``: a ``DatasetDict``'s splits by name (as a hub dataset's), or one
+      ``Dataset`` cut by ``--split`` as one file is.
     * Local file: shuffled with ``seed`` and cut into train/validation/test by ``--split``; splits with
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
@@ -204,6 +240,8 @@ def load_raw_datasets(
                 path = os.path.join(path, sub)
                 if not os.path.isdir(path):
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
+        if _is_saved_dataset(path):
+            return _log_splits(*_load_saved(path, weights, seed))
         return _log_splits(*_load_local_dir(path, weights, seed, readers))
 
     if os.path.isfile(path):
@@ -302,19 +340,54 @@ def _load_hub(
         ) from e
     if not isinstance(loaded, datasets.DatasetDict):  # defensive: load_dataset without split= is a dict
         loaded = datasets.DatasetDict({"train": loaded})
+    return _named_splits(loaded, f"--data-path {name}", "the hub dataset", "hub split", weights, seed)
+
+
+def _named_splits(
+    loaded: datasets.DatasetDict, what: str, holder: str, source: str, weights: Sequence[float], seed: int
+) -> tuple[datasets.DatasetDict, dict[str, str]]:
+    """train/validation/test out of a dict of named splits (their usual aliases accepted); a missing validation
+    split is carved out of train by ``--split``."""
+    import datasets
+
     parts: dict[str, datasets.Dataset] = {}
     sources: dict[str, str] = {}
     for target, aliases in _HUB_SPLIT_ALIASES.items():
         hit = next((a for a in aliases if a in loaded), None)
         if hit is not None:
             parts[target] = loaded[hit]
-            sources[target] = f"hub split {hit}"
+            sources[target] = f"{source} {hit}"
     if "train" not in parts:
         raise DataError(
-            f"--data-path {name}: the hub dataset has no train split (it has: "
-            f"{', '.join(loaded.keys())}); pass a local directory with train/validation files"
+            f"{what}: {holder} has no train split (it has: {', '.join(loaded.keys())}); "
+            "name one train, or pass a local directory with train/validation files"
         )
     if "validation" not in parts:
-        parts.update(_carve_validation(parts["train"], weights, seed, f"--data-path {name}"))
-        sources.update(_carved_sources("hub split train", weights, parts))
+        parts.update(_carve_validation(parts["train"], weights, seed, what))
+        sources.update(_carved_sources(f"{source} train", weights, parts))
     return datasets.DatasetDict({k: parts[k] for k in SPLIT_ORDER if k in parts}), sources
+
+
+def _is_saved_dataset(directory: str) -> bool:
+    """Whether ``directory`` was written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in ("dataset_dict.json", "state.json"))
+
+
+def _load_saved(directory: str, weights: Sequence[float], seed: int) -> tuple[datasets.DatasetDict, dict[str, str]]:
+    """A ``save_to_disk`` directory: a DatasetDict's splits by name, or one Dataset split by ``--split`` as one
+    file is."""
+    import datasets
+
+    what = f"--data-path {directory}"
+    try:
+        loaded = datasets.load_from_disk(directory)
+    except Exception as e:  # a damaged or foreign-version save: datasets raises its own types
+        raise DataError(f"{what}: cannot be read as a saved dataset ({_short_reason(e, root=True)})") from e
+    if isinstance(loaded, datasets.DatasetDict):
+        return _named_splits(loaded, what, "the saved dataset", "saved split", weights, seed)
+    if len(loaded) == 0:
+        raise DataError(f"{what}: the saved dataset has no rows")
+    parts = _split_dataset(loaded, weights, SPLIT_ORDER, seed, what)
+    name = os.path.basename(os.path.normpath(directory))
+    sources = {k: f"{w:.0%} of saved {name} (--split)" for k, w in zip(SPLIT_ORDER, weights, strict=True) if w > 0}
+    return datasets.DatasetDict(parts), sources

@@ -121,6 +121,10 @@ class TextClassificationData:
     collate_fn: Callable[[list[dict]], dict[str, torch.Tensor]]
     # Rows dropped per split for a missing or negative label: ``{"train": (dropped, rows)}``.
     dropped: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Whether the ids are a model head's (``label_order``) rather than the sorted labels'.
+    follows_head: bool = False
+    # Float scores (STS-B style): one output, labels are floats, NaN where unlabelled.
+    regression: bool = False
 
 
 class PadCollator:
@@ -138,7 +142,9 @@ class PadCollator:
         padded = self.tokenizer.pad(inputs, padding="longest", return_tensors="pt")
         batch = {k: torch.as_tensor(v).to(torch.int64) for k, v in padded.items()}
         if labels is not None:
-            batch["labels"] = torch.as_tensor(labels, dtype=torch.int64)
+            values = torch.as_tensor(labels)
+            # Regression scores train a float head (MSE); class ids index logits.
+            batch["labels"] = values.float() if values.is_floating_point() else values.to(torch.int64)
         return batch
 
 
@@ -155,16 +161,44 @@ def _is_missing(value: Any) -> bool:
 class _LabelPlan:
     """How raw label values become ids; plain data so ``datasets.map`` workers can pickle it."""
 
-    to_id: dict[Any, int] | None  # None: labels are already integer ids
+    to_id: dict[Any, int] | None  # None: labels are already ids (a ClassLabel); int keys: integer labels
     num_labels: int
     id2label: dict[int, str]
+    remap: list[int] | None = None  # these ids -> the ids of a model head with the same label names
+    regression: bool = False  # float scores, passed through (NaN where missing)
 
-    def convert(self, value: Any) -> int:
+    def convert(self, value: Any) -> int | float:
+        if self.regression:
+            return math.nan if _is_missing(value) else float(value)
         if _is_missing(value):
             return -1
         if self.to_id is None:
-            return int(value)
-        return self.to_id[str(value)]
+            label = int(value)
+        elif isinstance(next(iter(self.to_id)), int):
+            number = int(float(value))
+            label = -1 if number < 0 else self.to_id[number]
+        else:
+            label = self.to_id[str(value)]
+        return self.remap[label] if self.remap is not None and label >= 0 else label
+
+    def labelled(self, label: float) -> bool:
+        """Whether a converted label is scored: not NaN for a score, not negative for a class."""
+        return not math.isnan(label) if self.regression else label >= 0
+
+    def follow_head(self, head: list[str] | None) -> bool:
+        """Take the ids of a model head whose names include all these labels (case aside, as run_glue matches them),
+        so a fine-tuned classifier is evaluated or trained further with its own head, also on data holding only
+        some of its classes; whether it did."""
+        names = [self.id2label[i] for i in range(self.num_labels)]
+        if self.regression or head is None or names == head or len({n.lower() for n in head}) != len(head):
+            return False
+        head_id = {n.lower(): i for i, n in enumerate(head)}
+        if any(n.lower() not in head_id for n in names):
+            return False
+        self.remap = [head_id[n.lower()] for n in names]
+        self.id2label = dict(enumerate(head))
+        self.num_labels = len(head)
+        return True
 
 
 def _class_id(value: Any, split: str, label: str) -> int | None:
@@ -178,13 +212,40 @@ def _class_id(value: Any, split: str, label: str) -> int | None:
     if isinstance(value, bool) or not number.is_integer():
         raise DataError(
             f"--label-key {label}: {split} label {value!r} is not an integer class id like the train "
-            "labels (regression is not supported); make the labels of all splits consistent"
+            "labels (whole numbers, read as classes; scores with fractions in train are a regression); make the "
+            "labels of all splits consistent"
         )
     return int(number)
 
 
+def _check_known(values: dict[str, list], known: Any, label: str, shown: list[str]) -> None:
+    """A validation or test label the train split lacks is one line: the model could never learn to predict it."""
+    for name in ("validation", "test"):
+        for v in values.get(name, []):
+            if v is not None and v not in known:
+                raise DataError(
+                    f"--label-key {label}: {name} label {v!r} does not occur in train "
+                    f"(train labels: {', '.join(shown[:20])}); fix the {name} file, or where --split carves {name} "
+                    "out of one file, give that label more rows or drop it"
+                )
+
+
+def _at_least_two(classes: list[str], label: str) -> None:
+    if len(classes) < 2:
+        raise DataError(
+            f"--label-key {label}: the train split has only one class ({', '.join(classes)}); classification needs "
+            "at least two, add rows of another class"
+        )
+
+
 def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
-    """Decide the label mapping from the train (and validation) values and check every split against it."""
+    """Decide the label mapping from the train values and check every split against it.
+
+    A ClassLabel keeps its ids and names. Other integer labels are mapped, as run_glue maps them, to the sorted
+    distinct non-negative train values (1..5 stars become ids 0..4 named "1".."5"; ids 0..N-1 stay as they
+    are), and strings to their sorted distinct train values; negative integers (GLUE's unlabelled test rows)
+    and missing labels are unlabelled.
+    """
     from datasets import ClassLabel
 
     feature = splits["train"].features[label]
@@ -195,13 +256,9 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     if isinstance(feature, ClassLabel) or (isinstance(dtype, str) and dtype.startswith(("int", "uint"))):
         mode = "int"
     elif isinstance(dtype, str) and dtype.startswith("float"):
-        bad = next((v for v in train_values if not float(v).is_integer()), None)
-        if bad is not None:
-            raise DataError(
-                f"--label-key {label}: train label {bad!r} is not a class id; regression is not "
-                "supported, labels must be integers or strings"
-            )
-        mode = "int"
+        if any(not float(v).is_integer() for v in train_values):
+            return _plan_regression(values, label)
+        mode = "int"  # whole numbers stored as floats (a csv column with empty cells): class ids
     else:  # strings, bools and anything else: classes are the sorted distinct train values
         mode = "str"
 
@@ -210,31 +267,44 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
         if not classes:
             raise DataError(f"--label-key {label}: the train split has no labels")
         to_id = {c: i for i, c in enumerate(classes)}
-        for name in ("validation", "test"):
-            for v in values.get(name, []):
-                if not _is_missing(v) and str(v) not in to_id:
-                    raise DataError(
-                        f"--label-key {label}: {name} label {v!r} does not occur in train "
-                        f"(train labels: {', '.join(classes[:20])}); fix the {name} file"
-                    )
+        shown = {n: [None if _is_missing(v) else str(v) for v in vals] for n, vals in values.items()}
+        _check_known(shown, to_id, label, classes)
         return _LabelPlan(to_id, len(classes), dict(enumerate(classes)))
 
-    # Integer ids: negatives (GLUE test sets use -1) mean "unlabelled" and are dropped from train/validation.
     ids = {name: [_class_id(v, name, label) for v in vals] for name, vals in values.items()}
-    labelled = [v for name in ("train", "validation") for v in ids.get(name, []) if v is not None]
-    num_labels = max((v for v in labelled if v >= 0), default=-1) + 1
-    names = list(feature.names) if isinstance(feature, ClassLabel) else []
-    num_labels = max(num_labels, len(names))
-    if num_labels == 0:
+    # Negatives (GLUE test sets use -1) mean "unlabelled": dropped from train/validation, not scored in test.
+    labelled = {name: [None if v is None or v < 0 else v for v in vals] for name, vals in ids.items()}
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+        num_labels = max(
+            [len(names)] + [v + 1 for n in ("train", "validation") for v in labelled.get(n, []) if v is not None]
+        )
+        for v in labelled.get("test", []):
+            if v is not None and v >= num_labels:
+                raise DataError(
+                    f"--label-key {label}: test label {v} is not one of the {num_labels} classes "
+                    f"(ids 0..{num_labels - 1}); fix the test file"
+                )
+        return _LabelPlan(None, num_labels, {i: names[i] if i < len(names) else str(i) for i in range(num_labels)})
+    classes_int = sorted({v for v in labelled["train"] if v is not None})
+    if not classes_int:
         raise DataError(f"--label-key {label}: the train split has no non-negative labels")
-    for v in ids.get("test", []):
-        if v is not None and v >= num_labels:
-            raise DataError(
-                f"--label-key {label}: test label {v} does not occur in train/validation "
-                f"(ids 0..{num_labels - 1}); fix the test file"
-            )
-    id2label = {i: names[i] if i < len(names) else str(i) for i in range(num_labels)}
-    return _LabelPlan(None, num_labels, id2label)
+    _check_known(labelled, set(classes_int), label, [str(c) for c in classes_int])
+    return _LabelPlan(
+        {c: i for i, c in enumerate(classes_int)}, len(classes_int), dict(enumerate(map(str, classes_int)))
+    )
+
+
+def _plan_regression(values: dict[str, list], label: str) -> _LabelPlan:
+    """Float scores (STS-B's 0-5 similarity, ratings): a one-output head trained with MSE, as run_glue does."""
+    for name, vals in values.items():
+        for v in vals:
+            if not _is_missing(v) and (isinstance(v, (bool, str)) or not math.isfinite(float(v))):
+                raise DataError(
+                    f"--label-key {label}: {name} label {v!r} is not a number like the train scores; "
+                    "make the labels of all splits numbers"
+                )
+    return _LabelPlan(None, 1, {0: label}, regression=True)
 
 
 def _tokenize_batch(
@@ -250,7 +320,8 @@ def _tokenize_batch(
     encoded = tokenizer(texts[0], texts[1] if len(texts) > 1 else None, truncation=True, max_length=seq_length)
     out = dict(encoded)
     n = len(texts[0])
-    out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [-1] * n
+    unlabelled = math.nan if plan.regression else -1
+    out["labels"] = [plan.convert(v) for v in batch[label_key]] if label_key else [unlabelled] * n
     return out
 
 
@@ -261,11 +332,13 @@ def build_text_classification_data(
     text_keys: list[str] | None = None,
     label_key: str | None = None,
     num_proc: int | None = None,
+    label_order: list[str] | None = None,
 ) -> TextClassificationData:
     """Detect columns, map labels to ids and tokenize every split of ``raw`` (nothing is cached on disk).
 
     Rows with a negative or missing label are dropped from train/validation; test rows are kept with
-    label -1 (also when the test split has no label column at all).
+    label -1 (also when the test split has no label column at all). ``label_order``: the label names of a model's
+    head; when they are the data's labels, the ids are the head's.
     """
     if "train" not in raw:
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
@@ -286,13 +359,16 @@ def build_text_classification_data(
         raise DataError("--data-path: the train split is empty; add training rows")
 
     plan = _plan_labels(splits, label)
+    follows_head = plan.follow_head(label_order)
+    if not plan.regression:
+        _at_least_two(list(plan.id2label.values()), label)
     out: dict[str, datasets.Dataset | None] = {"train": None, "validation": None, "test": None}
     dropped: dict[str, tuple[int, int]] = {}
     for name, ds in splits.items():
         has_label = label in ds.column_names
         if name != "test":
             labels = [plan.convert(v) for v in _column_values(ds, label)]
-            keep = [i for i, y in enumerate(labels) if y >= 0]
+            keep = [i for i, y in enumerate(labels) if plan.labelled(y)]
             if not keep:
                 raise DataError(
                     f"--data-path: the {name} split has no labelled rows (labels missing or "
@@ -330,4 +406,6 @@ def build_text_classification_data(
         label_key=label,
         collate_fn=PadCollator(tokenizer),
         dropped=dropped,
+        follows_head=follows_head,
+        regression=plan.regression,
     )

@@ -322,7 +322,7 @@ def build_token_classification_data(
 
     The tag names come from the train split (a ClassLabel column's names, else its sorted distinct tags); a
     validation or test tag outside them is an error. ``label_order``: the tag names of a model's head, used as
-    the ids when they are the data's tags (a model fine-tuned on the same tags keeps its head). A test split
+    the tags and ids when they include the data's (a model fine-tuned on these tags keeps its head). A test split
     without the tags column is left out (nothing to score)."""
     import datasets
 
@@ -353,7 +353,9 @@ def build_token_classification_data(
     names = _tag_list(_class_names(splits["train"], tags_key), read["train"][1])
     if not names:
         raise DataError(f"--label-key {tags_key}: the train split has no tags")
-    if label_order is not None and sorted(label_order) == sorted(names):
+    # A head with all these tags (and maybe more: a NER model scored on data without one of its types) keeps its
+    # tags and ids; a head made for these tags alone would be a fresh, untrained one.
+    if label_order is not None and len(set(label_order)) == len(label_order) and set(names) <= set(label_order):
         names = list(label_order)
     to_id = {n: i for i, n in enumerate(names)}
     b_to_i = b_to_i_labels(names) if label_all_tokens else None

@@ -96,6 +96,26 @@ def load_error(what: str, name: str, error: Exception) -> ConfigError:
     )
 
 
+def load_config(name: str) -> Any:
+    """``AutoConfig`` of ``name``, or one line saying why not."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise load_error("model config", name, e) from None
+
+
+def head_labels(config: Any) -> list[str] | None:
+    """The label names of a model's classification head (``id2label`` in id order), or None when the config
+    has only transformers' placeholders (``LABEL_0``...)."""
+    id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+    names = [id2label[i] for i in sorted(id2label)]
+    if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
+        return None
+    return names
+
+
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
     not. A tokenizer without a padding token (GPT-2's, LLaMA's) pads with its EOS token (else UNK), as decoder
@@ -115,46 +135,70 @@ def load_tokenizer(name: str, **kwargs: Any) -> Any:
     return tokenizer
 
 
-def sequence_length(seq_length: int | None, tokenizer: Any, default_cap: int = 512) -> int:
-    """``--seq-length``, or the model's limit (the tokenizer's ``model_max_length``) up to ``default_cap`` (as
-    Hugging Face's example scripts cap it); a length beyond the model's limit is one line (its position
-    embeddings end there)."""
+# Models whose learned positions start after the padding id (``padding_idx + 1``), so a table of N rows holds
+# N - pad_token_id - 1 tokens (RoBERTa's 514 rows hold 512).
+_PADDING_OFFSET_POSITIONS = (
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "longformer",
+    "data2vec-text",
+    "roberta-prelayernorm",
+    "xmod",
+    "ibert",
+    "mpnet",
+    "luke",
+)
+
+
+def position_limit(config: Any) -> int | None:
+    """The tokens a model's learned position table holds (``max_position_embeddings``, less RoBERTa's padding
+    offset), or None for a model without one (rotary positions, DeBERTa-v3's relative ones, T5's buckets)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    if getattr(config, "position_biased_input", True) is False or any(
+        getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")
+    ):
+        return None
+    if getattr(config, "model_type", None) in _PADDING_OFFSET_POSITIONS:
+        limit -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return limit if limit > 0 else None
+
+
+def sequence_length(
+    seq_length: int | None, tokenizer: Any, default_cap: int = 512, config: Any = None, explicit: bool = True
+) -> int:
+    """``--seq-length``, or the model's limit up to ``default_cap`` (as Hugging Face's example scripts cap it).
+    The limit is the tokenizer's ``model_max_length`` and, given the model's ``config``, its position table
+    (a tokenizer saved beside a smaller model may not know it). A length beyond the limit is one line (the
+    position embeddings end there), unless it is a task's default (``explicit=False``): that is lowered to it."""
+    limits = []
     limit = getattr(tokenizer, "model_max_length", None)
     # A tokenizer that does not know its model's limit says 1e30.
-    limit = int(limit) if isinstance(limit, (int, float)) and limit < 1_000_000 else None
+    if isinstance(limit, (int, float)) and limit < 1_000_000:
+        limits.append((int(limit), "its tokenizer's model_max_length"))
+    table = position_limit(config) if config is not None else None
+    if table is not None:
+        limits.append((table, f"its position table, max_position_embeddings {config.max_position_embeddings}"))
+    limit, source = min(limits) if limits else (None, "")
     if seq_length is None:
         return min(limit or default_cap, default_cap)
     if limit is not None and seq_length > limit:
+        if not explicit:
+            return limit
         raise ConfigError(
-            f"--seq-length {seq_length}: the model takes at most {limit} tokens; use --seq-length {limit}"
+            f"--seq-length {seq_length}: the model takes at most {limit} tokens ({source}); use --seq-length {limit}"
         )
     return seq_length
 
 
-# Module names of learned absolute position tables: GPT-2/GPT-Neo/GPTBigCode, OPT/BioGPT, BERT-style encoders.
-_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-
-
-def learned_positions(model: Any) -> int | None:
-    """How many positions ``model``'s learned absolute position table holds (its config's
-    ``max_position_embeddings``; GPT-2's ``n_positions``), or None for a model without one (rotary, ALiBi,
-    relative positions), which runs past its configured length rather than failing on an index."""
-    import torch
-
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int):
-        return None
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and module is not inputs and name.split(".")[-1] in _POSITION_TABLES:
-            return limit
-    return None
-
-
 def check_positions(model: Any, seq_length: int, name: str) -> None:
-    """One line, before any step, for ``--seq-length`` beyond a learned position table: the first long batch
-    would otherwise fail deep inside the model with an index error."""
-    limit = learned_positions(model)
+    """One line, before any step, for ``--seq-length`` beyond ``model``'s learned position table
+    (``position_limit`` of its config): the first long batch would otherwise fail deep inside the model with
+    an index error."""
+    limit = position_limit(getattr(model, "config", model))
     if limit is not None and seq_length > limit:
         raise ConfigError(
             f"--seq-length {seq_length}: {name} has learned position embeddings for {limit} positions; use "

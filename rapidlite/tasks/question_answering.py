@@ -22,7 +22,7 @@ from rapidlite.data.question_answering import (
 )
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import squad_v1_metrics, squad_v2_metrics
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -62,6 +62,9 @@ class QuestionAnsweringFinetuner(Finetuner):
     def train_valid_test_datasets_provider(self):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
+        config = load_config(args.pretrained_model_name_or_path)
+        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             # --eval-only of data without a validation split scores its train split: it needs the windows' metadata.
@@ -69,7 +72,7 @@ class QuestionAnsweringFinetuner(Finetuner):
             self.data = build_question_answering_data(
                 raw,
                 self.tokenizer,
-                seq_length=args.seq_length or DEFAULT_SEQ_LENGTH,
+                seq_length=seq_length,
                 doc_stride=args.doc_stride,
                 text_keys=args.text_keys,
                 label_key=args.label_key,

@@ -176,7 +176,7 @@ TASKS: dict[str, TaskSpec] = {
     for spec in (
         TaskSpec(
             name="sequence_classification",
-            summary="fine-tune AutoModelForSequenceClassification on labelled text (accuracy, F1)",
+            summary="fine-tune AutoModelForSequenceClassification on text (accuracy, F1; scores: Pearson, Spearman)",
             trainer="rapidlite.tasks.sequence_classification:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.demo:demo",

@@ -11,8 +11,8 @@ import torch
 
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
-from rapidlite.metrics import classification_metrics
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.metrics import classification_metrics, regression_metrics
+from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -20,8 +20,9 @@ DEFAULT_SEQ_LENGTH = 128
 
 
 def load_classifier(name: str, num_labels: int, id2label: dict[int, str], **kwargs: Any) -> torch.nn.Module:
-    """``AutoModelForSequenceClassification`` from ``name`` with a fresh head for these labels; attention
-    through SDPA where the model class has it. ``kwargs``: more ``from_pretrained`` arguments."""
+    """``AutoModelForSequenceClassification`` from ``name`` with a fresh head for these labels (or, with
+    ``problem_type="regression"`` in ``kwargs``, one score); attention through SDPA where the model class has it.
+    ``kwargs``: more ``from_pretrained`` arguments."""
     from transformers import AutoModelForSequenceClassification
 
     try:
@@ -44,35 +45,46 @@ class SequenceClassificationFinetuner(Finetuner):
     def train_valid_test_datasets_provider(self):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
+        config = load_config(args.pretrained_model_name_or_path)
+        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,
-                seq_length=args.seq_length or DEFAULT_SEQ_LENGTH,
+                seq_length=seq_length,
                 text_keys=args.text_keys,
                 label_key=args.label_key,
+                label_order=head_labels(config),
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "
             f"{len(self.data.validation) if self.data.validation is not None else 0} validation "
-            f"examples, text columns {list(self.data.text_keys)}, {self.data.num_labels} labels"
+            f"examples, text columns {list(self.data.text_keys)}, "
+            f"{'float scores (regression, MSE)' if self.data.regression else f'{self.data.num_labels} labels'}, "
+            f"cut at --seq-length {seq_length}"
         )
+        if self.data.follows_head:
+            self.logger.info(f"data: the model's head has these labels; its ids are kept ({self.data.id2label})")
         for split, (dropped, rows) in self.data.dropped.items():
             self.logger.warning(
-                f"data: dropped {dropped} of {rows} {split} rows whose label ({self.data.label_key}) is missing or "
-                "negative"
+                f"data: dropped {dropped} of {rows} {split} rows whose label ({self.data.label_key}) is missing"
+                f"{'' if self.data.regression else ' or negative'}"
             )
         test = self.data.test
-        if test is not None and not any(label >= 0 for label in test["labels"]):
+        if test is not None and not any(
+            label >= 0 or self.data.regression and label == label for label in test["labels"]
+        ):
             test = None  # unlabelled test split (GLUE style): nothing to score
         return self.data.train, self.data.validation, test, self.data.collate_fn
 
     def model_optimizer_lr_scheduler_provider(self):
         id2label = {int(k): str(v) for k, v in self.data.id2label.items()}
-        model = load_classifier(
-            self.args.pretrained_model_name_or_path, self.data.num_labels, id2label, **self.pretrained_load_kwargs()
-        )
+        kwargs = self.pretrained_load_kwargs()
+        if self.data.regression:
+            kwargs["problem_type"] = "regression"  # one output and MSE, as run_glue trains STS-B
+        model = load_classifier(self.args.pretrained_model_name_or_path, self.data.num_labels, id2label, **kwargs)
         if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id  # GPT-style models need it to pool
         return model, None, None
@@ -84,6 +96,8 @@ class SequenceClassificationFinetuner(Finetuner):
         # Whole-batch tensors are gathered (the engine drops the rows that pad the ranks' last batches),
         # then unlabelled rows are filtered out.
         model = model[0]
+        if self.data.regression:
+            return self._regression_metrics(model, eval_dataloader)
         preds, labels, losses = [], [], []
         for batch in eval_dataloader:
             logits = model(**batch).logits.float()
@@ -97,6 +111,15 @@ class SequenceClassificationFinetuner(Finetuner):
         metrics = classification_metrics(preds_t[keep], labels_t[keep], self.data.num_labels)
         metrics["loss"] = float(losses_t[keep].double().mean()) if keep.any() else float("nan")
         return metrics
+
+    def _regression_metrics(self, model, eval_dataloader) -> dict[str, float]:
+        scores, labels = [], []
+        for batch in eval_dataloader:
+            scores.append(self.gather(model(**batch).logits.float().squeeze(-1)))
+            labels.append(self.gather(batch["labels"].float()))
+        scores_t, labels_t = torch.cat(scores), torch.cat(labels)
+        keep = ~labels_t.isnan()  # unlabelled test rows
+        return regression_metrics(scores_t[keep], labels_t[keep])
 
 
 def trainer_for(args: Any) -> type[SequenceClassificationFinetuner]:

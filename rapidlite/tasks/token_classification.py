@@ -23,33 +23,13 @@ from rapidlite.data.token_classification import (
 )
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.metrics import is_entity_tagset, tagging_metrics
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
 # Byte-level BPE tokenizers read pre-split words only with a space before each (run_ner's list).
 _PREFIX_SPACE_MODELS = ("bloom", "gpt2", "roberta", "deberta", "longformer", "bart")
-
-
-def load_config(name: str) -> Any:
-    """``AutoConfig`` of ``name``, or one line saying why not."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(name)
-    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise load_error("model config", name, e) from None
-
-
-def head_labels(config: Any) -> list[str] | None:
-    """The tag names of a model's token-classification head (``id2label`` in id order), or None when the config
-    has only transformers' placeholders (``LABEL_0``...)."""
-    id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
-    names = [id2label[i] for i in sorted(id2label)]
-    if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
-        return None
-    return names
 
 
 def load_word_tokenizer(name: str, config: Any) -> Any:
@@ -93,7 +73,10 @@ class TokenClassificationFinetuner(Finetuner):
         name = args.pretrained_model_name_or_path
         config = load_config(name)
         self.tokenizer = load_word_tokenizer(name, config)
-        seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        self.seq_length = seq_length = sequence_length(
+            args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
+        )
         with hf_datasets_progress(self.show_progress):
             raw = load_token_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
         self.data = d = build_token_classification_data(
@@ -167,7 +150,7 @@ class TokenClassificationFinetuner(Finetuner):
         # Whole-batch tensors are gathered (the engine drops the rows that pad the ranks' last batches), padded to
         # --seq-length so every rank's have one shape; word-level tags are read off the first sub-tokens.
         model = model[0]
-        width = self.args.seq_length or DEFAULT_SEQ_LENGTH
+        width = self.seq_length
         loss_sums, counts, true_rows, pred_rows = [], [], [], []
         for batch in eval_dataloader:
             logits = _logits(model, batch)

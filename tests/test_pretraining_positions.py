@@ -7,7 +7,7 @@ import torch
 
 from rapidlite.arguments import parse_args
 from rapidlite.errors import ConfigError
-from rapidlite.models.hf import learned_positions
+from rapidlite.models.hf import position_limit
 from rapidlite.tasks.pretraining import hf_causal_lm
 
 
@@ -21,23 +21,19 @@ def pretraining_args(*argv: str):
     return parse_args(["--micro-batch-size", "1", "--train-iters", "1", *argv], require_task=False)
 
 
-def test_learned_position_tables_are_found():
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+def test_decoder_position_tables():
+    from transformers import LlamaConfig, OPTConfig
 
-    small = {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 50}
-    assert learned_positions(gpt2(64)) == 64
-    opt = OPTConfig(ffn_dim=32, max_position_embeddings=40, word_embed_proj_dim=16, **small)
-    assert learned_positions(OPTForCausalLM(opt)) == 40
-    assert learned_positions(BertModel(BertConfig(intermediate_size=32, max_position_embeddings=48, **small))) == 48
-    llama = LlamaConfig(intermediate_size=32, max_position_embeddings=32, **small)
-    assert learned_positions(LlamaForCausalLM(llama)) is None  # rotary: no table to run past
+    assert position_limit(gpt2(64).config) == 64  # n_positions
+    assert position_limit(OPTConfig(max_position_embeddings=40)) == 40
+    assert position_limit(LlamaConfig(max_position_embeddings=32)) is None  # rotary: no table to run past
 
 
 def test_pretraining_from_a_config_grows_the_position_table(tmp_path):
     gpt2(64).config.save_pretrained(tmp_path)
     args = pretraining_args("--pretrained-model-name-or-path", str(tmp_path), "--seq-length", "128")
     model = hf_causal_lm(args, vocab_size=50)
-    assert learned_positions(model) == 128
+    assert position_limit(model.config) == 128
     model(input_ids=torch.zeros(1, 128, dtype=torch.long))  # ran past 64 before
 
 
@@ -46,7 +42,7 @@ def test_pretrained_weights_refuse_a_longer_sequence_in_one_line(tmp_path):
     weights = ["--pretrained-model-name-or-path", str(tmp_path), "--load-pretrained-weights"]
     with pytest.raises(ConfigError, match="--seq-length 128: .* learned position embeddings for 64 positions"):
         hf_causal_lm(pretraining_args(*weights, "--seq-length", "128"), vocab_size=50)
-    assert learned_positions(hf_causal_lm(pretraining_args(*weights, "--seq-length", "64"), vocab_size=50)) == 64
+    assert position_limit(hf_causal_lm(pretraining_args(*weights, "--seq-length", "64"), vocab_size=50).config) == 64
 
 
 def test_pretrained_weights_from_a_config_only_directory_is_one_line(tmp_path):
