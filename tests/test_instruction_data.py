@@ -96,6 +96,37 @@ def test_chats_train_their_assistant_turns(tok):
     assert tok.decode(enc.input_ids) == tok.apply_chat_template(messages, tokenize=False) + tok.eos_token
 
 
+def test_sharegpt_and_openai_part_messages_render_as_role_content(tok):
+    ins.set_chat_template(tok, "chatml")
+    fmt = ins.detect_format(["conversations"])
+    plain = [{"role": "user", "content": "sort: b a c"}, {"role": "assistant", "content": "a b c"}]
+    sharegpt = [{"from": "human", "value": "sort: b a c"}, {"from": "gpt", "value": "a b c"}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "sort: "}, {"type": "text", "text": "b a c"}]},
+        {"role": "assistant", "content": "a b c"},
+    ]
+    want = ins.render({"conversations": plain}, fmt, "auto", tok)
+    assert want[-1] == ("a b c<|im_end|>\n", True)
+    assert ins.render({"conversations": sharegpt}, fmt, "auto", tok) == want
+    assert ins.render({"conversations": parts}, fmt, "auto", tok) == want
+    with pytest.raises(DataError, match="a chat message has no role: its keys are text; give each message role"):
+        ins.render({"conversations": [{"text": "hi"}]}, fmt, "auto", tok)
+
+
+def test_rows_missing_a_field_are_skipped_and_counted(tok):
+    import datasets
+
+    rows = {"prompt": ["sort: b a c", "sort: c a", None, "sort: a"], "completion": ["a b c", None, "x", "  "]}
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}), tok, 64)
+    assert data.rows == 4 and data.skipped == {"completion": 2, "prompt": 1} and len(data.train) == 1
+    alpaca = {"instruction": ["sort: b a c", "sort: c a"], "input": [None, ""], "output": ["a b c", "a c"]}
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(alpaca)}), tok, 256)
+    assert data.skipped == {} and len(data.train) == 2  # an absent input is a row without context
+    empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [None, ""]})})
+    with pytest.raises(DataError, match="every training row lacks its text"):
+        ins.build_instruction_data(empty, tok, 64)
+
+
 def test_packed_rows_give_the_unpacked_per_token_loss(tok):
     """A tiny LLaMA (transformers' packed-sequence masking from restarting position ids) and the built-in
     GPT (the block-diagonal mask): every row's logits in a pack equal the row's logits alone."""

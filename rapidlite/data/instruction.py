@@ -3,8 +3,9 @@ response only, optionally packed into full sequences.
 
 Formats (``detect_format``): Alpaca (``instruction``/``input``/``output``), prompt/response pairs
 (``prompt``/``completion``, ``prompt``/``response``, ``question``/``answer``, or the keys given), chat
-(``messages`` or ``conversations``: lists of ``{"role", "content"}``, rendered with the tokenizer's chat
-template) and plain ``text`` (continued pretraining: every token trains).
+(``messages`` or ``conversations``: lists of ``{"role", "content"}``, or ShareGPT's ``{"from", "value"}`` with its
+``human``/``gpt`` roles, rendered with the tokenizer's chat template) and plain ``text`` (continued pretraining:
+every token trains).
 
 A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
 concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
@@ -149,7 +150,7 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
             "chat data (messages) needs a chat template: the tokenizer has none; pass --chat-template chatml or "
             "a Jinja template file"
         )
-    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+    messages = [_message(m) for m in messages]
     segments: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
@@ -167,6 +168,29 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
     if whole[len(done) :]:
         segments.append((whole[len(done) :], False))
     return [s for s in segments if s[0]]
+
+
+# ShareGPT's roles (and a few other exports') as chat templates name them.
+_ROLES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def _message(message: Any) -> dict[str, str]:
+    """One chat message as ``{"role", "content"}``: OpenAI's layout (content a string or a list of text parts) or
+    ShareGPT's ``{"from", "value"}`` (``human``/``gpt`` roles); a missing content is empty."""
+    if not isinstance(message, dict):
+        raise DataError(f"a chat message is {type(message).__name__}, not an object with role and content: {message!r}")
+    role = message.get("role") if message.get("role") is not None else message.get("from")
+    if role is None:
+        keys = ", ".join(k for k, v in message.items() if v is not None)
+        raise DataError(
+            f"a chat message has no role: its keys are {keys or 'none'}; give each message role and content "
+            "(or ShareGPT's from and value)"
+        )
+    content = message.get("content") if message.get("content") is not None else message.get("value")
+    if isinstance(content, list):  # OpenAI's parts: [{"type": "text", "text": ...}, ...]
+        content = "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
+    role = str(role)
+    return {"role": _ROLES.get(role.lower(), role), "content": "" if content is None else str(content)}
 
 
 def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:
@@ -262,6 +286,7 @@ class InstructionData:
     rows: int
     truncated: int
     dropped: int
+    skipped: dict[str, int]
     trained_tokens: int
     tokens: int
 
@@ -280,12 +305,15 @@ def build_instruction_data(
 ) -> InstructionData:
     """Every split of ``raw`` (a ``datasets.DatasetDict``) rendered, encoded and, with ``packing``, packed.
     Rows with no trained token left (a response cut away by ``seq_length``) are dropped: they cost FLOPs and
-    teach nothing. ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
+    teach nothing. Rows missing a field of the format (null or absent, or an empty response or text) are
+    skipped and counted by field (``skipped``): they would teach the model to answer with EOS alone.
+    ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
     template = load_template(template)
     fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
     prompts: list[tuple[str, str]] = []
     rows = truncated = dropped = trained = tokens = 0
+    skipped: dict[str, int] = {}
     for name in splits:
         if name not in raw:
             continue
@@ -297,9 +325,13 @@ def build_instruction_data(
         for row in raw[name]:
             if bar is not None:
                 bar.update()
+            rows += 1
+            missing = missing_field(row, fmt)
+            if missing is not None:
+                skipped[missing] = skipped.get(missing, 0) + 1
+                continue
             segments = render(row, fmt, template, tokenizer)
             enc = encode(segments, tokenizer, seq_length, train_on_prompt)
-            rows += 1
             truncated += enc.truncated
             if all(label == -100 for label in enc.labels[1:]):
                 dropped += 1
@@ -315,6 +347,9 @@ def build_instruction_data(
             splits[name] = pack(encoded, seq_length)
         else:
             splits[name] = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
+    if not splits["train"] and skipped:
+        fields = ", ".join(sorted(skipped))
+        raise DataError(f"every training row lacks its {fields} (null, absent or empty); fill it in")
     if not splits["train"] and dropped:
         raise DataError(
             f"no training row keeps a response token within --seq-length {seq_length} (prompts are cut there); "
@@ -329,9 +364,21 @@ def build_instruction_data(
         rows,
         truncated,
         dropped,
+        skipped,
         trained,
         tokens,
     )
+
+
+def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
+    """The first field of ``fmt`` that ``row`` lacks (null or absent; the response, text or conversation also when
+    empty), else None. An empty prompt or input is kept: it is a row without context."""
+    trained = {ALPACA: "output", TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
+    for column in fmt_columns(fmt):
+        value = row.get(column)
+        if value is None or (column == trained and not (value.strip() if isinstance(value, str) else value)):
+            return column
+    return None
 
 
 def fmt_columns(fmt: RowFormat) -> tuple[str, ...]:
