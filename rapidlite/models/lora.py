@@ -200,7 +200,9 @@ def quantize(model: nn.Module, settings: LoraSettings, compute_dtype: torch.dtyp
     saved = set(settings.modules_to_save)
     replaced = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name in keep or name.rsplit(".", 1)[-1] in saved:
+        # Subclasses too (Falcon's FalconLinear), which transformers' own quantisation on load leaves alone.
+        plain = isinstance(module, nn.Linear) and not _is_bnb_linear(module)
+        if not plain or name in keep or name.rsplit(".", 1)[-1] in saved:
             continue
         has_bias = module.bias is not None
         weight = module.weight.data
@@ -349,6 +351,11 @@ def prepare(
     quantized = 0
     if settings.quantized and not is_quantized(model):
         quantized = quantize(model, settings, compute_dtype, device)
+        if not quantized:
+            raise ConfigError(
+                f"{settings.quant_flag}: {type(model).__name__} has no linear layer to quantise besides its output "
+                f"heads (its layers are {', '.join(linear_module_names(model)) or 'none'}); drop the flag"
+            )
     keep_training_kernel(model)
     modules_to_save = split_names(settings.modules_to_save)
     _check_modules_to_save(model, modules_to_save)
@@ -439,6 +446,21 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         short = _base_key(key[len(prefix) :] if key.startswith(prefix) else key)
         out.setdefault(short, value)
     return out
+
+
+def restore_conv1d_layout(model: nn.Module, target: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """transformers quantises GPT-2-style ``Conv1D`` layers (weight ``[in, out]``) into bitsandbytes linear layers
+    (``[out, in]``): the merged weights of those layers are turned back for ``target``, the unquantised model
+    they are saved as."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in target.named_modules():
+        if not isinstance(module, Conv1D) or f"{name}.weight" not in weights:
+            continue
+        source = model.get_submodule(name)
+        source = source.get_base_layer() if hasattr(source, "get_base_layer") else source
+        if _is_bnb_linear(source):
+            weights[f"{name}.weight"] = weights[f"{name}.weight"].T.contiguous()
 
 
 def _base_key(key: str) -> str:
