@@ -167,3 +167,17 @@ def test_perplexity_without_bos_or_eos_conditions_on_the_first_token():
     assert [t for _, cont in windows for t in cont] == ids[1:] and windows[0][0] == ids[:1]
     cont = tok.encode(" red fox", add_special_tokens=False)
     assert scorer.encode_pair("", " red fox") == (cont[:1], cont[1:])  # an empty context: the first token
+
+
+def test_a_lora_runs_adapter_export_evaluates_and_trains_on_its_base(tmp_path):
+    model = save_llama(tmp_path / "m", tokenizer())
+    assert run(model, tmp_path / "d.jsonl", tmp_path / "lora", "--lora-rank", "4") == 0
+    trained = [r for r in read_metrics(tmp_path / "lora") if r.get("split") == "validation"][-1]
+    assert sorted(p.name for p in (tmp_path / "lora" / "hf").iterdir()) == ["adapter"]  # no --merge-lora
+    # DIR/hf names the adapter: its base comes from adapter_config.json, the tokenizer from beside the adapter.
+    assert run(tmp_path / "lora" / "hf", tmp_path / "d.jsonl", tmp_path / "eval", "--eval-only") == 0
+    evaluated = [r for r in read_metrics(tmp_path / "eval") if r.get("split") == "validation"][-1]
+    assert evaluated["eval_only"] and evaluated["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+    adapter = tmp_path / "lora" / "hf" / "adapter"
+    assert run(adapter, tmp_path / "d.jsonl", tmp_path / "more", "--lora-rank", "4", "--merge-lora") == 0
+    assert (tmp_path / "more" / "hf" / "model.safetensors").is_file()

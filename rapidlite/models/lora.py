@@ -400,6 +400,38 @@ def trainable_summary(model: nn.Module) -> str:
     return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}"
 
 
+def adapter_directory(path: str) -> Path | None:
+    """The peft adapter directory ``path`` names, or None: ``path`` itself (``adapter_config.json`` and no model
+    ``config.json``), or its ``adapter/`` (rapidlite's export of a LoRA run without ``--merge-lora``)."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / "config.json").is_file():
+        return None
+    return next((d for d in (directory, directory / "adapter") if (d / "adapter_config.json").is_file()), None)
+
+
+def adapter_base(directory: Path) -> str:
+    """The base model an adapter directory was trained on (its ``adapter_config.json``), or one line."""
+    import json
+
+    with open(directory / "adapter_config.json", encoding="utf-8") as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {directory}: a LoRA adapter whose adapter_config.json names no "
+            "base_model_name_or_path; write the base model's directory or hub name there"
+        )
+    return base
+
+
+def load_adapter(base: nn.Module, directory: Path) -> nn.Module:
+    """``base`` with the adapter in ``directory``, its adapters trainable (a run from an adapter goes on training
+    it, or evaluates it)."""
+    require_peft()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(directory), is_trainable=True)
+
+
 # --------------------------------------------------------------------------------------- saving
 def trainable_only(model: nn.Module) -> bool:
     """Checkpoints of this model hold its trainable tensors only (the adapters; the base is loaded again)."""

@@ -17,6 +17,7 @@ from rapidlite.data.instruction import CausalLMCollator, build_instruction_data,
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models import lora
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
@@ -94,8 +95,12 @@ class CausalLMFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        pad_id = choose_pad(self.tokenizer, config_vocab_size(args.pretrained_model_name_or_path), self.logger)
+        # A LoRA adapter (rapidlite's DIR/hf/adapter, or DIR/hf of a run without --merge-lora) runs on its base.
+        self.adapter = lora.adapter_directory(args.pretrained_model_name_or_path)
+        self.base_name = lora.adapter_base(self.adapter) if self.adapter else args.pretrained_model_name_or_path
+        has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
+        self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
+        pad_id = choose_pad(self.tokenizer, config_vocab_size(self.base_name), self.logger)
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
@@ -131,7 +136,10 @@ class CausalLMFinetuner(Finetuner):
         return d.train, d.validation, d.test, CausalLMCollator(pad_id)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_causal_lm(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        model = load_causal_lm(self.base_name, **self.pretrained_load_kwargs())
+        if self.adapter is not None:
+            model = lora.load_adapter(model, self.adapter)
+            self.logger.info(f"LoRA adapter {self.adapter} on its base {self.base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
@@ -151,7 +159,7 @@ class CausalLMFinetuner(Finetuner):
         if rows is None or self.max_token_id < rows:
             return
         size = len(self.tokenizer)
-        if self.args.lora_rank:
+        if self.args.lora_rank or lora.is_peft_model(model):
             raise ConfigError(
                 f"--lora-rank: the data has token id {self.max_token_id} but the model's embeddings end at {rows - 1} "
                 f"(the tokenizer has {size} tokens); adapters cannot grow them: save the model resized with "
