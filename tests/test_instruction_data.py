@@ -113,6 +113,20 @@ def test_sharegpt_and_openai_part_messages_render_as_role_content(tok):
         ins.render({"conversations": [{"text": "hi"}]}, fmt, "auto", tok)
 
 
+def test_a_template_that_refuses_a_conversation_is_one_line(tok):
+    saved = tok.chat_template
+    tok.chat_template = (  # Gemma's: no system role
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "a b c"}]}
+    try:
+        with pytest.raises(DataError, match=r"refuses a conversation \(system/assistant\): System role not supported"):
+            ins.render(chat, ins.detect_format(["messages"]), "auto", tok)
+    finally:
+        tok.chat_template = saved
+
+
 def test_rows_missing_a_field_are_skipped_and_counted(tok):
     import datasets
 

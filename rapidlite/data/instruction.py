@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rapidlite.data.collate import flatten_rows
-from rapidlite.errors import DataError
+from rapidlite.errors import DataError, first_line
 from rapidlite.progress import progress_bar
 
 ALPACA, PROMPT_RESPONSE, CHAT, TEXT = "alpaca", "prompt_response", "chat", "text"
@@ -151,20 +151,31 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
             "a Jinja template file"
         )
     messages = [_message(m) for m in messages]
+
+    def rendered(turns: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2's TemplateError from the template's raise_exception, or its own slip
+            roles = "/".join(m["role"] for m in messages)
+            raise DataError(
+                f"the chat template refuses a conversation ({roles}): {first_line(e, 160)}; fix the data or pass "
+                "--chat-template chatml or a Jinja template file"
+            ) from None
+
     segments: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = rendered(messages[:i], add_generation_prompt=True)
+        through = rendered(messages[: i + 1])
         if not (before.startswith(done) and through.startswith(before)):
             raise DataError(
                 "the chat template renders a conversation differently as it grows: its turns cannot be told apart"
             )
         segments += [(before[len(done) :], False), (through[len(before) :], True)]
         done = through
-    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    whole = rendered(messages)
     if whole[len(done) :]:
         segments.append((whole[len(done) :], False))
     return [s for s in segments if s[0]]
