@@ -113,6 +113,21 @@ def test_sharegpt_and_openai_part_messages_render_as_role_content(tok):
         ins.render({"conversations": [{"text": "hi"}]}, fmt, "auto", tok)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_long_text_trains_every_token_in_windows(tok, packing):
+    import datasets
+
+    text = " ".join(TEXTS[:12])
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [text, "sort: b a c"]})})
+    data = ins.build_instruction_data(raw, tok, 16, packing=packing)
+    assert data.windowed == 1 and data.truncated == 0 and data.rows == 2
+    assert all(len(row["input_ids"]) <= 16 for row in data.train)
+    targets = [t for row in data.train for t in (row["labels"] if packing else row["labels"][1:]) if t != -100]
+    short = tok("sort: b a c")["input_ids"][1:] + [tok.eos_token_id]
+    assert targets == ids[1:] + short  # every token but the text's first is a target once, in order
+
+
 def test_a_template_that_refuses_a_conversation_is_one_line(tok):
     saved = tok.chat_template
     tok.chat_template = (  # Gemma's: no system role

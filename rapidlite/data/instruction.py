@@ -5,7 +5,7 @@ Formats (``detect_format``): Alpaca (``instruction``/``input``/``output``), prom
 (``prompt``/``completion``, ``prompt``/``response``, ``question``/``answer``, or the keys given), chat
 (``messages`` or ``conversations``: lists of ``{"role", "content"}``, or ShareGPT's ``{"from", "value"}`` with its
 ``human``/``gpt`` roles, rendered with the tokenizer's chat template) and plain ``text`` (continued pretraining:
-every token trains).
+every token trains; a text longer than ``seq_length`` becomes consecutive windows, ``windows``).
 
 A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
 concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
@@ -21,6 +21,7 @@ no attention mask and no key/value cache so; the built-in GPT takes the block-di
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -254,6 +255,18 @@ def encode(
     return Encoded(ids[:seq_length], labels[:seq_length], truncated=len(ids) > seq_length)
 
 
+def windows(row: Encoded, seq_length: int) -> list[Encoded]:
+    """A row longer than ``seq_length`` as consecutive windows of ``seq_length`` tokens that overlap by one token,
+    so every token after the row's first is a target exactly once (a window's first token only conditions)."""
+    if len(row.input_ids) <= seq_length:
+        return [row]
+    step = max(seq_length - 1, 1)
+    return [
+        Encoded(row.input_ids[start : start + seq_length], row.labels[start : start + seq_length], truncated=False)
+        for start in range(0, len(row.input_ids) - 1, step)
+    ]
+
+
 def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
     """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
     position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
@@ -296,6 +309,7 @@ class InstructionData:
     fmt: RowFormat
     rows: int
     truncated: int
+    windowed: int
     dropped: int
     skipped: dict[str, int]
     trained_tokens: int
@@ -323,7 +337,7 @@ def build_instruction_data(
     fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
     prompts: list[tuple[str, str]] = []
-    rows = truncated = dropped = trained = tokens = 0
+    rows = truncated = windowed = dropped = trained = tokens = 0
     skipped: dict[str, int] = {}
     for name in splits:
         if name not in raw:
@@ -342,14 +356,18 @@ def build_instruction_data(
                 skipped[missing] = skipped.get(missing, 0) + 1
                 continue
             segments = render(row, fmt, template, tokenizer)
-            enc = encode(segments, tokenizer, seq_length, train_on_prompt)
-            truncated += enc.truncated
-            if all(label == -100 for label in enc.labels[1:]):
+            if fmt.kind == TEXT:  # continued pretraining: a long text is every token of its windows, not its start
+                pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
+                windowed += len(pieces) > 1
+            else:
+                pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
+                truncated += pieces[0].truncated
+            if all(label == -100 for label in pieces[0].labels[1:]):
                 dropped += 1
                 continue
-            encoded.append(enc)
-            trained += sum(label != -100 for label in enc.labels[1:])
-            tokens += len(enc.input_ids)
+            encoded += pieces
+            trained += sum(label != -100 for enc in pieces for label in enc.labels[1:])
+            tokens += sum(len(enc.input_ids) for enc in pieces)
             if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
                 prompts.append((segments[0][0], segments[1][0]))
         if bar is not None:
@@ -374,6 +392,7 @@ def build_instruction_data(
         fmt,
         rows,
         truncated,
+        windowed,
         dropped,
         skipped,
         trained,

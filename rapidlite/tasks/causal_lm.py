@@ -122,6 +122,7 @@ class CausalLMFinetuner(Finetuner):
             f"data: {d.rows} rows, format {d.fmt.kind}, template {args.prompt_template}"
             f"{', chat template ' + args.chat_template if args.chat_template else ''}, "
             f"{d.truncated} truncated to --seq-length {seq_length}"
+            f"{f', {d.windowed} texts split into windows of it' if d.windowed else ''}"
             f"{f', {d.dropped} dropped with no response token left' if d.dropped else ''}"
             f"{''.join(f', {n} skipped with no {field}' for field, n in sorted(d.skipped.items()))}, "
             f"{d.trained_tokens / max(d.tokens, 1):.1%} of tokens trained | "
