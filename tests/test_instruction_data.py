@@ -3,6 +3,8 @@ trains, chats train their assistant turns, and packed rows give the same per-tok
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -107,6 +109,9 @@ def test_sharegpt_and_openai_part_messages_render_as_role_content(tok):
     ]
     want = ins.render({"conversations": plain}, fmt, "auto", tok)
     assert want[-1] == ("a b c<|im_end|>\n", True)
+    assert ins.render({"conversations": json.dumps(plain)}, fmt, "auto", tok) == want  # a CSV cell's JSON text
+    with pytest.raises(DataError, match="messages are text that is not a JSON list"):
+        ins.render({"conversations": "user: hi"}, fmt, "auto", tok)
     assert ins.render({"conversations": sharegpt}, fmt, "auto", tok) == want
     assert ins.render({"conversations": parts}, fmt, "auto", tok) == want
     with pytest.raises(DataError, match="a chat message has no role: its keys are text; give each message role"):

@@ -20,6 +20,7 @@ no attention mask and no key/value cache so; the built-in GPT takes the block-di
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -151,6 +152,16 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
             "chat data (messages) needs a chat template: the tokenizer has none; pass --chat-template chatml or "
             "a Jinja template file"
         )
+    if isinstance(messages, str):  # a CSV (or any text column) holds the conversation as JSON text
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            messages = None
+        if not isinstance(messages, list):
+            raise DataError(
+                "a chat row's messages are text that is not a JSON list of messages; give a list of "
+                '{"role", "content"} objects (or its JSON text)'
+            )
     messages = [_message(m) for m in messages]
 
     def rendered(turns: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
