@@ -11,7 +11,7 @@ import torch
 
 from helpers import rapidlite_here, read_metrics
 from rapidlite.errors import ConfigError
-from rapidlite.evaluation.scoring import CausalLMScorer, text_windows
+from rapidlite.evaluation.scoring import CausalLMScorer, load_scorer, text_windows
 from rapidlite.models import lora
 from rapidlite.tasks.causal_lm import choose_pad, honours_packed_positions
 
@@ -178,6 +178,9 @@ def test_a_lora_runs_adapter_export_evaluates_and_trains_on_its_base(tmp_path):
     assert run(tmp_path / "lora" / "hf", tmp_path / "d.jsonl", tmp_path / "eval", "--eval-only") == 0
     evaluated = [r for r in read_metrics(tmp_path / "eval") if r.get("split") == "validation"][-1]
     assert evaluated["eval_only"] and evaluated["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+    # rapidlite-eval scores it too, with the adapter applied.
+    scorer = load_scorer(str(tmp_path / "lora" / "hf"))
+    assert any("lora_A" in name for name, _ in scorer.model.named_parameters())
     adapter = tmp_path / "lora" / "hf" / "adapter"
     assert run(adapter, tmp_path / "d.jsonl", tmp_path / "more", "--lora-rank", "4", "--merge-lora") == 0
     assert (tmp_path / "more" / "hf" / "model.safetensors").is_file()

@@ -210,13 +210,17 @@ def load_scorer(
     device: torch.device | None = None,
 ) -> CausalLMScorer:
     """A scorer for an ``AutoModelForCausalLM`` directory or name and its tokenizer (SDPA attention, float32
-    weights unless ``bf16``)."""
+    weights unless ``bf16``). A LoRA adapter directory (or rapidlite's ``DIR/hf`` holding only ``adapter/``) is
+    scored on its base, which transformers loads with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rapidlite.models.hf import load_hf_model
+    from rapidlite.models.lora import adapter_directory
 
     if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    adapter = adapter_directory(model)
+    model = str(adapter) if adapter is not None else model
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
         net = load_hf_model(
