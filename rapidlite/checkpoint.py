@@ -929,7 +929,12 @@ def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory:
         if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
             save(model, weights, directory)
         else:
-            unquantized(model).save_pretrained(directory, state_dict=weights, safe_serialization=True)
+            target = unquantized(model)
+            if target is not model:
+                from rapidlite.models.lora import restore_conv1d_layout
+
+                restore_conv1d_layout(model, target, weights)
+            target.save_pretrained(directory, state_dict=weights, safe_serialization=True)
 
 
 def _first_line(e: BaseException) -> str:

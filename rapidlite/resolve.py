@@ -93,6 +93,13 @@ def target_world_size(args: Any) -> int:
     return env_int("WORLD_SIZE", 0) or num_nodes(args) * nproc_per_node(args)
 
 
+def given_flag(args: Any, dest: str) -> bool:
+    """Whether the command line (or a ``--config`` file) gave ``dest``'s flag, rather than a default; settings
+    built by hand keep no record, and every flag counts as given there."""
+    given = getattr(args, "explicit_flags", None)
+    return given is None or dest in given
+
+
 def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConfig:
     """Check the parsed flags and derive every value, in one place; ``namespace`` is left as it was.
 

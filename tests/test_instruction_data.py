@@ -3,6 +3,8 @@ trains, chats train their assistant turns, and packed rows give the same per-tok
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -94,6 +96,69 @@ def test_chats_train_their_assistant_turns(tok):
     enc = ins.encode(ins.render({"messages": messages}, fmt, "auto", tok), tok, seq_length=512)
     assert _trained_text(tok, enc) == "a b c<|im_end|>\nc b a<|im_end|>\n" + tok.eos_token
     assert tok.decode(enc.input_ids) == tok.apply_chat_template(messages, tokenize=False) + tok.eos_token
+
+
+def test_sharegpt_and_openai_part_messages_render_as_role_content(tok):
+    ins.set_chat_template(tok, "chatml")
+    fmt = ins.detect_format(["conversations"])
+    plain = [{"role": "user", "content": "sort: b a c"}, {"role": "assistant", "content": "a b c"}]
+    sharegpt = [{"from": "human", "value": "sort: b a c"}, {"from": "gpt", "value": "a b c"}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "sort: "}, {"type": "text", "text": "b a c"}]},
+        {"role": "assistant", "content": "a b c"},
+    ]
+    want = ins.render({"conversations": plain}, fmt, "auto", tok)
+    assert want[-1] == ("a b c<|im_end|>\n", True)
+    assert ins.render({"conversations": json.dumps(plain)}, fmt, "auto", tok) == want  # a CSV cell's JSON text
+    with pytest.raises(DataError, match="messages are text that is not a JSON list"):
+        ins.render({"conversations": "user: hi"}, fmt, "auto", tok)
+    assert ins.render({"conversations": sharegpt}, fmt, "auto", tok) == want
+    assert ins.render({"conversations": parts}, fmt, "auto", tok) == want
+    with pytest.raises(DataError, match="a chat message has no role: its keys are text; give each message role"):
+        ins.render({"conversations": [{"text": "hi"}]}, fmt, "auto", tok)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_long_text_trains_every_token_in_windows(tok, packing):
+    import datasets
+
+    text = " ".join(TEXTS[:12])
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [text, "sort: b a c"]})})
+    data = ins.build_instruction_data(raw, tok, 16, packing=packing)
+    assert data.windowed == 1 and data.truncated == 0 and data.rows == 2
+    assert all(len(row["input_ids"]) <= 16 for row in data.train)
+    targets = [t for row in data.train for t in (row["labels"] if packing else row["labels"][1:]) if t != -100]
+    short = tok("sort: b a c")["input_ids"][1:] + [tok.eos_token_id]
+    assert targets == ids[1:] + short  # every token but the text's first is a target once, in order
+
+
+def test_a_template_that_refuses_a_conversation_is_one_line(tok):
+    saved = tok.chat_template
+    tok.chat_template = (  # Gemma's: no system role
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "a b c"}]}
+    try:
+        with pytest.raises(DataError, match=r"refuses a conversation \(system/assistant\): System role not supported"):
+            ins.render(chat, ins.detect_format(["messages"]), "auto", tok)
+    finally:
+        tok.chat_template = saved
+
+
+def test_rows_missing_a_field_are_skipped_and_counted(tok):
+    import datasets
+
+    rows = {"prompt": ["sort: b a c", "sort: c a", None, "sort: a"], "completion": ["a b c", None, "x", "  "]}
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}), tok, 64)
+    assert data.rows == 4 and data.skipped == {"completion": 2, "prompt": 1} and len(data.train) == 1
+    alpaca = {"instruction": ["sort: b a c", "sort: c a"], "input": [None, ""], "output": ["a b c", "a c"]}
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(alpaca)}), tok, 256)
+    assert data.skipped == {} and len(data.train) == 2  # an absent input is a row without context
+    empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [None, ""]})})
+    with pytest.raises(DataError, match="every training row lacks its text"):
+        ins.build_instruction_data(empty, tok, 64)
 
 
 def test_packed_rows_give_the_unpacked_per_token_loss(tok):

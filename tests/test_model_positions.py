@@ -89,3 +89,19 @@ def test_tasks_stay_inside_a_small_position_table(small_table_model, tmp_path, c
     err = capsys.readouterr().err
     assert "--seq-length 64: the model takes at most 16 tokens" in err and err.count("\n") == 1, err
     assert not (tmp_path / "too-long").exists() or not any((tmp_path / "too-long").iterdir())
+
+
+def test_causal_lm_length_follows_a_learned_position_table():
+    """causal_lm: the default 512 is lowered to GPT-2's 64 positions, a --seq-length past them is one line;
+    a rotary model takes any length (its tokenizer's model_max_length does not bound it)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from rapidlite.tasks.causal_lm import causal_sequence_length
+
+    gpt2 = GPT2Config(n_positions=64)
+    assert causal_sequence_length(512, False, gpt2, "tiny-gpt2") == 64
+    assert causal_sequence_length(48, True, gpt2, "tiny-gpt2") == 48
+    with pytest.raises(ConfigError, match="--seq-length 128: tiny-gpt2 has learned position embeddings for 64"):
+        causal_sequence_length(128, True, gpt2, "tiny-gpt2")
+    assert causal_sequence_length(4096, True, LlamaConfig(max_position_embeddings=64), "tiny-llama") == 4096
+    assert causal_sequence_length(512, False, None, "unreadable") == 512

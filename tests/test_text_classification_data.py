@@ -125,6 +125,12 @@ def test_local_dir_with_data_name_subdirectory(tmp_path):
         load_raw_datasets(str(tmp_path / "glue"), data_name="mrpc")
 
 
+def test_an_empty_file_is_one_line(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty.jsonl: the file is empty"):
+        load_raw_datasets(str(tmp_path / "empty.jsonl"))
+
+
 def test_missing_train_file(tmp_path):
     write_csv(tmp_path / "validation.csv", ["sentence", "label"], [("a", 0)])
     with pytest.raises(DataError, match=r"--data-path .*no train\.\* file found.*train\.csv"):

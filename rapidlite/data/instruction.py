@@ -3,8 +3,9 @@ response only, optionally packed into full sequences.
 
 Formats (``detect_format``): Alpaca (``instruction``/``input``/``output``), prompt/response pairs
 (``prompt``/``completion``, ``prompt``/``response``, ``question``/``answer``, or the keys given), chat
-(``messages`` or ``conversations``: lists of ``{"role", "content"}``, rendered with the tokenizer's chat
-template) and plain ``text`` (continued pretraining: every token trains).
+(``messages`` or ``conversations``: lists of ``{"role", "content"}``, or ShareGPT's ``{"from", "value"}`` with its
+``human``/``gpt`` roles, rendered with the tokenizer's chat template) and plain ``text`` (continued pretraining:
+every token trains; a text longer than ``seq_length`` becomes consecutive windows, ``windows``).
 
 A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
 concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
@@ -19,7 +20,9 @@ no attention mask and no key/value cache so; the built-in GPT takes the block-di
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from rapidlite.data.collate import flatten_rows
-from rapidlite.errors import DataError
+from rapidlite.errors import DataError, first_line
 from rapidlite.progress import progress_bar
 
 ALPACA, PROMPT_RESPONSE, CHAT, TEXT = "alpaca", "prompt_response", "chat", "text"
@@ -149,24 +152,68 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
             "chat data (messages) needs a chat template: the tokenizer has none; pass --chat-template chatml or "
             "a Jinja template file"
         )
-    messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+    if isinstance(messages, str):  # a CSV (or any text column) holds the conversation as JSON text
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            messages = None
+        if not isinstance(messages, list):
+            raise DataError(
+                "a chat row's messages are text that is not a JSON list of messages; give a list of "
+                '{"role", "content"} objects (or its JSON text)'
+            )
+    messages = [_message(m) for m in messages]
+
+    def rendered(turns: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2's TemplateError from the template's raise_exception, or its own slip
+            roles = "/".join(m["role"] for m in messages)
+            raise DataError(
+                f"the chat template refuses a conversation ({roles}): {first_line(e, 160)}; fix the data or pass "
+                "--chat-template chatml or a Jinja template file"
+            ) from None
+
     segments: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = rendered(messages[:i], add_generation_prompt=True)
+        through = rendered(messages[: i + 1])
         if not (before.startswith(done) and through.startswith(before)):
             raise DataError(
                 "the chat template renders a conversation differently as it grows: its turns cannot be told apart"
             )
         segments += [(before[len(done) :], False), (through[len(before) :], True)]
         done = through
-    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    whole = rendered(messages)
     if whole[len(done) :]:
         segments.append((whole[len(done) :], False))
     return [s for s in segments if s[0]]
+
+
+# ShareGPT's roles (and a few other exports') as chat templates name them.
+_ROLES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def _message(message: Any) -> dict[str, str]:
+    """One chat message as ``{"role", "content"}``: OpenAI's layout (content a string or a list of text parts) or
+    ShareGPT's ``{"from", "value"}`` (``human``/``gpt`` roles); a missing content is empty."""
+    if not isinstance(message, dict):
+        raise DataError(f"a chat message is {type(message).__name__}, not an object with role and content: {message!r}")
+    role = message.get("role") if message.get("role") is not None else message.get("from")
+    if role is None:
+        keys = ", ".join(k for k, v in message.items() if v is not None)
+        raise DataError(
+            f"a chat message has no role: its keys are {keys or 'none'}; give each message role and content "
+            "(or ShareGPT's from and value)"
+        )
+    content = message.get("content") if message.get("content") is not None else message.get("value")
+    if isinstance(content, list):  # OpenAI's parts: [{"type": "text", "text": ...}, ...]
+        content = "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
+    role = str(role)
+    return {"role": _ROLES.get(role.lower(), role), "content": "" if content is None else str(content)}
 
 
 def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:
@@ -219,6 +266,18 @@ def encode(
     return Encoded(ids[:seq_length], labels[:seq_length], truncated=len(ids) > seq_length)
 
 
+def windows(row: Encoded, seq_length: int) -> list[Encoded]:
+    """A row longer than ``seq_length`` as consecutive windows of ``seq_length`` tokens that overlap by one token,
+    so every token after the row's first is a target exactly once (a window's first token only conditions)."""
+    if len(row.input_ids) <= seq_length:
+        return [row]
+    step = max(seq_length - 1, 1)
+    return [
+        Encoded(row.input_ids[start : start + seq_length], row.labels[start : start + seq_length], truncated=False)
+        for start in range(0, len(row.input_ids) - 1, step)
+    ]
+
+
 def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
     """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
     position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
@@ -261,7 +320,9 @@ class InstructionData:
     fmt: RowFormat
     rows: int
     truncated: int
+    windowed: int
     dropped: int
+    skipped: dict[str, int]
     trained_tokens: int
     tokens: int
 
@@ -280,12 +341,15 @@ def build_instruction_data(
 ) -> InstructionData:
     """Every split of ``raw`` (a ``datasets.DatasetDict``) rendered, encoded and, with ``packing``, packed.
     Rows with no trained token left (a response cut away by ``seq_length``) are dropped: they cost FLOPs and
-    teach nothing. ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
+    teach nothing. Rows missing a field of the format (null or absent, or an empty response or text) are
+    skipped and counted by field (``skipped``): they would teach the model to answer with EOS alone.
+    ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
     template = load_template(template)
     fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
     prompts: list[tuple[str, str]] = []
-    rows = truncated = dropped = trained = tokens = 0
+    rows = truncated = windowed = dropped = trained = tokens = 0
+    skipped: dict[str, int] = {}
     for name in splits:
         if name not in raw:
             continue
@@ -297,16 +361,24 @@ def build_instruction_data(
         for row in raw[name]:
             if bar is not None:
                 bar.update()
-            segments = render(row, fmt, template, tokenizer)
-            enc = encode(segments, tokenizer, seq_length, train_on_prompt)
             rows += 1
-            truncated += enc.truncated
-            if all(label == -100 for label in enc.labels[1:]):
+            missing = missing_field(row, fmt)
+            if missing is not None:
+                skipped[missing] = skipped.get(missing, 0) + 1
+                continue
+            segments = render(row, fmt, template, tokenizer)
+            if fmt.kind == TEXT:  # continued pretraining: a long text is every token of its windows, not its start
+                pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
+                windowed += len(pieces) > 1
+            else:
+                pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
+                truncated += pieces[0].truncated
+            if all(label == -100 for label in pieces[0].labels[1:]):
                 dropped += 1
                 continue
-            encoded.append(enc)
-            trained += sum(label != -100 for label in enc.labels[1:])
-            tokens += len(enc.input_ids)
+            encoded += pieces
+            trained += sum(label != -100 for enc in pieces for label in enc.labels[1:])
+            tokens += sum(len(enc.input_ids) for enc in pieces)
             if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
                 prompts.append((segments[0][0], segments[1][0]))
         if bar is not None:
@@ -315,6 +387,9 @@ def build_instruction_data(
             splits[name] = pack(encoded, seq_length)
         else:
             splits[name] = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
+    if not splits["train"] and skipped:
+        fields = ", ".join(sorted(skipped))
+        raise DataError(f"every training row lacks its {fields} (null, absent or empty); fill it in")
     if not splits["train"] and dropped:
         raise DataError(
             f"no training row keeps a response token within --seq-length {seq_length} (prompts are cut there); "
@@ -328,10 +403,23 @@ def build_instruction_data(
         fmt,
         rows,
         truncated,
+        windowed,
         dropped,
+        skipped,
         trained,
         tokens,
     )
+
+
+def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
+    """The first field of ``fmt`` that ``row`` lacks (null or absent; the response, text or conversation also when
+    empty), else None. An empty prompt or input is kept: it is a row without context."""
+    trained = {ALPACA: "output", TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
+    for column in fmt_columns(fmt):
+        value = row.get(column)
+        if value is None or (column == trained and not (value.strip() if isinstance(value, str) else value)):
+            return column
+    return None
 
 
 def fmt_columns(fmt: RowFormat) -> tuple[str, ...]:

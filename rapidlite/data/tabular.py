@@ -118,6 +118,8 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
     if reader is not None:
         return reader(path)
     builder, kwargs = _builder_for(path)
+    if os.path.getsize(path) == 0:  # the readers fail on it with their own puzzles (pyarrow's StopIteration)
+        raise DataError(f"{path}: the file is empty; give it rows")
     try:
         ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
     except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files

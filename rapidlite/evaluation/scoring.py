@@ -3,7 +3,8 @@
 Tokenisation follows lm-eval's ``HFLM`` (0.4): a context's trailing spaces move to the continuation;
 context and context + continuation are encoded separately (the tokenizer's default special tokens, none
 when the text already starts with the BOS string) and the continuation is what the whole adds to the
-context; an empty context is the prefix token (BOS, else EOS). The model sees
+context; an empty context is the prefix token (BOS, else EOS; a tokenizer with neither conditions on the
+continuation's first token, which is then not scored). The model sees
 ``(context + continuation)[-(L + 1):][:-1]`` (left-truncated to the maximum length ``L``) in right-padded
 batches without an attention mask: causal attention keeps padding out of every real token's logits.
 
@@ -74,13 +75,16 @@ class CausalLMScorer:
         self.device = device or next(model.parameters()).device
 
     @property
-    def prefix_token_id(self) -> int:
-        """The token an empty context (and every text document) is conditioned on: BOS, else EOS."""
+    def prefix_token_id(self) -> int | None:
+        """The token an empty context (and every text document) is conditioned on: BOS, else EOS; None for a
+        tokenizer with neither (the first token of the text is the context then)."""
         bos = self.tokenizer.bos_token_id
         return bos if bos is not None else self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         """The tokenizer's default special tokens, except when ``text`` already starts with the BOS string."""
+        if self.prefix_token_id is None:
+            return self.tokenizer.encode(text)
         bos = self.tokenizer.decode(self.prefix_token_id)
         extra = {"add_special_tokens": False} if text.startswith(bos) else {}
         return self.tokenizer.encode(text, **extra)
@@ -89,7 +93,7 @@ class CausalLMScorer:
         """``(context tokens, continuation tokens)`` as lm-eval splits them (see the module docstring)."""
         if context == "":
             cont = self.tokenizer.encode(continuation, add_special_tokens=False)
-            if cont and cont[0] == self.prefix_token_id:
+            if cont and (self.prefix_token_id is None or cont[0] == self.prefix_token_id):
                 return cont[:1], cont[1:]
             return [self.prefix_token_id], cont
         spaces = len(context) - len(context.rstrip())
@@ -173,9 +177,13 @@ def multiple_choice(
 def text_windows(scorer: CausalLMScorer, text: str) -> list[Request]:
     """One document as requests that predict each of its tokens once: conditioned on the prefix token (BOS,
     else EOS), no EOS appended, in consecutive windows of ``max_length`` predicted tokens, each window seeing
-    its own tokens and the one before it (lm-eval's rolling windows with one token of context)."""
+    its own tokens and the one before it (lm-eval's rolling windows with one token of context). A tokenizer
+    with neither BOS nor EOS: the first token is the context, every later one is predicted."""
     tokens = scorer.tokenizer.encode(text, add_special_tokens=False)
-    sequence = [scorer.prefix_token_id, *tokens]
+    if scorer.prefix_token_id is None:
+        sequence, tokens = tokens, tokens[1:]
+    else:
+        sequence = [scorer.prefix_token_id, *tokens]
     step = scorer.max_length
     return [(sequence[start : start + 1], tokens[start : start + step]) for start in range(0, len(tokens), step)]
 
@@ -202,14 +210,18 @@ def load_scorer(
     device: torch.device | None = None,
 ) -> CausalLMScorer:
     """A scorer for an ``AutoModelForCausalLM`` directory or name and its tokenizer (SDPA attention, float32
-    weights unless ``bf16``)."""
+    weights unless ``bf16``). A LoRA adapter directory (or rapidlite's ``DIR/hf`` holding only ``adapter/``) is
+    scored on its base, which transformers loads with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rapidlite.models.hf import check_positions, load_hf_model
+    from rapidlite.models.lora import adapter_directory
     from rapidlite.progress import hf_transformers_progress
 
     if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    adapter = adapter_directory(model)
+    model = str(adapter) if adapter is not None else model
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
         with hf_transformers_progress(True):  # its bars on a terminal only

@@ -200,7 +200,9 @@ def quantize(model: nn.Module, settings: LoraSettings, compute_dtype: torch.dtyp
     saved = set(settings.modules_to_save)
     replaced = 0
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name in keep or name.rsplit(".", 1)[-1] in saved:
+        # Subclasses too (Falcon's FalconLinear), which transformers' own quantisation on load leaves alone.
+        plain = isinstance(module, nn.Linear) and not _is_bnb_linear(module)
+        if not plain or name in keep or name.rsplit(".", 1)[-1] in saved:
             continue
         has_bias = module.bias is not None
         weight = module.weight.data
@@ -349,6 +351,11 @@ def prepare(
     quantized = 0
     if settings.quantized and not is_quantized(model):
         quantized = quantize(model, settings, compute_dtype, device)
+        if not quantized:
+            raise ConfigError(
+                f"{settings.quant_flag}: {type(model).__name__} has no linear layer to quantise besides its output "
+                f"heads (its layers are {', '.join(linear_module_names(model)) or 'none'}); drop the flag"
+            )
     keep_training_kernel(model)
     modules_to_save = split_names(settings.modules_to_save)
     _check_modules_to_save(model, modules_to_save)
@@ -391,6 +398,38 @@ def trainable_summary(model: nn.Module) -> str:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     share = 100.0 * trainable / total if total else 0.0
     return f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}"
+
+
+def adapter_directory(path: str) -> Path | None:
+    """The peft adapter directory ``path`` names, or None: ``path`` itself (``adapter_config.json`` and no model
+    ``config.json``), or its ``adapter/`` (rapidlite's export of a LoRA run without ``--merge-lora``)."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / "config.json").is_file():
+        return None
+    return next((d for d in (directory, directory / "adapter") if (d / "adapter_config.json").is_file()), None)
+
+
+def adapter_base(directory: Path) -> str:
+    """The base model an adapter directory was trained on (its ``adapter_config.json``), or one line."""
+    import json
+
+    with open(directory / "adapter_config.json", encoding="utf-8") as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {directory}: a LoRA adapter whose adapter_config.json names no "
+            "base_model_name_or_path; write the base model's directory or hub name there"
+        )
+    return base
+
+
+def load_adapter(base: nn.Module, directory: Path) -> nn.Module:
+    """``base`` with the adapter in ``directory``, its adapters trainable (a run from an adapter goes on training
+    it, or evaluates it)."""
+    require_peft()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(directory), is_trainable=True)
 
 
 # --------------------------------------------------------------------------------------- saving
@@ -439,6 +478,21 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         short = _base_key(key[len(prefix) :] if key.startswith(prefix) else key)
         out.setdefault(short, value)
     return out
+
+
+def restore_conv1d_layout(model: nn.Module, target: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """transformers quantises GPT-2-style ``Conv1D`` layers (weight ``[in, out]``) into bitsandbytes linear layers
+    (``[out, in]``): the merged weights of those layers are turned back for ``target``, the unquantised model
+    they are saved as."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in target.named_modules():
+        if not isinstance(module, Conv1D) or f"{name}.weight" not in weights:
+            continue
+        source = model.get_submodule(name)
+        source = source.get_base_layer() if hasattr(source, "get_base_layer") else source
+        if _is_bnb_linear(source):
+            weights[f"{name}.weight"] = weights[f"{name}.weight"].T.contiguous()
 
 
 def _base_key(key: str) -> str:

@@ -340,6 +340,10 @@ def packs_exactly(model: torch.nn.Module, plan: PackedPlan) -> bool:
         config.use_cache = use_cache
         seen.remove()
         adapter.remove()
+    if len(hidden) < 3:
+        # The head bypassed the base model's forward (OPT calls its decoder directly), so no hidden state was
+        # seen: the per-token outputs still tell, since each depends on what its token attended to.
+        return plan.head == TOKEN and _close(packed, torch.cat([first, second], dim=1), floor=0.0)
     alone = (hidden[0][0], hidden[1][0])
     if plan.head == SEQUENCE:  # the backbone's output was scattered back to the padded layout [2, 4, H]
         together = (hidden[2][0, :3], hidden[2][1, :4])

@@ -17,9 +17,11 @@ from rapidlite.data.instruction import CausalLMCollator, build_instruction_data,
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models import lora
+from rapidlite.models.hf import check_positions, load_error, load_hf_model, load_tokenizer, position_limit
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
+from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -47,6 +49,60 @@ def honours_packed_positions(model: torch.nn.Module) -> bool:
     return packs_exactly(model, PackedPlan(TOKEN, POSITIONS, shift_labels=True))
 
 
+def read_config(name: str) -> Any:
+    """The model's config, or None when it cannot be read (the model load then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception:  # transformers raises OSError/ValueError/HTTP errors; the model's own load reports them
+        return None
+
+
+def config_vocab_size(name: str) -> int | None:
+    """The vocabulary size the model's config declares, or None when the config cannot be read or declares
+    none."""
+    size = getattr(read_config(name), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def causal_sequence_length(seq_length: int | None, explicit: bool, config: Any, name: str) -> int:
+    """``--seq-length`` given, else the default (512) lowered to a learned position table shorter than that
+    (GPT-2, OPT); a ``--seq-length`` given past the table is one line. Rotary models have no table."""
+    table = position_limit(config) if config is not None else None
+    if not explicit or seq_length is None:
+        default = seq_length or DEFAULT_SEQ_LENGTH
+        return min(default, table) if table is not None else default
+    if config is not None:
+        check_positions(config, seq_length, name)
+    return seq_length
+
+
+def choose_pad(tokenizer: Any, vocab_size: int | None, logger: Any) -> int:
+    """The id rows are padded with (padding is masked out of attention and loss, so any id in the model's
+    vocabulary serves): the tokenizer's pad token when the model has it, else its EOS (the custom for causal
+    LMs), BOS or UNK, which becomes the tokenizer's pad token; with none of them, id 0 (the tokenizer keeps no
+    pad token)."""
+
+    def fits(token_id: int | None) -> bool:
+        return token_id is not None and (vocab_size is None or token_id < vocab_size)
+
+    pad = tokenizer.pad_token_id
+    if fits(pad):
+        return pad
+    for name in ("eos_token", "bos_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        if token is not None and fits(getattr(tokenizer, f"{name}_id", None)):
+            if pad is not None:
+                logger.info(
+                    f"the tokenizer's pad token {tokenizer.pad_token!r} (id {pad}) is outside the model's "
+                    f"{vocab_size}-token vocabulary; padding with {token!r} instead"
+                )
+            tokenizer.pad_token = token
+            return tokenizer.pad_token_id
+    return 0
+
+
 def _strip_end(text: str) -> str:
     return text.split(_CHATML_END)[0].strip()
 
@@ -56,11 +112,18 @@ class CausalLMFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)  # no padding token: EOS pads
+        # A LoRA adapter (rapidlite's DIR/hf/adapter, or DIR/hf of a run without --merge-lora) runs on its base.
+        self.adapter = lora.adapter_directory(args.pretrained_model_name_or_path)
+        self.base_name = lora.adapter_base(self.adapter) if self.adapter else args.pretrained_model_name_or_path
+        has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
+        self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
+        pad_id = choose_pad(self.tokenizer, config_vocab_size(self.base_name), self.logger)
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
-        seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+        config = read_config(self.base_name)
+        explicit = given_flag(args, "seq_length")
+        seq_length = causal_sequence_length(args.seq_length, explicit, config, self.base_name)
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
@@ -78,24 +141,55 @@ class CausalLMFinetuner(Finetuner):
             f"data: {d.rows} rows, format {d.fmt.kind}, template {args.prompt_template}"
             f"{', chat template ' + args.chat_template if args.chat_template else ''}, "
             f"{d.truncated} truncated to --seq-length {seq_length}"
-            f"{f', {d.dropped} dropped with no response token left' if d.dropped else ''}, "
+            f"{f', {d.windowed} texts split into windows of it' if d.windowed else ''}"
+            f"{f', {d.dropped} dropped with no response token left' if d.dropped else ''}"
+            f"{''.join(f', {n} skipped with no {field}' for field, n in sorted(d.skipped.items()))}, "
             f"{d.trained_tokens / max(d.tokens, 1):.1%} of tokens trained | "
             f"{len(d.train)} train / {valid} validation {'packed sequences' if args.packing else 'samples'}"
         )
         if args.eval_generate and not d.prompts:
             self.logger.info("--eval-generate: the validation data has no prompts to complete; nothing is generated")
-        return d.train, d.validation, d.test, CausalLMCollator(self.tokenizer.pad_token_id)
+        self.max_token_id = max(
+            (max(row["input_ids"], default=-1) for split in (d.train, d.validation, d.test) for row in split or ()),
+            default=-1,
+        )
+        return d.train, d.validation, d.test, CausalLMCollator(pad_id)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_causal_lm(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        model = load_causal_lm(self.base_name, **self.pretrained_load_kwargs())
+        if self.adapter is not None:
+            model = lora.load_adapter(model, self.adapter)
+            self.logger.info(f"LoRA adapter {self.adapter} on its base {self.base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.fit_embeddings(model)
         if self.args.packing and not honours_packed_positions(model):
             raise ConfigError(
                 f"--packing: {type(model).__name__} does not keep attention inside packed samples (it ignores "
                 "restarting position ids); drop --packing"
             )
         return model, None, None
+
+    def fit_embeddings(self, model: torch.nn.Module) -> None:
+        """A tokenizer with more tokens than the model's embeddings (tokens added to it) whose added tokens occur in
+        the data: full fine-tuning grows the embeddings to the tokenizer (the new rows are trained and exported);
+        adapters cannot, so that is one line."""
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        rows = getattr(embeddings, "num_embeddings", None)
+        if rows is None or self.max_token_id < rows:
+            return
+        size = len(self.tokenizer)
+        if self.args.lora_rank or lora.is_peft_model(model):
+            raise ConfigError(
+                f"--lora-rank: the data has token id {self.max_token_id} but the model's embeddings end at {rows - 1} "
+                f"(the tokenizer has {size} tokens); adapters cannot grow them: save the model resized with "
+                "resize_token_embeddings(len(tokenizer)) first, or train without --lora-rank"
+            )
+        model.resize_token_embeddings(max(size, self.max_token_id + 1))
+        self.logger.info(
+            f"the tokenizer has {size} tokens and the model's embeddings {rows}: grew them to "
+            f"{model.get_input_embeddings().num_embeddings} (the new rows train with the rest and are exported)"
+        )
 
     def begin_training(self) -> None:
         if self.args.demo and self.iteration == 0:

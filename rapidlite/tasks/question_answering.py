@@ -24,6 +24,7 @@ from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import squad_v1_metrics, squad_v2_metrics
 from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
+from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 384  # run_qa's --max_seq_length
@@ -63,7 +64,7 @@ class QuestionAnsweringFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
-        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        explicit = given_flag(args, "seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

@@ -14,6 +14,7 @@ from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
 from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
+from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
@@ -46,7 +47,7 @@ class SequenceClassificationFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
-        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        explicit = given_flag(args, "seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

@@ -25,6 +25,7 @@ from rapidlite.losses import maybe_loss_parallel
 from rapidlite.metrics import is_entity_tagset, tagging_metrics
 from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
 from rapidlite.progress import hf_datasets_progress
+from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
@@ -73,7 +74,7 @@ class TokenClassificationFinetuner(Finetuner):
         name = args.pretrained_model_name_or_path
         config = load_config(name)
         self.tokenizer = load_word_tokenizer(name, config)
-        explicit = "seq_length" in getattr(args, "explicit_flags", ())
+        explicit = given_flag(args, "seq_length")
         self.seq_length = seq_length = sequence_length(
             args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
         )

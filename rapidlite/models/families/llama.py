@@ -9,6 +9,11 @@ from rapidlite.models.sharding import declared_plan
 from rapidlite.models.spec import ModelSpec, blocks_at, register
 from rapidlite.models.staging import DecoderSplit
 
+# Phi-3 fuses the attention and MLP inputs (qkv_proj, gate_up_proj): without them its default would adapt only the
+# output projections.
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
 SPEC = register(
     ModelSpec(
         family="llama",
@@ -18,6 +23,6 @@ SPEC = register(
         attention_dropout_keys=("attention_dropout",),
         tensor_parallel=declared_plan,
         pipeline=DecoderSplit("model", "embed_tokens", "layers", "norm", pos=None, drop=None),
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        lora_targets=(*_ATTENTION, *_MLP),
     )
 )
