@@ -159,6 +159,29 @@ def position_limit(config: Any) -> int | None:
     return limit if limit > 0 else None
 
 
+def ensure_pad_token(tokenizer: Any, config: Any, name: str) -> str | None:
+    """Give a tokenizer without a padding token one, so batches can be padded: the model's own
+    (``config.pad_token_id``), else its end-of-sequence, separator or unknown token (padding is masked out of
+    attention and loss, so which token fills it does not change the numbers). Returns a line saying which, or
+    None when the tokenizer had one; a tokenizer with none of them is one line."""
+    if tokenizer.pad_token_id is not None:
+        return None
+    pad_id = getattr(config, "pad_token_id", None)
+    if isinstance(pad_id, int) and not isinstance(pad_id, bool) and 0 <= pad_id < len(tokenizer):
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
+        return f"the tokenizer has no padding token; padding with the model's ({tokenizer.pad_token!r}, id {pad_id})"
+    for role in ("eos_token", "sep_token", "unk_token"):
+        token = getattr(tokenizer, role, None)
+        if token is not None:
+            tokenizer.pad_token = token
+            return f"the tokenizer has no padding token; padding with its {role} {token!r} (masked out)"
+    raise ConfigError(
+        f"--pretrained-model-name-or-path {name}: the tokenizer has no padding token (nor end-of-sequence, "
+        "separator or unknown token) and the model config names none (pad_token_id); add a pad token to the "
+        "tokenizer (tokenizer.add_special_tokens) and save it beside the model"
+    )
+
+
 def sequence_length(
     seq_length: int | None, tokenizer: Any, default_cap: int = 512, config: Any = None, explicit: bool = True
 ) -> int:

@@ -12,7 +12,15 @@ import torch
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
-from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    head_labels,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -46,6 +54,8 @@ class SequenceClassificationFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
+        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+            self.logger.info(f"data: {padding}")
         explicit = "seq_length" in getattr(args, "explicit_flags", ())
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA

@@ -23,7 +23,15 @@ from rapidlite.data.token_classification import (
 )
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.metrics import is_entity_tagset, tagging_metrics
-from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    head_labels,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -73,6 +81,8 @@ class TokenClassificationFinetuner(Finetuner):
         name = args.pretrained_model_name_or_path
         config = load_config(name)
         self.tokenizer = load_word_tokenizer(name, config)
+        if (padding := ensure_pad_token(self.tokenizer, config, name)) is not None:
+            self.logger.info(f"data: {padding}")
         explicit = "seq_length" in getattr(args, "explicit_flags", ())
         self.seq_length = seq_length = sequence_length(
             args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
