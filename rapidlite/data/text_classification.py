@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets, parse_split  # noqa: F401 (re-exported)
+from rapidlite.data.tabular import SPLIT_ORDER, carved_splits, load_raw_datasets, parse_split  # noqa: F401
 from rapidlite.errors import DataError
 
 if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be fast)
@@ -125,6 +125,8 @@ class TextClassificationData:
     follows_head: bool = False
     # Float scores (STS-B style): one output, labels are floats, NaN where unlabelled.
     regression: bool = False
+    # Rows moved back to train from a split --split carved out of it, per split: their label had no train rows.
+    moved: dict[str, int] = field(default_factory=dict)
 
 
 class PadCollator:
@@ -307,6 +309,33 @@ def _plan_regression(values: dict[str, list], label: str) -> _LabelPlan:
     return _LabelPlan(None, 1, {0: label}, regression=True)
 
 
+def _return_unseen_to_train(splits: dict[str, datasets.Dataset], label: str, carved: tuple[str, ...]) -> dict[str, int]:
+    """Move the rows of a carved split (``--split`` cut it out of the train data) whose label has no train rows
+    back to train: a one-row class that the shuffle put in validation could never be learnt, and the user has no
+    validation file to fix. Splits from files of their own are left as they are (an unseen label there is one
+    line). Returns the rows moved per split."""
+    import datasets
+
+    moved: dict[str, int] = {}
+    dtype = getattr(splits["train"].features[label], "dtype", None)
+    if isinstance(dtype, str) and dtype.startswith("float"):
+        return moved  # scores (or ids stored as floats): no classes to complete
+    for name in carved:
+        if name not in splits or label not in splits[name].column_names:
+            continue
+        train_labels = {str(v) for v in _column_values(splits["train"], label) if not _is_missing(v)}
+        values = _column_values(splits[name], label)
+        unseen = [i for i, v in enumerate(values) if not _is_missing(v) and str(v) not in train_labels]
+        if not unseen or len(unseen) == len(values):
+            continue  # nothing to move, or nothing would be left to score
+        keep = sorted(set(range(len(values))) - set(unseen))
+        back = splits[name].select(unseen, keep_in_memory=True)
+        splits["train"] = datasets.concatenate_datasets([splits["train"], back])
+        splits[name] = splits[name].select(keep, keep_in_memory=True)
+        moved[name] = len(unseen)
+    return moved
+
+
 def _tokenize_batch(
     batch: dict[str, list],
     tokenizer: Any,
@@ -357,6 +386,7 @@ def build_text_classification_data(
             )
     if len(splits["train"]) == 0:
         raise DataError("--data-path: the train split is empty; add training rows")
+    moved = _return_unseen_to_train(splits, label, carved_splits(raw))
 
     plan = _plan_labels(splits, label)
     follows_head = plan.follow_head(label_order)
@@ -408,4 +438,5 @@ def build_text_classification_data(
         dropped=dropped,
         follows_head=follows_head,
         regression=plan.regression,
+        moved=moved,
     )

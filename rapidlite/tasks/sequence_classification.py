@@ -75,6 +75,11 @@ class SequenceClassificationFinetuner(Finetuner):
             f"{'float scores (regression, MSE)' if self.data.regression else f'{self.data.num_labels} labels'}, "
             f"cut at --seq-length {seq_length}"
         )
+        for split, rows in self.data.moved.items():
+            self.logger.info(
+                f"data: moved {rows} {split} rows to train: their label has no train rows (--split carved {split} "
+                "out of the train data, and a class must be trained to be scored)"
+            )
         if self.data.follows_head:
             self.logger.info(f"data: the model's head has these labels; its ids are kept ({self.data.id2label})")
         for split, (dropped, rows) in self.data.dropped.items():
