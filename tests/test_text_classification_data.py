@@ -316,6 +316,12 @@ def test_a_class_whose_rows_the_split_put_outside_train_goes_back_to_train(tmp_p
     assert data.moved == {"validation": 1} and data.num_labels == 3
     assert (len(data.train), len(data.validation)) == (len(raw["train"]) + 1, len(raw["validation"]) - 1)
     assert 2 in data.train["labels"] and 2 not in data.validation["labels"]  # ids: neg 0, pos 1, rare 2
+    # Unlabelled rows (GLUE's -1) of a carved split are not a class to move.
+    ints = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"], "label": [1, 0]}), validation=ds({"text": ["good", "bad"], "label": [1, -1]})
+    )
+    ints.carved = ("validation",)
+    assert build_text_classification_data(ints, tokenizer, seq_length=8).moved == {}
     # A validation file of its own is the user's: an unseen label there stays one line.
     raw = datasets.DatasetDict(train=raw["train"], validation=raw["validation"])
     with pytest.raises(DataError, match="validation label 'rare' does not occur in train"):

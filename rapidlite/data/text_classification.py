@@ -309,6 +309,11 @@ def _plan_regression(values: dict[str, list], label: str) -> _LabelPlan:
     return _LabelPlan(None, 1, {0: label}, regression=True)
 
 
+def _unlabelled(value: Any) -> bool:
+    """Missing, or a negative integer id (GLUE's unlabelled rows)."""
+    return _is_missing(value) or (isinstance(value, int) and not isinstance(value, bool) and value < 0)
+
+
 def _return_unseen_to_train(splits: dict[str, datasets.Dataset], label: str, carved: tuple[str, ...]) -> dict[str, int]:
     """Move the rows of a carved split (``--split`` cut it out of the train data) whose label has no train rows
     back to train: a one-row class that the shuffle put in validation could never be learnt, and the user has no
@@ -325,7 +330,7 @@ def _return_unseen_to_train(splits: dict[str, datasets.Dataset], label: str, car
             continue
         train_labels = {str(v) for v in _column_values(splits["train"], label) if not _is_missing(v)}
         values = _column_values(splits[name], label)
-        unseen = [i for i, v in enumerate(values) if not _is_missing(v) and str(v) not in train_labels]
+        unseen = [i for i, v in enumerate(values) if not _unlabelled(v) and str(v) not in train_labels]
         if not unseen or len(unseen) == len(values):
             continue  # nothing to move, or nothing would be left to score
         keep = sorted(set(range(len(values))) - set(unseen))
@@ -367,7 +372,7 @@ def build_text_classification_data(
 
     Rows with a negative or missing label are dropped from train/validation; test rows are kept with
     label -1 (also when the test split has no label column at all). ``label_order``: the label names of a model's
-    head; when they are the data's labels, the ids are the head's.
+    head; when they include the data's labels, the head's ids and size are kept.
     """
     if "train" not in raw:
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
