@@ -99,6 +99,11 @@ class TokenClassificationFinetuner(Finetuner):
             label_order=head_labels(config),
         )
         self.entity_scores = is_entity_tagset(list(d.id2label.values()))
+        for split, count in d.moved.items():
+            self.logger.info(
+                f"data: moved {count} {split} sentences to train: a tag of theirs has no train sentence (--split "
+                f"carved {split} out of the train data, and a tag must be trained to be scored)"
+            )
         tags = list(d.id2label.values())
         shown = ", ".join(tags[:12]) + (", ..." if len(tags) > 12 else "")
         sizes = [f"{len(ds)} {split}" for split in ("train", "validation", "test") if (ds := getattr(d, split))]
