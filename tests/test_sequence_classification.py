@@ -257,3 +257,13 @@ def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
     rescored = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
     for key in ("loss", "pearson", "spearmanr"):
         assert rescored[key] == pytest.approx(final[key], rel=1e-5), key
+    # Whole-number scores are scores for a regression model too (not classes for a fresh head).
+    with open(scores / "validation.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    whole = tmp_path / "whole.csv"
+    with open(whole, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sentence", "label"])
+        writer.writerows([row["sentence"], float(round(float(row["label"])))] for row in rows)
+    args = parse_args(task_args(tmp_path / "run" / "hf", whole, "--eval-only", "--save", str(tmp_path / "whole")))
+    assert "pearson" in SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()

@@ -240,13 +240,13 @@ def _at_least_two(classes: list[str], label: str) -> None:
         )
 
 
-def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
+def _plan_labels(splits: dict[str, datasets.Dataset], label: str, scores: bool = False) -> _LabelPlan:
     """Decide the label mapping from the train values and check every split against it.
 
     A ClassLabel keeps its ids and names. Other integer labels are mapped, as run_glue maps them, to the sorted
     distinct non-negative train values (1..5 stars become ids 0..4 named "1".."5"; ids 0..N-1 stay as they
     are), and strings to their sorted distinct train values; negative integers (GLUE's unlabelled test rows)
-    and missing labels are unlabelled.
+    and missing labels are unlabelled. ``scores``: numbers are scores even when whole (a regression head's data).
     """
     from datasets import ClassLabel
 
@@ -255,6 +255,8 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     train_values = [v for v in values["train"] if not _is_missing(v)]
     dtype = getattr(feature, "dtype", None)
 
+    if scores and not isinstance(feature, ClassLabel) and isinstance(dtype, str) and dtype.startswith(("int", "float")):
+        return _plan_regression(values, label)
     if isinstance(feature, ClassLabel) or (isinstance(dtype, str) and dtype.startswith(("int", "uint"))):
         mode = "int"
     elif isinstance(dtype, str) and dtype.startswith("float"):
@@ -367,12 +369,14 @@ def build_text_classification_data(
     label_key: str | None = None,
     num_proc: int | None = None,
     label_order: list[str] | None = None,
+    scores: bool = False,
 ) -> TextClassificationData:
     """Detect columns, map labels to ids and tokenize every split of ``raw`` (nothing is cached on disk).
 
     Rows with a negative or missing label are dropped from train/validation; test rows are kept with
     label -1 (also when the test split has no label column at all). ``label_order``: the label names of a model's
-    head; when they include the data's labels, the head's ids and size are kept.
+    head; when they include the data's labels, the head's ids and size are kept. ``scores``: numeric labels are
+    regression scores even when they are whole numbers (the model's head is a regression one).
     """
     if "train" not in raw:
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
@@ -391,9 +395,9 @@ def build_text_classification_data(
             )
     if len(splits["train"]) == 0:
         raise DataError("--data-path: the train split is empty; add training rows")
-    moved = _return_unseen_to_train(splits, label, carved_splits(raw))
+    moved = {} if scores else _return_unseen_to_train(splits, label, carved_splits(raw))
 
-    plan = _plan_labels(splits, label)
+    plan = _plan_labels(splits, label, scores)
     follows_head = plan.follow_head(label_order)
     if not plan.regression:
         _at_least_two(list(plan.id2label.values()), label)

@@ -67,6 +67,8 @@ class SequenceClassificationFinetuner(Finetuner):
                 text_keys=args.text_keys,
                 label_key=args.label_key,
                 label_order=head_labels(config),
+                # A regression model (STS-B's) scores whole-number labels too, rather than a fresh class head.
+                scores=getattr(config, "problem_type", None) == "regression",
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "
