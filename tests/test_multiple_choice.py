@@ -170,7 +170,12 @@ def _bad(rows, field, value):
 @pytest.mark.parametrize(
     "change, flags, words",
     [
-        (lambda rows: _bad(rows, "label", "4"), [], "train row 4 has label '4', not a choice (0..3 or A..D)"),
+        (
+            lambda rows: _bad(rows, "label", "4"),
+            [],
+            "train row 4 has label '4', not a choice (0..3 or A..D); fix the label; labels counting the choices "
+            "from 1 need 1 subtracted",
+        ),
         (lambda rows: _bad(rows, "label", "-1"), [], "train row 4 has label '-1', not a choice"),
         (lambda rows: _bad(rows, "label", ""), [], "train row 4 has no label"),
         (lambda rows: _bad(rows, "ending2", ""), [], "train row 4: choice 2 is empty"),

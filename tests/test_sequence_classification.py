@@ -217,7 +217,7 @@ def test_a_decoder_model_whose_tokenizer_has_no_padding_token(tiny_assets, tmp_p
     args = parse_args(task_args(model_dir, data_dir, "--train-iters", "3", "--save", str(tmp_path / "run")))
     SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
     out = capsys.readouterr()
-    assert "the tokenizer has no padding token; padding with '</s>'" in out.out + out.err
+    assert "the tokenizer has no padding token; padding with its eos_token '</s>'" in out.out + out.err
 
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "hf").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf")
@@ -292,3 +292,13 @@ def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
     rescored = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
     for key in ("loss", "pearson", "spearmanr"):
         assert rescored[key] == pytest.approx(final[key], rel=1e-5), key
+    # Whole-number scores are scores for a regression model too (not classes for a fresh head).
+    with open(scores / "validation.csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    whole = tmp_path / "whole.csv"
+    with open(whole, "w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sentence", "label"])
+        writer.writerows([row["sentence"], float(round(float(row["label"])))] for row in rows)
+    args = parse_args(task_args(tmp_path / "run" / "hf", whole, "--eval-only", "--save", str(tmp_path / "whole")))
+    assert "pearson" in SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()

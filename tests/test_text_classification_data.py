@@ -308,6 +308,32 @@ def test_a_json_object_with_its_records_under_data_is_read_as_rows(tmp_path):
         load_raw_datasets(str(tmp_path / "two.json"))
 
 
+def test_a_class_whose_rows_the_split_put_outside_train_goes_back_to_train(tmp_path, tokenizer):
+    # --split carved validation out of one file, and the shuffle put a one-row class there: the row trains.
+    rows = [("good", "pos"), ("bad", "neg")] * 10 + [("awful", "rare")]
+    write_csv(tmp_path / "all.csv", ["text", "label"], rows)
+    seed = next(
+        s
+        for s in range(100)
+        if "rare" in load_raw_datasets(str(tmp_path / "all.csv"), split="80,20", seed=s)["validation"]["label"]
+    )
+    raw = load_raw_datasets(str(tmp_path / "all.csv"), split="80,20", seed=seed)
+    data = build_text_classification_data(raw, tokenizer, seq_length=8)
+    assert data.moved == {"validation": 1} and data.num_labels == 3
+    assert (len(data.train), len(data.validation)) == (len(raw["train"]) + 1, len(raw["validation"]) - 1)
+    assert 2 in data.train["labels"] and 2 not in data.validation["labels"]  # ids: neg 0, pos 1, rare 2
+    # Unlabelled rows (GLUE's -1) of a carved split are not a class to move.
+    ints = datasets.DatasetDict(
+        train=ds({"text": ["good", "bad"], "label": [1, 0]}), validation=ds({"text": ["good", "bad"], "label": [1, -1]})
+    )
+    ints.carved = ("validation",)
+    assert build_text_classification_data(ints, tokenizer, seq_length=8).moved == {}
+    # A validation file of its own is the user's: an unseen label there stays one line.
+    raw = datasets.DatasetDict(train=raw["train"], validation=raw["validation"])
+    with pytest.raises(DataError, match="validation label 'rare' does not occur in train"):
+        build_text_classification_data(raw, tokenizer, seq_length=8)
+
+
 def test_labels_stay_aligned_with_text_after_a_seeded_split(tmp_path, tokenizer):
     word = {1: "good", 0: "bad", -1: "awful"}
     write_csv(tmp_path / "all.csv", ["text", "label"], [(word[i % 3 - 1], i % 3 - 1) for i in range(60)])

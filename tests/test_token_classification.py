@@ -419,3 +419,20 @@ def test_demo_beats_the_memorising_baseline(tmp_path, monkeypatch):
     evals = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"]
     assert evals[0]["iteration"] == 0 and evals[0]["f1"] < 0.2
     assert baseline < 0.6 and evals[-1]["f1"] > max(0.85, baseline + 0.3)
+
+
+def test_a_tag_whose_sentences_the_split_put_outside_train_goes_back_to_train(tmp_path, piece_tokenizer):
+    rows = [{"tokens": ["anna", "moved"], "ner_tags": ["B-PER", "O"]}] * 10 + [{"tokens": ["to"], "ner_tags": ["B-X"]}]
+    (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = str(tmp_path / "all.jsonl")
+    seed = next(
+        s for s in range(100) if ["to"] in load_token_datasets(path, split="70,30", seed=s)["validation"]["tokens"]
+    )
+    raw = load_token_datasets(path, split="70,30", seed=seed)
+    data = build_token_classification_data(raw, piece_tokenizer, 16)
+    assert data.moved == {"validation": 1} and "B-X" in data.id2label.values()
+    assert ["to"] in data.sentences["train"].words and ["to"] not in data.sentences["validation"].words
+    # A validation file of its own is the user's: a tag train lacks there stays one line.
+    raw = datasets.DatasetDict(train=raw["train"], validation=raw["validation"])
+    with pytest.raises(DataError, match="has tag 'B-X', which the train split does not have"):
+        build_token_classification_data(raw, piece_tokenizer, 16)

@@ -250,6 +250,7 @@ def _texts(ds: datasets.Dataset, layout: Layout, split: str) -> tuple[list[str],
             raise DataError(
                 f"--label-key {layout.label}: {where} has label {row[layout.label]!r}, not a choice (0..{count - 1} "
                 f"or A..{chr(ord('A') + count - 1)}); fix the label"
+                + ("; labels counting the choices from 1 need 1 subtracted" if label == count else "")
             )
         firsts += [first] * count
         seconds += [f"{prefix} {c}".strip() for c in choices]

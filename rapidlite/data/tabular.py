@@ -281,7 +281,15 @@ def _log_splits(parts: datasets.DatasetDict, sources: dict[str, str]) -> dataset
     if "validation" not in parts:
         described.append("no validation split (no validation/val/dev/valid file and --split gives it no weight)")
     logging.getLogger(LOGGER_NAME).info("data: " + "; ".join(described))
+    # Which splits --split cut out of the train data (not files of their own): a task may move back rows that
+    # cannot be scored there (a class whose only rows the shuffle put outside train).
+    parts.carved = tuple(name for name in parts if name != "train" and "(--split" in sources.get(name, ""))
     return parts
+
+
+def carved_splits(raw: datasets.DatasetDict) -> tuple[str, ...]:
+    """The splits of ``load_raw_datasets``' result that ``--split`` carved out of the train data."""
+    return getattr(raw, "carved", ())
 
 
 def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, Any]) -> dict[str, str]:

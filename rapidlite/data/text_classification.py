@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets, parse_split  # noqa: F401 (re-exported)
+from rapidlite.data.tabular import SPLIT_ORDER, carved_splits, load_raw_datasets, parse_split  # noqa: F401
 from rapidlite.errors import DataError
 
 if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be fast)
@@ -125,6 +125,8 @@ class TextClassificationData:
     follows_head: bool = False
     # Float scores (STS-B style): one output, labels are floats, NaN where unlabelled.
     regression: bool = False
+    # Rows moved back to train from a split --split carved out of it, per split: their label had no train rows.
+    moved: dict[str, int] = field(default_factory=dict)
 
 
 class PadCollator:
@@ -238,13 +240,13 @@ def _at_least_two(classes: list[str], label: str) -> None:
         )
 
 
-def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
+def _plan_labels(splits: dict[str, datasets.Dataset], label: str, scores: bool = False) -> _LabelPlan:
     """Decide the label mapping from the train values and check every split against it.
 
     A ClassLabel keeps its ids and names. Other integer labels are mapped, as run_glue maps them, to the sorted
     distinct non-negative train values (1..5 stars become ids 0..4 named "1".."5"; ids 0..N-1 stay as they
     are), and strings to their sorted distinct train values; negative integers (GLUE's unlabelled test rows)
-    and missing labels are unlabelled.
+    and missing labels are unlabelled. ``scores``: numbers are scores even when whole (a regression head's data).
     """
     from datasets import ClassLabel
 
@@ -253,6 +255,8 @@ def _plan_labels(splits: dict[str, datasets.Dataset], label: str) -> _LabelPlan:
     train_values = [v for v in values["train"] if not _is_missing(v)]
     dtype = getattr(feature, "dtype", None)
 
+    if scores and not isinstance(feature, ClassLabel) and isinstance(dtype, str) and dtype.startswith(("int", "float")):
+        return _plan_regression(values, label)
     if isinstance(feature, ClassLabel) or (isinstance(dtype, str) and dtype.startswith(("int", "uint"))):
         mode = "int"
     elif isinstance(dtype, str) and dtype.startswith("float"):
@@ -307,6 +311,38 @@ def _plan_regression(values: dict[str, list], label: str) -> _LabelPlan:
     return _LabelPlan(None, 1, {0: label}, regression=True)
 
 
+def _unlabelled(value: Any) -> bool:
+    """Missing, or a negative integer id (GLUE's unlabelled rows)."""
+    return _is_missing(value) or (isinstance(value, int) and not isinstance(value, bool) and value < 0)
+
+
+def _return_unseen_to_train(splits: dict[str, datasets.Dataset], label: str, carved: tuple[str, ...]) -> dict[str, int]:
+    """Move the rows of a carved split (``--split`` cut it out of the train data) whose label has no train rows
+    back to train: a one-row class that the shuffle put in validation could never be learnt, and the user has no
+    validation file to fix. Splits from files of their own are left as they are (an unseen label there is one
+    line). Returns the rows moved per split."""
+    import datasets
+
+    moved: dict[str, int] = {}
+    dtype = getattr(splits["train"].features[label], "dtype", None)
+    if isinstance(dtype, str) and dtype.startswith("float"):
+        return moved  # scores (or ids stored as floats): no classes to complete
+    for name in carved:
+        if name not in splits or label not in splits[name].column_names:
+            continue
+        train_labels = {str(v) for v in _column_values(splits["train"], label) if not _is_missing(v)}
+        values = _column_values(splits[name], label)
+        unseen = [i for i, v in enumerate(values) if not _unlabelled(v) and str(v) not in train_labels]
+        if not unseen or len(unseen) == len(values):
+            continue  # nothing to move, or nothing would be left to score
+        keep = sorted(set(range(len(values))) - set(unseen))
+        back = splits[name].select(unseen, keep_in_memory=True)
+        splits["train"] = datasets.concatenate_datasets([splits["train"], back])
+        splits[name] = splits[name].select(keep, keep_in_memory=True)
+        moved[name] = len(unseen)
+    return moved
+
+
 def _tokenize_batch(
     batch: dict[str, list],
     tokenizer: Any,
@@ -333,12 +369,14 @@ def build_text_classification_data(
     label_key: str | None = None,
     num_proc: int | None = None,
     label_order: list[str] | None = None,
+    scores: bool = False,
 ) -> TextClassificationData:
     """Detect columns, map labels to ids and tokenize every split of ``raw`` (nothing is cached on disk).
 
     Rows with a negative or missing label are dropped from train/validation; test rows are kept with
     label -1 (also when the test split has no label column at all). ``label_order``: the label names of a model's
-    head; when they are the data's labels, the ids are the head's.
+    head; when they include the data's labels, the head's ids and size are kept. ``scores``: numeric labels are
+    regression scores even when they are whole numbers (the model's head is a regression one).
     """
     if "train" not in raw:
         raise DataError(f"--data-path: the data has no train split (it has: {', '.join(raw.keys())})")
@@ -357,8 +395,9 @@ def build_text_classification_data(
             )
     if len(splits["train"]) == 0:
         raise DataError("--data-path: the train split is empty; add training rows")
+    moved = {} if scores else _return_unseen_to_train(splits, label, carved_splits(raw))
 
-    plan = _plan_labels(splits, label)
+    plan = _plan_labels(splits, label, scores)
     follows_head = plan.follow_head(label_order)
     if not plan.regression:
         _at_least_two(list(plan.id2label.values()), label)
@@ -408,4 +447,5 @@ def build_text_classification_data(
         dropped=dropped,
         follows_head=follows_head,
         regression=plan.regression,
+        moved=moved,
     )

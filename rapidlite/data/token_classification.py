@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rapidlite.data.tabular import SPLIT_ORDER, load_raw_datasets
+from rapidlite.data.tabular import SPLIT_ORDER, carved_splits, load_raw_datasets
 from rapidlite.errors import DataError
 
 if TYPE_CHECKING:  # heavy imports stay out of CLI start-up (``--help`` must be fast)
@@ -255,6 +255,9 @@ class TokenClassificationData:
     # Per split: sentences cut by --seq-length; words before the cut the tokenizer turned into nothing.
     truncated: dict[str, int] = field(default_factory=dict)
     empty_words: dict[str, int] = field(default_factory=dict)
+    # Sentences moved back to train from a split --split carved out of it, per split: a tag of theirs had no train
+    # sentence.
+    moved: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_labels(self) -> int:
@@ -309,6 +312,32 @@ def _tokenize(
     return columns, truncated, empty
 
 
+def _return_unseen_to_train(read: dict[str, tuple[list, list]], carved: tuple[str, ...]) -> dict[str, int]:
+    """Move the sentences of a carved split (``--split`` cut it out of the train data) holding a tag no train
+    sentence has back to train: the shuffle put a rare tag's only sentences there, and the user has no
+    validation file to fix. Returns the sentences moved per split."""
+    moved: dict[str, int] = {}
+    for name in carved:
+        if name not in read:
+            continue
+        known = {str(t) for tags in read["train"][1] for t in tags}
+        words, tags = read[name]
+        unseen = [i for i, sentence in enumerate(tags) if any(str(t) not in known for t in sentence)]
+        if not unseen or len(unseen) == len(tags):
+            continue  # nothing to move, or nothing would be left to score
+        back = set(unseen)
+        read["train"] = (
+            read["train"][0] + [words[i] for i in unseen],
+            read["train"][1] + [tags[i] for i in unseen],
+        )
+        read[name] = (
+            [w for i, w in enumerate(words) if i not in back],
+            [t for i, t in enumerate(tags) if i not in back],
+        )
+        moved[name] = len(unseen)
+    return moved
+
+
 def build_token_classification_data(
     raw: datasets.DatasetDict,
     tokenizer: Any,
@@ -350,6 +379,7 @@ def build_token_classification_data(
         raise DataError("--data-path: the train split is empty; add training rows")
 
     read = {name: _read_split(ds, name, words_key, tags_key) for name, ds in splits.items()}
+    moved = _return_unseen_to_train(read, carved_splits(raw))
     names = _tag_list(_class_names(splits["train"], tags_key), read["train"][1])
     if not names:
         raise DataError(f"--label-key {tags_key}: the train split has no tags")
@@ -391,6 +421,7 @@ def build_token_classification_data(
         sentences=sentences,
         truncated=truncated,
         empty_words=empty,
+        moved=moved,
     )
 
 

@@ -118,21 +118,13 @@ def head_labels(config: Any) -> list[str] | None:
 
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
-    not. A tokenizer without a padding token (GPT-2's, LLaMA's) pads with its EOS token (else UNK), as decoder
-    models are fine-tuned: padded positions are masked out of attention and loss, and one line says so."""
+    not. A tokenizer without a padding token gets one from ``ensure_pad_token`` in the task that pads."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+        return AutoTokenizer.from_pretrained(name, **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("tokenizer", name, e) from None
-    fill = tokenizer.eos_token or tokenizer.unk_token
-    if tokenizer.pad_token is None and fill is not None:
-        tokenizer.pad_token = fill
-        logging.getLogger(LOGGER_NAME).info(
-            f"{name}: the tokenizer has no padding token; padding with {fill!r} (padded positions are masked out)"
-        )
-    return tokenizer
 
 
 # Models whose learned positions start after the padding id (``padding_idx + 1``), so a table of N rows holds
@@ -165,6 +157,29 @@ def position_limit(config: Any) -> int | None:
     if getattr(config, "model_type", None) in _PADDING_OFFSET_POSITIONS:
         limit -= (getattr(config, "pad_token_id", None) or 0) + 1
     return limit if limit > 0 else None
+
+
+def ensure_pad_token(tokenizer: Any, config: Any, name: str) -> str | None:
+    """Give a tokenizer without a padding token one, so batches can be padded: the model's own
+    (``config.pad_token_id``), else its end-of-sequence, separator or unknown token (padding is masked out of
+    attention and loss, so which token fills it does not change the numbers). Returns a line saying which, or
+    None when the tokenizer had one; a tokenizer with none of them is one line."""
+    if tokenizer.pad_token_id is not None:
+        return None
+    pad_id = getattr(config, "pad_token_id", None)
+    if isinstance(pad_id, int) and not isinstance(pad_id, bool) and 0 <= pad_id < len(tokenizer):
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
+        return f"the tokenizer has no padding token; padding with the model's ({tokenizer.pad_token!r}, id {pad_id})"
+    for role in ("eos_token", "sep_token", "unk_token"):
+        token = getattr(tokenizer, role, None)
+        if token is not None:
+            tokenizer.pad_token = token
+            return f"the tokenizer has no padding token; padding with its {role} {token!r} (masked out)"
+    raise ConfigError(
+        f"--pretrained-model-name-or-path {name}: the tokenizer has no padding token (nor end-of-sequence, "
+        "separator or unknown token) and the model config names none (pad_token_id); add a pad token to the "
+        "tokenizer (tokenizer.add_special_tokens) and save it beside the model"
+    )
 
 
 def sequence_length(

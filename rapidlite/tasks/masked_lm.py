@@ -27,7 +27,14 @@ from rapidlite.data.masked_lm import (
     mask_tokens,
 )
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
@@ -55,6 +62,8 @@ class MaskedLMFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
+        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+            self.logger.info(f"data: {padding}")
         self.seq_length = sequence_length(args.seq_length, self.tokenizer, MAX_DEFAULT_SEQ_LENGTH, config)
         with hf_datasets_progress(self.show_progress):
             raw = load_text_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from rapidlite.data.multiple_choice import MultipleChoiceCollator, build_multiple_choice_data
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import multiple_choice_accuracy
-from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
@@ -42,6 +49,8 @@ class MultipleChoiceFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
+        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+            self.logger.info(f"data: {padding}")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

@@ -22,7 +22,14 @@ from rapidlite.data.question_answering import (
 )
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import squad_v1_metrics, squad_v2_metrics
-from rapidlite.models.hf import load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
@@ -64,6 +71,8 @@ class QuestionAnsweringFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
+        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+            self.logger.info(f"data: {padding}")
         explicit = given_flag(args, "seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):

@@ -12,7 +12,15 @@ import torch
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
-from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    head_labels,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
@@ -47,6 +55,8 @@ class SequenceClassificationFinetuner(Finetuner):
         args = self.args
         self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
         config = load_config(args.pretrained_model_name_or_path)
+        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+            self.logger.info(f"data: {padding}")
         explicit = given_flag(args, "seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
@@ -58,6 +68,8 @@ class SequenceClassificationFinetuner(Finetuner):
                 text_keys=args.text_keys,
                 label_key=args.label_key,
                 label_order=head_labels(config),
+                # A regression model (STS-B's) scores whole-number labels too, rather than a fresh class head.
+                scores=getattr(config, "problem_type", None) == "regression",
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "
@@ -66,6 +78,11 @@ class SequenceClassificationFinetuner(Finetuner):
             f"{'float scores (regression, MSE)' if self.data.regression else f'{self.data.num_labels} labels'}, "
             f"cut at --seq-length {seq_length}"
         )
+        for split, rows in self.data.moved.items():
+            self.logger.info(
+                f"data: moved {rows} {split} rows to train: their label has no train rows (--split carved {split} "
+                "out of the train data, and a class must be trained to be scored)"
+            )
         if self.data.follows_head:
             self.logger.info(f"data: the model's head has these labels; its ids are kept ({self.data.id2label})")
         for split, (dropped, rows) in self.data.dropped.items():

@@ -23,7 +23,15 @@ from rapidlite.data.token_classification import (
 )
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.metrics import is_entity_tagset, tagging_metrics
-from rapidlite.models.hf import head_labels, load_config, load_error, load_hf_model, load_tokenizer, sequence_length
+from rapidlite.models.hf import (
+    ensure_pad_token,
+    head_labels,
+    load_config,
+    load_error,
+    load_hf_model,
+    load_tokenizer,
+    sequence_length,
+)
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
@@ -74,6 +82,8 @@ class TokenClassificationFinetuner(Finetuner):
         name = args.pretrained_model_name_or_path
         config = load_config(name)
         self.tokenizer = load_word_tokenizer(name, config)
+        if (padding := ensure_pad_token(self.tokenizer, config, name)) is not None:
+            self.logger.info(f"data: {padding}")
         explicit = given_flag(args, "seq_length")
         self.seq_length = seq_length = sequence_length(
             args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
@@ -90,6 +100,11 @@ class TokenClassificationFinetuner(Finetuner):
             label_order=head_labels(config),
         )
         self.entity_scores = is_entity_tagset(list(d.id2label.values()))
+        for split, count in d.moved.items():
+            self.logger.info(
+                f"data: moved {count} {split} sentences to train: a tag of theirs has no train sentence (--split "
+                f"carved {split} out of the train data, and a tag must be trained to be scored)"
+            )
         tags = list(d.id2label.values())
         shown = ", ".join(tags[:12]) + (", ..." if len(tags) > 12 else "")
         sizes = [f"{len(ds)} {split}" for split in ("train", "validation", "test") if (ds := getattr(d, split))]
