@@ -133,6 +133,24 @@ def test_a_long_text_trains_every_token_in_windows(tok, packing):
     assert targets == ids[1:] + short  # every token but the text's first is a target once, in order
 
 
+def test_a_template_that_writes_bos_gets_one_bos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])  # adds BOS
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    chat = {"messages": [{"role": "user", "content": "sort: b a c"}, {"role": "assistant", "content": "a b c"}]}
+    enc = ins.encode(ins.render(chat, ins.detect_format(["messages"]), "auto", tok), tok, seq_length=64)
+    assert enc.input_ids[0] == 0 and enc.input_ids[1] != 0
+    assert ins.encode([("sort: b a c", True)], tok, seq_length=64).input_ids[:1] == [0]  # plain text keeps its BOS
+
+
 def test_a_template_that_refuses_a_conversation_is_one_line(tok):
     saved = tok.chat_template
     tok.chat_template = (  # Gemma's: no system role

@@ -250,6 +250,11 @@ def encode(
         start += len(piece)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:2] == [bos, bos] and offsets[0][0] == offsets[0][1]:
+        # A chat template that writes the BOS token itself (LLaMA 3's, Gemma's) and a tokenizer that adds one
+        # would start every row with two; the model was trained with one.
+        ids, offsets = ids[1:], offsets[1:]
     # A token trains when its text starts inside a trained span; special tokens (empty offsets) do not.
     labels = [
         token if end > begin and any(lo <= begin < hi for lo, hi in spans) else -100
