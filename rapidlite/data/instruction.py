@@ -236,6 +236,13 @@ class Encoded:
     truncated: bool
 
 
+def doubled_bos(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether ``ids`` start with two BOS tokens: a chat template that writes the BOS token itself (LLaMA 3's,
+    Gemma's) and a tokenizer that adds one; the model was trained with one, so the first is dropped."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and list(ids[:2]) == [bos, bos]
+
+
 def encode(
     segments: Sequence[tuple[str, bool]], tokenizer: Any, seq_length: int, train_on_prompt: bool = False
 ) -> Encoded:
@@ -250,10 +257,7 @@ def encode(
         start += len(piece)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-    bos = tokenizer.bos_token_id
-    if bos is not None and ids[:2] == [bos, bos] and offsets[0][0] == offsets[0][1]:
-        # A chat template that writes the BOS token itself (LLaMA 3's, Gemma's) and a tokenizer that adds one
-        # would start every row with two; the model was trained with one.
+    if doubled_bos(tokenizer, ids):
         ids, offsets = ids[1:], offsets[1:]
     # A token trains when its text starts inside a trained span; special tokens (empty offsets) do not.
     labels = [

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, set_chat_template
+from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
@@ -202,7 +202,8 @@ class CausalLMFinetuner(Finetuner):
         """Greedy completion of ``prompt`` until EOS, without a key/value cache (every rank runs it: under
         FSDP or tensor parallelism a forward is collective)."""
         tokenizer = self.tokenizer
-        ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=self.engine.device)
+        ids = tokenizer(prompt)["input_ids"]
+        ids = torch.tensor([ids[1:] if doubled_bos(tokenizer, ids) else ids], device=self.engine.device)
         start = ids.shape[1]
         for _ in range(max_new_tokens):
             logits = model(input_ids=ids, use_cache=False).logits[:, -1]
