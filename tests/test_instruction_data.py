@@ -133,7 +133,7 @@ def test_a_long_text_trains_every_token_in_windows(tok, packing):
     assert targets == ids[1:] + short  # every token but the text's first is a target once, in order
 
 
-def test_a_template_that_writes_bos_gets_one_bos(tmp_path):
+def test_a_template_that_writes_bos_or_eos_gets_one_of_each(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -149,6 +149,10 @@ def test_a_template_that_writes_bos_gets_one_bos(tmp_path):
     enc = ins.encode(ins.render(chat, ins.detect_format(["messages"]), "auto", tok), tok, seq_length=64)
     assert enc.input_ids[0] == 0 and enc.input_ids[1] != 0
     assert ins.encode([("sort: b a c", True)], tok, seq_length=64).input_ids[:1] == [0]  # plain text keeps its BOS
+    # A template that closes each turn with the EOS token (LLaMA 2's) gets no second one.
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    enc = ins.encode(ins.render(chat, ins.detect_format(["messages"]), "auto", tok), tok, seq_length=64)
+    assert enc.input_ids[-2:] != [1, 1] and enc.input_ids[-1] == enc.labels[-1] == 1
 
 
 def test_a_template_that_refuses_a_conversation_is_one_line(tok):

@@ -269,6 +269,8 @@ def encode(
         closing = eos if segments and (segments[-1][1] or train_on_prompt) else -100  # EOS ends the response
         if ids and ids[-1] == eos and offsets[-1][0] == offsets[-1][1]:  # the tokenizer added it already
             labels[-1] = closing
+        elif ids and ids[-1] == eos:
+            pass  # the text ends with it (a chat template that closes each turn with EOS): labelled by its segment
         else:
             ids.append(eos)
             labels.append(closing)
