@@ -48,17 +48,48 @@ def honours_packed_positions(model: torch.nn.Module) -> bool:
     return packs_exactly(model, PackedPlan(TOKEN, POSITIONS, shift_labels=True))
 
 
-def config_vocab_size(name: str) -> int | None:
-    """The vocabulary size the model's config declares, or None when the config cannot be read (the model load
-    then says why) or declares none."""
+def model_config(name: str) -> Any:
+    """The model's ``AutoConfig``, or None when it cannot be read (the model load then says why)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name)
     except Exception:  # transformers raises OSError/ValueError/HTTP errors; the model's own load reports them
         return None
+
+
+def config_vocab_size(config: Any) -> int | None:
+    """The vocabulary size a model config declares, or None."""
     size = getattr(config, "vocab_size", None)
     return size if isinstance(size, int) else None
+
+
+def learned_position_limit(config: Any) -> int | None:
+    """The tokens a decoder's learned position table holds (GPT-2's and GPTBigCode's ``n_positions``, OPT's
+    ``max_position_embeddings``), or None for rotary or ALiBi positions, which have no table to run out of."""
+    if config is None or any(getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")):
+        return None
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return None
+    for key in ("n_positions", "max_position_embeddings"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+    return None
+
+
+def causal_seq_length(seq_length: int | None, config: Any, explicit: bool = True) -> int:
+    """``--seq-length`` (the task's default 512 when not ``explicit``) within the model's learned position table,
+    which a longer row would index past: the default is lowered to it, a longer explicit value is one line."""
+    limit = learned_position_limit(config)
+    seq_length = seq_length or DEFAULT_SEQ_LENGTH
+    if limit is None or seq_length <= limit:
+        return seq_length
+    if not explicit:
+        return limit
+    raise ConfigError(
+        f"--seq-length {seq_length}: the model's learned positions end at {limit} tokens; use --seq-length {limit}"
+    )
 
 
 def choose_pad(tokenizer: Any, vocab_size: int | None, logger: Any) -> int:
@@ -100,11 +131,13 @@ class CausalLMFinetuner(Finetuner):
         self.base_name = lora.adapter_base(self.adapter) if self.adapter else args.pretrained_model_name_or_path
         has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
-        pad_id = choose_pad(self.tokenizer, config_vocab_size(self.base_name), self.logger)
+        config = model_config(self.base_name)
+        pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
-        seq_length = args.seq_length or DEFAULT_SEQ_LENGTH
+        given = getattr(args, "explicit_flags", None)
+        seq_length = causal_seq_length(args.seq_length, config, explicit=given is None or "seq_length" in given)
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
