@@ -25,8 +25,9 @@ def tok(tmp_path_factory):
 @pytest.mark.parametrize(
     ("columns", "keys", "kind", "pair"),
     [
-        (["instruction", "input", "output"], (None, None), "alpaca", (None, None)),
-        (["instruction", "output"], (None, None), "alpaca", (None, None)),
+        (["instruction", "input", "output"], (None, None), "alpaca", ("instruction", "output")),
+        (["instruction", "output"], (None, None), "alpaca", ("instruction", "output")),
+        (["instruction", "context", "response", "category"], (None, None), "alpaca", ("instruction", "response")),
         (["prompt", "completion"], (None, None), "prompt_response", ("prompt", "completion")),
         (["question", "answer", "id"], (None, None), "prompt_response", ("question", "answer")),
         (["q", "a"], ("q", "a"), "prompt_response", ("q", "a")),
@@ -37,6 +38,15 @@ def tok(tmp_path_factory):
 def test_formats_are_detected(columns, keys, kind, pair):
     fmt = ins.detect_format(columns, *keys)
     assert (fmt.kind, fmt.prompt_key, fmt.response_key) == (kind, *pair)
+
+
+def test_dolly_rows_read_as_alpaca_with_context_as_input(tok):
+    dolly = {"instruction": "sort", "context": "b a c", "response": "a b c", "category": "closed_qa"}
+    alpaca = {"instruction": "sort", "input": "b a c", "output": "a b c"}
+    dolly_fmt, alpaca_fmt = ins.detect_format(list(dolly)), ins.detect_format(list(alpaca))
+    assert dolly_fmt.input_key == "context" and alpaca_fmt.input_key == "input"
+    assert ins.render(dolly, dolly_fmt, "auto", tok) == ins.render(alpaca, alpaca_fmt, "auto", tok)
+    assert "### Input:\nb a c" in ins.render(dolly, dolly_fmt, "auto", tok)[0][0]
 
 
 def test_unknown_columns_are_one_line_naming_the_formats():

@@ -56,11 +56,13 @@ _PAIRS = (("prompt", "completion"), ("prompt", "response"), ("question", "answer
 
 @dataclass(frozen=True)
 class RowFormat:
-    """Which columns hold what: ``kind`` is one of alpaca, prompt_response, chat, text."""
+    """Which columns hold what: ``kind`` is one of alpaca, prompt_response, chat, text; an Alpaca row's
+    instruction, response (``output``, Dolly's ``response``) and optional input (``input``, Dolly's ``context``)."""
 
     kind: str
     prompt_key: str | None = None
     response_key: str | None = None
+    input_key: str | None = None
 
 
 def detect_format(columns: Sequence[str], prompt_key: str | None = None, response_key: str | None = None) -> RowFormat:
@@ -78,8 +80,10 @@ def detect_format(columns: Sequence[str], prompt_key: str | None = None, respons
     for key in ("messages", "conversations"):
         if key in cols:
             return RowFormat(CHAT, prompt_key=key)
-    if {"instruction", "output"} <= cols:
-        return RowFormat(ALPACA)
+    for response in ("output", "response"):  # Alpaca's, and Dolly's instruction/context/response
+        if {"instruction", response} <= cols:
+            extra = next((key for key in ("input", "context") if key in cols), None)
+            return RowFormat(ALPACA, "instruction", response, extra)
     for prompt, response in _PAIRS:
         if {prompt, response} <= cols:
             return RowFormat(PROMPT_RESPONSE, prompt, response)
@@ -87,7 +91,8 @@ def detect_format(columns: Sequence[str], prompt_key: str | None = None, respons
         return RowFormat(TEXT)
     raise DataError(
         f"the data's columns ({', '.join(sorted(cols))}) are in no known format: give instruction/input/output "
-        "(Alpaca), prompt/completion (or --prompt-key/--response-key), messages (chat) or text"
+        "(Alpaca; instruction/context/response as Dolly), prompt/completion (or --prompt-key/--response-key), "
+        "messages (chat) or text"
     )
 
 
@@ -112,7 +117,8 @@ def _fill(template: str, row: dict[str, Any], flag: str = "--prompt-template") -
 def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
     """The prompt of an Alpaca or prompt/response row under ``template`` (a name or a template's text)."""
     if fmt.kind == ALPACA:
-        instruction, extra = str(row.get("instruction") or ""), str(row.get("input") or "")
+        instruction = str(row.get(fmt.prompt_key) or "")
+        extra = str(row.get(fmt.input_key) or "") if fmt.input_key else ""
         if template in ("auto", "alpaca"):
             return (ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
@@ -128,7 +134,7 @@ def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
 
 
 def _response_key(fmt: RowFormat) -> str:
-    return "output" if fmt.kind == ALPACA else fmt.response_key
+    return fmt.response_key
 
 
 def render(row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any) -> list[tuple[str, bool]]:
@@ -425,7 +431,7 @@ def build_instruction_data(
 def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
     """The first field of ``fmt`` that ``row`` lacks (null or absent; the response, text or conversation also when
     empty), else None. An empty prompt or input is kept: it is a row without context."""
-    trained = {ALPACA: "output", TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
+    trained = {TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
     for column in fmt_columns(fmt):
         value = row.get(column)
         if value is None or (column == trained and not (value.strip() if isinstance(value, str) else value)):
@@ -435,8 +441,6 @@ def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
 
 def fmt_columns(fmt: RowFormat) -> tuple[str, ...]:
     """The columns a row of ``fmt`` is read from."""
-    if fmt.kind == ALPACA:
-        return ("instruction", "output")
     if fmt.kind == TEXT:
         return ("text",)
     if fmt.kind == CHAT:
