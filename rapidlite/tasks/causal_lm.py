@@ -170,10 +170,13 @@ class CausalLMFinetuner(Finetuner):
         return d.train, d.validation, d.test, CausalLMCollator(pad_id)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_causal_lm(self.base_name, **self.pretrained_load_kwargs())
-        if self.adapter is not None:
-            model = lora.load_adapter(model, self.adapter)
-            self.logger.info(f"LoRA adapter {self.adapter} on its base {self.base_name}")
+        # A subclass may provide its own data: the adapter and base then follow from the flag alone.
+        adapter = getattr(self, "adapter", lora.adapter_directory(self.args.pretrained_model_name_or_path))
+        base_name = lora.adapter_base(adapter) if adapter else self.args.pretrained_model_name_or_path
+        model = load_causal_lm(base_name, **self.pretrained_load_kwargs())
+        if adapter is not None:
+            model = lora.load_adapter(model, adapter)
+            self.logger.info(f"LoRA adapter {adapter} on its base {base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
@@ -188,18 +191,22 @@ class CausalLMFinetuner(Finetuner):
         """A tokenizer with more tokens than the model's embeddings (tokens added to it) whose added tokens occur in
         the data: full fine-tuning grows the embeddings to the tokenizer (the new rows are trained and exported);
         adapters cannot, so that is one line."""
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        try:
+            embeddings = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without the accessor
+            return
         rows = getattr(embeddings, "num_embeddings", None)
-        if rows is None or self.max_token_id < rows:
+        max_token_id = getattr(self, "max_token_id", -1)  # -1: a subclass's own data, not looked into
+        if rows is None or max_token_id < rows:
             return
         size = len(self.tokenizer)
         if self.args.lora_rank or lora.is_peft_model(model):
             raise ConfigError(
-                f"--lora-rank: the data has token id {self.max_token_id} but the model's embeddings end at {rows - 1} "
+                f"--lora-rank: the data has token id {max_token_id} but the model's embeddings end at {rows - 1} "
                 f"(the tokenizer has {size} tokens); adapters cannot grow them: save the model resized with "
                 "resize_token_embeddings(len(tokenizer)) first, or train without --lora-rank"
             )
-        model.resize_token_embeddings(max(size, self.max_token_id + 1))
+        model.resize_token_embeddings(max(size, max_token_id + 1))
         self.logger.info(
             f"the tokenizer has {size} tokens and the model's embeddings {rows}: grew them to "
             f"{model.get_input_embeddings().num_embeddings} (the new rows train with the rest and are exported)"
