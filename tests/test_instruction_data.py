@@ -188,6 +188,10 @@ def test_rows_missing_a_field_are_skipped_and_counted(tok):
     alpaca = {"instruction": ["sort: b a c", "sort: c a"], "input": [None, ""], "output": ["a b c", "a c"]}
     data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(alpaca)}), tok, 256)
     assert data.skipped == {} and len(data.train) == 2  # an absent input is a row without context
+    numbers = {"question": ["2 - 2 =", "1 + 1 ="], "answer": [0, 2]}  # 0 is an answer, not a missing one
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(numbers)}), tok, 64)
+    assert data.skipped == {} and len(data.train) == 2
+    assert tok.decode([t for t in data.train[0]["labels"] if t != -100]) == "0" + tok.eos_token
     empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [None, ""]})})
     with pytest.raises(DataError, match="every training row lacks its text"):
         ins.build_instruction_data(empty, tok, 64)

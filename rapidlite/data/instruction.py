@@ -114,16 +114,21 @@ def _fill(template: str, row: dict[str, Any], flag: str = "--prompt-template") -
         raise DataError(f"{flag}: the template names {e}, which the data has no column for") from None
 
 
+def _text(value: Any) -> str:
+    """A field as text: null is empty, a number is its digits (an answer of 0 is "0", not empty)."""
+    return "" if value is None else str(value)
+
+
 def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
     """The prompt of an Alpaca or prompt/response row under ``template`` (a name or a template's text)."""
     if fmt.kind == ALPACA:
-        instruction = str(row.get(fmt.prompt_key) or "")
-        extra = str(row.get(fmt.input_key) or "") if fmt.input_key else ""
+        instruction = _text(row.get(fmt.prompt_key))
+        extra = _text(row.get(fmt.input_key)) if fmt.input_key else ""
         if template in ("auto", "alpaca"):
             return (ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
     else:
-        prompt = str(row.get(fmt.prompt_key) or "")
+        prompt = _text(row.get(fmt.prompt_key))
     if template in ("auto", "none"):
         return prompt
     if template == "chatml":
@@ -141,10 +146,10 @@ def render(row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any) -
     """The row as ``(text, trained)`` segments: a prompt and its response, a chat with its assistant turns
     trained, or a text trained whole."""
     if fmt.kind == TEXT:
-        return [(str(row.get("text") or ""), True)]
+        return [(_text(row.get("text")), True)]
     if fmt.kind == CHAT:
         return _render_chat(row[fmt.prompt_key], tokenizer)
-    response = str(row.get(_response_key(fmt)) or "")
+    response = _text(row.get(_response_key(fmt)))
     if template == "chatml":
         response += "<|im_end|>"
     return [(_prompt_text(row, fmt, template), False), (response, True)]
@@ -434,7 +439,8 @@ def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
     trained = {TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
     for column in fmt_columns(fmt):
         value = row.get(column)
-        if value is None or (column == trained and not (value.strip() if isinstance(value, str) else value)):
+        empty = not value.strip() if isinstance(value, str) else isinstance(value, (list, tuple)) and not value
+        if value is None or (column == trained and empty):
             return column
     return None
 
