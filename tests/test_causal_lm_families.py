@@ -184,3 +184,25 @@ def test_a_lora_runs_adapter_export_evaluates_and_trains_on_its_base(tmp_path):
     adapter = tmp_path / "lora" / "hf" / "adapter"
     assert run(adapter, tmp_path / "d.jsonl", tmp_path / "more", "--lora-rank", "4", "--merge-lora") == 0
     assert (tmp_path / "more" / "hf" / "model.safetensors").is_file()
+
+
+def test_the_sequence_length_stays_within_a_learned_position_table(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
+
+    from rapidlite.tasks.causal_lm import causal_seq_length
+
+    gpt2 = GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=40, bos_token_id=0, eos_token_id=1)
+    assert causal_seq_length(None, gpt2, explicit=False) == 40 and causal_seq_length(32, gpt2) == 32
+    with pytest.raises(ConfigError, match="--seq-length 512: the model's learned positions end at 40 tokens"):
+        causal_seq_length(512, gpt2)
+    assert causal_seq_length(None, LlamaConfig(max_position_embeddings=64), explicit=False) == 512  # rotary
+    tok = tokenizer()
+    tok.save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(TEXTS[i : i + 8])}) + "\n" for i in range(20)))
+    flags = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "gpt2"), "--data-path",
+             str(data), "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "1"]  # fmt: skip
+    assert rapidlite_here(*flags, "--save", str(tmp_path / "out")) == 0  # 512 by default: lowered to 40
+    captured = capsys.readouterr()
+    assert "0 truncated to --seq-length 40, 20 texts split into windows of it" in captured.out + captured.err

@@ -25,8 +25,9 @@ def tok(tmp_path_factory):
 @pytest.mark.parametrize(
     ("columns", "keys", "kind", "pair"),
     [
-        (["instruction", "input", "output"], (None, None), "alpaca", (None, None)),
-        (["instruction", "output"], (None, None), "alpaca", (None, None)),
+        (["instruction", "input", "output"], (None, None), "alpaca", ("instruction", "output")),
+        (["instruction", "output"], (None, None), "alpaca", ("instruction", "output")),
+        (["instruction", "context", "response", "category"], (None, None), "alpaca", ("instruction", "response")),
         (["prompt", "completion"], (None, None), "prompt_response", ("prompt", "completion")),
         (["question", "answer", "id"], (None, None), "prompt_response", ("question", "answer")),
         (["q", "a"], ("q", "a"), "prompt_response", ("q", "a")),
@@ -37,6 +38,15 @@ def tok(tmp_path_factory):
 def test_formats_are_detected(columns, keys, kind, pair):
     fmt = ins.detect_format(columns, *keys)
     assert (fmt.kind, fmt.prompt_key, fmt.response_key) == (kind, *pair)
+
+
+def test_dolly_rows_read_as_alpaca_with_context_as_input(tok):
+    dolly = {"instruction": "sort", "context": "b a c", "response": "a b c", "category": "closed_qa"}
+    alpaca = {"instruction": "sort", "input": "b a c", "output": "a b c"}
+    dolly_fmt, alpaca_fmt = ins.detect_format(list(dolly)), ins.detect_format(list(alpaca))
+    assert dolly_fmt.input_key == "context" and alpaca_fmt.input_key == "input"
+    assert ins.render(dolly, dolly_fmt, "auto", tok) == ins.render(alpaca, alpaca_fmt, "auto", tok)
+    assert "### Input:\nb a c" in ins.render(dolly, dolly_fmt, "auto", tok)[0][0]
 
 
 def test_unknown_columns_are_one_line_naming_the_formats():
@@ -133,6 +143,28 @@ def test_a_long_text_trains_every_token_in_windows(tok, packing):
     assert targets == ids[1:] + short  # every token but the text's first is a target once, in order
 
 
+def test_a_template_that_writes_bos_or_eos_gets_one_of_each(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])  # adds BOS
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    chat = {"messages": [{"role": "user", "content": "sort: b a c"}, {"role": "assistant", "content": "a b c"}]}
+    enc = ins.encode(ins.render(chat, ins.detect_format(["messages"]), "auto", tok), tok, seq_length=64)
+    assert enc.input_ids[0] == 0 and enc.input_ids[1] != 0
+    assert ins.encode([("sort: b a c", True)], tok, seq_length=64).input_ids[:1] == [0]  # plain text keeps its BOS
+    # A template that closes each turn with the EOS token (LLaMA 2's) gets no second one.
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    enc = ins.encode(ins.render(chat, ins.detect_format(["messages"]), "auto", tok), tok, seq_length=64)
+    assert enc.input_ids[-2:] != [1, 1] and enc.input_ids[-1] == enc.labels[-1] == 1
+
+
 def test_a_template_that_refuses_a_conversation_is_one_line(tok):
     saved = tok.chat_template
     tok.chat_template = (  # Gemma's: no system role
@@ -156,6 +188,10 @@ def test_rows_missing_a_field_are_skipped_and_counted(tok):
     alpaca = {"instruction": ["sort: b a c", "sort: c a"], "input": [None, ""], "output": ["a b c", "a c"]}
     data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(alpaca)}), tok, 256)
     assert data.skipped == {} and len(data.train) == 2  # an absent input is a row without context
+    numbers = {"question": ["2 - 2 =", "1 + 1 ="], "answer": [0, 2]}  # 0 is an answer, not a missing one
+    data = ins.build_instruction_data(datasets.DatasetDict({"train": datasets.Dataset.from_dict(numbers)}), tok, 64)
+    assert data.skipped == {} and len(data.train) == 2
+    assert tok.decode([t for t in data.train[0]["labels"] if t != -100]) == "0" + tok.eos_token
     empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [None, ""]})})
     with pytest.raises(DataError, match="every training row lacks its text"):
         ins.build_instruction_data(empty, tok, 64)

@@ -96,12 +96,12 @@ def test_causal_lm_length_follows_a_learned_position_table():
     a rotary model takes any length (its tokenizer's model_max_length does not bound it)."""
     from transformers import GPT2Config, LlamaConfig
 
-    from rapidlite.tasks.causal_lm import causal_sequence_length
+    from rapidlite.tasks.causal_lm import causal_seq_length
 
     gpt2 = GPT2Config(n_positions=64)
-    assert causal_sequence_length(512, False, gpt2, "tiny-gpt2") == 64
-    assert causal_sequence_length(48, True, gpt2, "tiny-gpt2") == 48
-    with pytest.raises(ConfigError, match="--seq-length 128: tiny-gpt2 has learned position embeddings for 64"):
-        causal_sequence_length(128, True, gpt2, "tiny-gpt2")
-    assert causal_sequence_length(4096, True, LlamaConfig(max_position_embeddings=64), "tiny-llama") == 4096
-    assert causal_sequence_length(512, False, None, "unreadable") == 512
+    assert causal_seq_length(512, gpt2, explicit=False) == 64
+    assert causal_seq_length(48, gpt2) == 48
+    with pytest.raises(ConfigError, match="--seq-length 128: the model's learned positions end at 64 tokens"):
+        causal_seq_length(128, gpt2)
+    assert causal_seq_length(4096, LlamaConfig(max_position_embeddings=64)) == 4096
+    assert causal_seq_length(None, None, explicit=False) == 512

@@ -56,11 +56,13 @@ _PAIRS = (("prompt", "completion"), ("prompt", "response"), ("question", "answer
 
 @dataclass(frozen=True)
 class RowFormat:
-    """Which columns hold what: ``kind`` is one of alpaca, prompt_response, chat, text."""
+    """Which columns hold what: ``kind`` is one of alpaca, prompt_response, chat, text; an Alpaca row's
+    instruction, response (``output``, Dolly's ``response``) and optional input (``input``, Dolly's ``context``)."""
 
     kind: str
     prompt_key: str | None = None
     response_key: str | None = None
+    input_key: str | None = None
 
 
 def detect_format(columns: Sequence[str], prompt_key: str | None = None, response_key: str | None = None) -> RowFormat:
@@ -78,8 +80,10 @@ def detect_format(columns: Sequence[str], prompt_key: str | None = None, respons
     for key in ("messages", "conversations"):
         if key in cols:
             return RowFormat(CHAT, prompt_key=key)
-    if {"instruction", "output"} <= cols:
-        return RowFormat(ALPACA)
+    for response in ("output", "response"):  # Alpaca's, and Dolly's instruction/context/response
+        if {"instruction", response} <= cols:
+            extra = next((key for key in ("input", "context") if key in cols), None)
+            return RowFormat(ALPACA, "instruction", response, extra)
     for prompt, response in _PAIRS:
         if {prompt, response} <= cols:
             return RowFormat(PROMPT_RESPONSE, prompt, response)
@@ -87,7 +91,8 @@ def detect_format(columns: Sequence[str], prompt_key: str | None = None, respons
         return RowFormat(TEXT)
     raise DataError(
         f"the data's columns ({', '.join(sorted(cols))}) are in no known format: give instruction/input/output "
-        "(Alpaca), prompt/completion (or --prompt-key/--response-key), messages (chat) or text"
+        "(Alpaca; instruction/context/response as Dolly), prompt/completion (or --prompt-key/--response-key), "
+        "messages (chat) or text"
     )
 
 
@@ -109,15 +114,21 @@ def _fill(template: str, row: dict[str, Any], flag: str = "--prompt-template") -
         raise DataError(f"{flag}: the template names {e}, which the data has no column for") from None
 
 
+def _text(value: Any) -> str:
+    """A field as text: null is empty, a number is its digits (an answer of 0 is "0", not empty)."""
+    return "" if value is None else str(value)
+
+
 def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
     """The prompt of an Alpaca or prompt/response row under ``template`` (a name or a template's text)."""
     if fmt.kind == ALPACA:
-        instruction, extra = str(row.get("instruction") or ""), str(row.get("input") or "")
+        instruction = _text(row.get(fmt.prompt_key))
+        extra = _text(row.get(fmt.input_key)) if fmt.input_key else ""
         if template in ("auto", "alpaca"):
             return (ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
     else:
-        prompt = str(row.get(fmt.prompt_key) or "")
+        prompt = _text(row.get(fmt.prompt_key))
     if template in ("auto", "none"):
         return prompt
     if template == "chatml":
@@ -128,17 +139,17 @@ def _prompt_text(row: dict[str, Any], fmt: RowFormat, template: str) -> str:
 
 
 def _response_key(fmt: RowFormat) -> str:
-    return "output" if fmt.kind == ALPACA else fmt.response_key
+    return fmt.response_key
 
 
 def render(row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any) -> list[tuple[str, bool]]:
     """The row as ``(text, trained)`` segments: a prompt and its response, a chat with its assistant turns
     trained, or a text trained whole."""
     if fmt.kind == TEXT:
-        return [(str(row.get("text") or ""), True)]
+        return [(_text(row.get("text")), True)]
     if fmt.kind == CHAT:
         return _render_chat(row[fmt.prompt_key], tokenizer)
-    response = str(row.get(_response_key(fmt)) or "")
+    response = _text(row.get(_response_key(fmt)))
     if template == "chatml":
         response += "<|im_end|>"
     return [(_prompt_text(row, fmt, template), False), (response, True)]
@@ -236,6 +247,13 @@ class Encoded:
     truncated: bool
 
 
+def doubled_bos(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether ``ids`` start with two BOS tokens: a chat template that writes the BOS token itself (LLaMA 3's,
+    Gemma's) and a tokenizer that adds one; the model was trained with one, so the first is dropped."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and list(ids[:2]) == [bos, bos]
+
+
 def encode(
     segments: Sequence[tuple[str, bool]], tokenizer: Any, seq_length: int, train_on_prompt: bool = False
 ) -> Encoded:
@@ -250,6 +268,8 @@ def encode(
         start += len(piece)
     enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=True)
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    if doubled_bos(tokenizer, ids):
+        ids, offsets = ids[1:], offsets[1:]
     # A token trains when its text starts inside a trained span; special tokens (empty offsets) do not.
     labels = [
         token if end > begin and any(lo <= begin < hi for lo, hi in spans) else -100
@@ -260,6 +280,8 @@ def encode(
         closing = eos if segments and (segments[-1][1] or train_on_prompt) else -100  # EOS ends the response
         if ids and ids[-1] == eos and offsets[-1][0] == offsets[-1][1]:  # the tokenizer added it already
             labels[-1] = closing
+        elif ids and ids[-1] == eos:
+            pass  # the text ends with it (a chat template that closes each turn with EOS): labelled by its segment
         else:
             ids.append(eos)
             labels.append(closing)
@@ -414,18 +436,17 @@ def build_instruction_data(
 def missing_field(row: dict[str, Any], fmt: RowFormat) -> str | None:
     """The first field of ``fmt`` that ``row`` lacks (null or absent; the response, text or conversation also when
     empty), else None. An empty prompt or input is kept: it is a row without context."""
-    trained = {ALPACA: "output", TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
+    trained = {TEXT: "text", CHAT: fmt.prompt_key}.get(fmt.kind, fmt.response_key)
     for column in fmt_columns(fmt):
         value = row.get(column)
-        if value is None or (column == trained and not (value.strip() if isinstance(value, str) else value)):
+        empty = not value.strip() if isinstance(value, str) else isinstance(value, (list, tuple)) and not value
+        if value is None or (column == trained and empty):
             return column
     return None
 
 
 def fmt_columns(fmt: RowFormat) -> tuple[str, ...]:
     """The columns a row of ``fmt`` is read from."""
-    if fmt.kind == ALPACA:
-        return ("instruction", "output")
     if fmt.kind == TEXT:
         return ("text",)
     if fmt.kind == CHAT:

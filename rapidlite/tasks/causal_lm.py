@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, set_chat_template
+from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models import lora
-from rapidlite.models.hf import check_positions, load_error, load_hf_model, load_tokenizer, position_limit
+from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.resolve import given_flag
@@ -49,8 +49,8 @@ def honours_packed_positions(model: torch.nn.Module) -> bool:
     return packs_exactly(model, PackedPlan(TOKEN, POSITIONS, shift_labels=True))
 
 
-def read_config(name: str) -> Any:
-    """The model's config, or None when it cannot be read (the model load then says why)."""
+def model_config(name: str) -> Any:
+    """The model's ``AutoConfig``, or None when it cannot be read (the model load then says why)."""
     from transformers import AutoConfig
 
     try:
@@ -59,23 +59,24 @@ def read_config(name: str) -> Any:
         return None
 
 
-def config_vocab_size(name: str) -> int | None:
-    """The vocabulary size the model's config declares, or None when the config cannot be read or declares
-    none."""
-    size = getattr(read_config(name), "vocab_size", None)
+def config_vocab_size(config: Any) -> int | None:
+    """The vocabulary size a model config declares, or None."""
+    size = getattr(config, "vocab_size", None)
     return size if isinstance(size, int) else None
 
 
-def causal_sequence_length(seq_length: int | None, explicit: bool, config: Any, name: str) -> int:
-    """``--seq-length`` given, else the default (512) lowered to a learned position table shorter than that
-    (GPT-2, OPT); a ``--seq-length`` given past the table is one line. Rotary models have no table."""
-    table = position_limit(config) if config is not None else None
-    if not explicit or seq_length is None:
-        default = seq_length or DEFAULT_SEQ_LENGTH
-        return min(default, table) if table is not None else default
-    if config is not None:
-        check_positions(config, seq_length, name)
-    return seq_length
+def causal_seq_length(seq_length: int | None, config: Any, explicit: bool = True) -> int:
+    """``--seq-length`` (the task's default 512 when not ``explicit``) within the model's learned position table,
+    which a longer row would index past: the default is lowered to it, a longer explicit value is one line."""
+    limit = position_limit(config) if config is not None else None
+    seq_length = seq_length or DEFAULT_SEQ_LENGTH
+    if limit is None or seq_length <= limit:
+        return seq_length
+    if not explicit:
+        return limit
+    raise ConfigError(
+        f"--seq-length {seq_length}: the model's learned positions end at {limit} tokens; use --seq-length {limit}"
+    )
 
 
 def choose_pad(tokenizer: Any, vocab_size: int | None, logger: Any) -> int:
@@ -117,13 +118,12 @@ class CausalLMFinetuner(Finetuner):
         self.base_name = lora.adapter_base(self.adapter) if self.adapter else args.pretrained_model_name_or_path
         has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
-        pad_id = choose_pad(self.tokenizer, config_vocab_size(self.base_name), self.logger)
+        config = model_config(self.base_name)
+        pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
-        config = read_config(self.base_name)
-        explicit = given_flag(args, "seq_length")
-        seq_length = causal_sequence_length(args.seq_length, explicit, config, self.base_name)
+        seq_length = causal_seq_length(args.seq_length, config, explicit=given_flag(args, "seq_length"))
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
@@ -156,10 +156,13 @@ class CausalLMFinetuner(Finetuner):
         return d.train, d.validation, d.test, CausalLMCollator(pad_id)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_causal_lm(self.base_name, **self.pretrained_load_kwargs())
-        if self.adapter is not None:
-            model = lora.load_adapter(model, self.adapter)
-            self.logger.info(f"LoRA adapter {self.adapter} on its base {self.base_name}")
+        # A subclass may provide its own data: the adapter and base then follow from the flag alone.
+        adapter = getattr(self, "adapter", lora.adapter_directory(self.args.pretrained_model_name_or_path))
+        base_name = lora.adapter_base(adapter) if adapter else self.args.pretrained_model_name_or_path
+        model = load_causal_lm(base_name, **self.pretrained_load_kwargs())
+        if adapter is not None:
+            model = lora.load_adapter(model, adapter)
+            self.logger.info(f"LoRA adapter {adapter} on its base {base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
@@ -174,18 +177,22 @@ class CausalLMFinetuner(Finetuner):
         """A tokenizer with more tokens than the model's embeddings (tokens added to it) whose added tokens occur in
         the data: full fine-tuning grows the embeddings to the tokenizer (the new rows are trained and exported);
         adapters cannot, so that is one line."""
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        try:
+            embeddings = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without the accessor
+            return
         rows = getattr(embeddings, "num_embeddings", None)
-        if rows is None or self.max_token_id < rows:
+        max_token_id = getattr(self, "max_token_id", -1)  # -1: a subclass's own data, not looked into
+        if rows is None or max_token_id < rows:
             return
         size = len(self.tokenizer)
         if self.args.lora_rank or lora.is_peft_model(model):
             raise ConfigError(
-                f"--lora-rank: the data has token id {self.max_token_id} but the model's embeddings end at {rows - 1} "
+                f"--lora-rank: the data has token id {max_token_id} but the model's embeddings end at {rows - 1} "
                 f"(the tokenizer has {size} tokens); adapters cannot grow them: save the model resized with "
                 "resize_token_embeddings(len(tokenizer)) first, or train without --lora-rank"
             )
-        model.resize_token_embeddings(max(size, self.max_token_id + 1))
+        model.resize_token_embeddings(max(size, max_token_id + 1))
         self.logger.info(
             f"the tokenizer has {size} tokens and the model's embeddings {rows}: grew them to "
             f"{model.get_input_embeddings().num_embeddings} (the new rows train with the rest and are exported)"
@@ -221,7 +228,8 @@ class CausalLMFinetuner(Finetuner):
         """Greedy completion of ``prompt`` until EOS, without a key/value cache (every rank runs it: under
         FSDP or tensor parallelism a forward is collective)."""
         tokenizer = self.tokenizer
-        ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=self.engine.device)
+        ids = tokenizer(prompt)["input_ids"]
+        ids = torch.tensor([ids[1:] if doubled_bos(tokenizer, ids) else ids], device=self.engine.device)
         start = ids.shape[1]
         for _ in range(max_new_tokens):
             logits = model(input_ids=ids, use_cache=False).logits[:, -1]
