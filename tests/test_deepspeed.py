@@ -24,6 +24,8 @@ LAYOUTS = {
     "ds_zero2": TWO + ["--deepspeed", "--zero-2-memory-optimization"],
     "ds_zero3": TWO + ["--deepspeed", "--zero-3-memory-optimization"],
     "ds_zero3_offload_json": TWO + ["--deepspeed-config", ZERO3_OFFLOAD_JSON],
+    # One process, as on a single GPU: no launcher sets LOCAL_RANK, which DeepSpeed asserts on.
+    "ds_zero3_offload_one_process": ONE + ["--deepspeed-config", ZERO3_OFFLOAD_JSON],
 }
 
 
@@ -49,7 +51,9 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", ["ds_zero1", "ds_zero2", "ds_zero3", "ds_zero3_offload_json"])
+@pytest.mark.parametrize(
+    "layout", ["ds_zero1", "ds_zero2", "ds_zero3", "ds_zero3_offload_json", "ds_zero3_offload_one_process"]
+)
 def test_deepspeed_trains_like_one_process(runs, layout):
     reference, run = runs("single"), runs(layout)
     assert len(train_losses(run)) == 6

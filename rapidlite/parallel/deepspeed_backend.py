@@ -70,6 +70,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
         )
     if config.get("bf16", {}).get("enabled") and not accelerator.is_bf16_supported():
         raise ConfigError(f"DeepSpeed does not train in bf16 on its {accelerator.device_name()} accelerator")
+    # DeepSpeed asserts that a launcher set LOCAL_RANK; a single process (one GPU, or this CPU) has none. Its
+    # group is rapidlite's one-process group, so its local rank is 0.
+    os.environ.setdefault("LOCAL_RANK", "0")
     # Its op loader prints each op it builds or loads, from every rank: kept out of the run's output.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore", FutureWarning)
