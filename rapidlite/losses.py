@@ -14,12 +14,27 @@ from typing import Any
 
 import torch
 
+from rapidlite.errors import RapidliteError
+
+
+class ForwardStepError(RapidliteError):
+    """A forward step returned something that is neither a loss nor ``(loss_sum, num_items)``."""
+
 
 def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
-    """A forward step's result: ``loss`` (mean) or ``(loss_sum, num_items)``; HF outputs give ``.loss``."""
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss, items = output
-        return loss, int(items)
+    """A forward step's result: ``loss`` (mean) or ``(loss_sum, num_items)``; HF outputs and dicts give their
+    ``loss``, and Megatron's ``(loss, {"lm loss": ...})`` its loss. Anything else is a ``ForwardStepError``."""
+    if isinstance(output, (tuple, list)):
+        if len(output) == 2 and not isinstance(output[1], dict):
+            loss, items = output
+            return _as_loss(loss, "the first element of the pair"), _as_count(items)
+        if len(output) == 2:
+            return _as_loss(output[0], "the first element of the pair"), None
+        raise ForwardStepError(
+            f"run_forward_step returned a {type(output).__name__} of {len(output)} elements: return the loss alone "
+            "(e.g. model(**batch).loss, or the first element of a model called with return_dict=False), or a pair "
+            "(loss_sum, num_items)"
+        )
     if isinstance(output, torch.Tensor):
         return output, None
     loss = getattr(output, "loss", None)
@@ -27,10 +42,44 @@ def unpack_loss(output: Any) -> tuple[torch.Tensor, int | None]:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss, None
-    raise TypeError(
-        "run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), "
-        f"got {type(output).__name__}"
+    got = type(output).__name__
+    if loss is None and (isinstance(output, dict) or hasattr(output, "loss")):
+        got = f"{got} without a loss (were labels passed to the model?)"
+    raise ForwardStepError(
+        f"run_forward_step must return a scalar loss tensor or a pair (loss_sum, num_items), got {got}"
     )
+
+
+def _as_loss(loss: Any, where: str) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise ForwardStepError(
+        f"run_forward_step returned a pair whose loss ({where}) is a {type(loss).__name__}, not a tensor: return "
+        "the loss tensor (a mean), or (loss_sum, num_items)"
+    )
+
+
+def _as_count(items: Any) -> int:
+    """The ``num_items`` of ``(loss_sum, num_items)``: a count, as an int or a one-element tensor."""
+    if isinstance(items, torch.Tensor) and items.numel() != 1:
+        raise ForwardStepError(
+            f"run_forward_step returned a pair whose second element is a tensor of shape {list(items.shape)}, "
+            "not a count: return the loss alone (e.g. outputs.loss, not (loss, logits)), or (loss_sum, num_items) "
+            "with num_items the number of items the loss sums over"
+        )
+    try:
+        count = float(items)
+    except (TypeError, ValueError):
+        raise ForwardStepError(
+            f"run_forward_step returned a pair whose second element is a {type(items).__name__}, not a count: "
+            "return the loss alone, or (loss_sum, num_items) with num_items the number of items the loss sums over"
+        ) from None
+    if count != count or count < 0 or count != int(count):
+        raise ForwardStepError(
+            f"run_forward_step returned num_items={count:g}: (loss_sum, num_items) needs a whole, non-negative "
+            "number of items (e.g. (labels != -100).sum())"
+        )
+    return int(count)
 
 
 _loss_parallel_depth = 0

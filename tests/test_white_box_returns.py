@@ -1,0 +1,38 @@
+"""What a user's forward step may return, and the one line that answers anything else."""
+
+import pytest
+import torch
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from rapidlite.errors import RapidliteError
+from rapidlite.losses import unpack_loss
+
+
+def test_accepted_forms():
+    loss = torch.tensor(0.5)
+    assert unpack_loss(loss) == (loss, None)
+    assert unpack_loss({"loss": loss}) == (loss, None)
+    assert unpack_loss(SequenceClassifierOutput(loss=loss, logits=torch.zeros(2, 2))) == (loss, None)
+    assert unpack_loss((loss, 12)) == (loss, 12)
+    assert unpack_loss((loss, torch.tensor(7))) == (loss, 7)
+    assert unpack_loss((loss, torch.tensor([3.0]))) == (loss, 3)
+    assert unpack_loss((loss, {"lm loss": loss.detach()})) == (loss, None)  # Megatron's (loss, stats)
+
+
+@pytest.mark.parametrize(
+    "output, says",
+    [
+        ((torch.tensor(0.5), torch.zeros(8, 2)), "tensor of shape [8, 2], not a count"),
+        ((torch.tensor(0.5), torch.zeros(8, 2), torch.zeros(8, 2)), "tuple of 3 elements"),
+        ((torch.tensor(0.5), "x"), "second element is a str"),
+        ((torch.tensor(0.5), 2.5), "num_items=2.5"),
+        ((0.5, 3), "is a float, not a tensor"),
+        (SequenceClassifierOutput(loss=None, logits=torch.zeros(2, 2)), "were labels passed"),
+        ({"logits": torch.zeros(2)}, "dict without a loss"),
+        (0.5, "got float"),
+    ],
+)
+def test_refused_in_one_line(output, says):
+    with pytest.raises(RapidliteError) as caught:
+        unpack_loss(output)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
