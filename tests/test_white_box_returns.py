@@ -36,3 +36,36 @@ def test_refused_in_one_line(output, says):
     with pytest.raises(RapidliteError) as caught:
         unpack_loss(output)
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ({"input_ids": [1, 2], "labels": 0} for _ in range(4))
+
+
+class _SizedStream(_Stream):
+    def __len__(self):
+        return 4
+
+
+def _provider_datasets(*provided):
+    from rapidlite.trainer.base import split_datasets
+
+    return split_datasets(provided)
+
+
+@pytest.mark.parametrize("stream", [_Stream(), _SizedStream(), (x for x in range(3))])
+def test_iterable_datasets_refused_in_one_line(stream):
+    with pytest.raises(RapidliteError, match="train dataset is a .*materialise it first") as caught:
+        _provider_datasets(stream, None, None)
+    assert "\n" not in str(caught.value)
+    from rapidlite.data.loader import build_data_loader
+
+    with pytest.raises(RapidliteError, match="given to build_data_loader"):
+        build_data_loader(stream, 2, torch.device("cpu"))
+
+
+def test_provider_shapes():
+    assert _provider_datasets([1, 2], None, None) == ([1, 2], None, None, None)
+    with pytest.raises(RapidliteError, match="got 2 values"):
+        _provider_datasets([1, 2], None)

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rapidlite.data.collate import PadCollator, packed_sample_count
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
+from rapidlite.errors import DataError
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -203,6 +204,20 @@ def slice_batch(batch: Any, rows: int) -> Any:
     return batch
 
 
+def require_map_style(dataset: Any, what: str) -> None:
+    """Refuse in one line a dataset the loaders cannot shard, shuffle and resume: one without ``len()`` and
+    indexing (an ``IterableDataset``, a streaming ``datasets.IterableDataset``, a generator)."""
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)  # may define __len__; never indexed
+    if not iterable and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        return
+    raise DataError(
+        f"{what} is a {type(dataset).__name__}, which has no length or indexing: rapidlite's loaders shard, "
+        "shuffle and resume map-style datasets (a datasets.Dataset, a list, a torch Dataset with __len__ and "
+        "__getitem__); materialise it first (list(...), datasets.Dataset.from_generator(...), or load_dataset "
+        "without streaming=True)"
+    )
+
+
 def build_data_loader(
     dataset: Dataset,
     micro_batch_size: int,
@@ -231,6 +246,7 @@ def build_data_loader(
     sample, training loaders): the shuffle is grouped by length in megabatches of global batches of
     ``group_size`` samples (``EpochSampler``), so a micro-batch pads little.
     """
+    require_map_style(dataset, "the dataset given to build_data_loader")
     if collate_fn is None:  # tokenized rows of different lengths are padded, not refused
         collate_fn = PadCollator()
     # A private generator: creating an iterator must not draw from the global RNG (dropout), or a resumed

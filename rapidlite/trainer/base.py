@@ -22,9 +22,9 @@ from rapidlite import checkpoint as ckpt
 from rapidlite import config_file, distributed, preemption, time_budget
 from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
-from rapidlite.data.loader import DeviceDataLoader, batch_stats
+from rapidlite.data.loader import DeviceDataLoader, batch_stats, require_map_style
 from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import TrainingDiverged, first_line
+from rapidlite.errors import DataError, TrainingDiverged, first_line
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.models import lora
@@ -743,10 +743,15 @@ def model_class_name(module: torch.nn.Module) -> str:
 def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
     """``(train, valid, test[, collate_fn])`` from a datasets provider, with a clear error otherwise."""
     if not isinstance(provided, (tuple, list)) or len(provided) not in (3, 4):
-        raise TypeError(
-            "train_valid_test_datasets_provider must return (train, valid, test) or (train, valid, test, collate_fn)"
+        got = f"{len(provided)} values" if isinstance(provided, (tuple, list)) else f"a {type(provided).__name__}"
+        raise DataError(
+            "train_valid_test_datasets_provider must return (train, valid, test) or (train, valid, test, collate_fn) "
+            f"(None for a split it has not), got {got}"
         )
     train, valid, test = provided[:3]
+    for name, dataset in (("train", train), ("validation", valid), ("test", test)):
+        if dataset is not None:
+            require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
 
 
