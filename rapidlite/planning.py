@@ -317,6 +317,7 @@ class Plan:
     trainable_params: int
     ranks: list[RankPlan]
     notes: list[str] = field(default_factory=list)
+    seq_length: int | None = None  # the length the activations were measured at
 
 
 def _stage_rank(stage: int, dims: Any) -> int:
@@ -352,7 +353,7 @@ def plan(args: Any) -> Plan:
     total = sum(p.numel() for p in model.parameters())
     spec = spec_of(model)
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
-    seq = sequence_length(args)
+    seq = sequence_length(args, getattr(model, "config", None))
     probe = model.to(precision.dtype) if precision.dtype is not None else model
     profile = profile_activations(probe, args.micro_batch_size, seq, hidden)
     profile_next = profile_activations(probe, args.micro_batch_size + 1, seq, hidden)
@@ -392,6 +393,7 @@ def plan(args: Any) -> Plan:
     for r in ranks:
         r.runtime = runtime
     return Plan(
+        seq_length=seq,
         args=args,
         world_size=world_size,
         strategy=strategy_name,
@@ -437,9 +439,19 @@ def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
     return total
 
 
-def sequence_length(args: Any) -> int:
-    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum."""
+def sequence_length(args: Any, config: Any = None) -> int:
+    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum, lowered to the
+    model's learned position table (``config``) as the tasks lower it. An explicit length beyond that table is
+    the run's own one-line refusal, not a failed probe."""
+    from rapidlite.models.hf import position_limit
+
+    limit = position_limit(config) if config is not None else None
     if args.seq_length:
+        if limit is not None and args.seq_length > limit and args.task != "pretraining":
+            raise ConfigError(
+                f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "
+                f"use --seq-length {limit} or less"
+            )
         return args.seq_length
     if args.task == "causal_lm":
         from rapidlite.tasks.causal_lm import DEFAULT_SEQ_LENGTH
@@ -447,7 +459,7 @@ def sequence_length(args: Any) -> int:
         from rapidlite.tasks.seq2seq import DEFAULT_SEQ_LENGTH
     else:
         from rapidlite.tasks.sequence_classification import DEFAULT_SEQ_LENGTH
-    return DEFAULT_SEQ_LENGTH
+    return min(DEFAULT_SEQ_LENGTH, limit) if limit is not None else DEFAULT_SEQ_LENGTH
 
 
 def _resident_bytes() -> int:
@@ -610,7 +622,7 @@ def format_plan(p: Plan) -> str:
         f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
         *describe_mesh(dims),
         f"batch: micro {a.micro_batch_size} x accumulation {a.gradient_accumulation_steps} x data parallel "
-        f"{dims.dp} = global {a.global_batch_size}; sequence length {sequence_length(a)}"
+        f"{dims.dp} = global {a.global_batch_size}; sequence length {p.seq_length or sequence_length(a)}"
         + ("" if a.seq_length else " (the task's default; the longest a batch is padded to)"),
         f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",

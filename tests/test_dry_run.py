@@ -181,3 +181,25 @@ def test_fine_tuning_tasks_are_planned(task, tmp_path):
     proc = run_cli(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "predicted memory per rank" in proc.stdout
+
+
+def test_task_default_length_is_lowered_to_a_short_position_table(tmp_path):
+    """A model whose position table is shorter than the task's default length (128) is planned at its table, as
+    the task trains it; an explicit longer --seq-length is the run's one-line refusal, not a failed probe."""
+    from transformers import BertConfig
+
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "model")
+    argv = ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(tmp_path / "model")]
+    proc = run_cli(*argv, "--data-path", "unused", "--micro-batch-size", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sequence length 64 (the task's default" in proc.stdout
+    proc = run_cli(*argv, "--data-path", "unused", "--micro-batch-size", "2", "--seq-length", "100", "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "rapidlite: error: --seq-length 100: the model has learned position embeddings for 64 positions; "
+        "use --seq-length 64 or less"
+    )
