@@ -115,8 +115,17 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     task = get_task(args.task) if args.task is not None else None
     if args.user_script is not None:
         task = None  # a script runs its own trainer; --task is accepted, as on Rapidformer's page
+        if os.path.isdir(args.user_script):
+            raise ConfigError(f"--user-script {args.user_script}: is a directory; pass the script's .py file")
         if not os.path.isfile(args.user_script):
             raise ConfigError(f"--user-script {args.user_script}: file not found")
+    model = getattr(args, "pretrained_model_name_or_path", None)
+    if model and os.path.isfile(model):  # transformers would read it as a vocabulary file, or fail deep inside
+        folder = os.path.dirname(model) or "."
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {model}: is a file; pass the directory that holds the model's "
+            f"config.json and weights (--pretrained-model-name-or-path {folder})"
+        )
     _check_ranges(args)
     _resolve_eval_only(task, args)
 

@@ -105,6 +105,12 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--lr", "-1"], "--lr -1.0: must be positive"),
     (["--task", "translation"], "--task translation: unknown task"),
     (["--user-script", "/nonexistent/train.py"], "--user-script /nonexistent/train.py: file not found"),
+    (["--user-script", str(REPO / "examples")], "examples: is a directory; pass the script's .py file"),
+    (
+        ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(REPO / "setup.py")],
+        f"setup.py: is a file; pass the directory that holds the model's config.json and weights "
+        f"(--pretrained-model-name-or-path {REPO})",
+    ),
     (
         ["--task", "sequence_classification", "--demo", "--lr-decay-style", "exponential"],
         "--lr-decay-style exponential: unknown",
