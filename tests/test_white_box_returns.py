@@ -69,3 +69,21 @@ def test_provider_shapes():
     assert _provider_datasets([1, 2], None, None) == ([1, 2], None, None, None)
     with pytest.raises(RapidliteError, match="got 2 values"):
         _provider_datasets([1, 2], None)
+
+
+def test_metric_values_are_plain_numbers():
+    import numpy as np
+
+    from rapidlite.trainer.base import metric_values
+
+    values = metric_values(
+        {"acc": torch.tensor(0.5), "n": torch.tensor(40), "f1": np.float32(0.25), "per_class": torch.tensor([0.5, 1.0])}
+        | {"np_vec": np.array([1, 2]), "note": "ok"}
+    )
+    assert values == {
+        "acc": 0.5, "n": 40.0, "f1": 0.25, "per_class_0": 0.5, "per_class_1": 1.0, "np_vec_0": 1, "np_vec_1": 2,
+        "note": "ok",
+    }  # fmt: skip
+    assert all(type(v) in (float, int, str) for v in values.values())  # JSON and the trackers take them
+    with pytest.raises(RapidliteError, match="must return a dict of metrics .* got float"):
+        metric_values(0.5)

@@ -24,7 +24,7 @@ from rapidlite.arguments import build_parser
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, require_map_style
 from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import DataError, TrainingDiverged, first_line
+from rapidlite.errors import DataError, RapidliteError, TrainingDiverged, first_line
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.models import lora
@@ -467,9 +467,7 @@ class BaseTrainer:
         return rates
 
     def log_evaluation(self, split: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        record = {"split": split, "iteration": self.iteration, **extra}
-        for key, value in metrics.items():
-            record[key] = float(value) if isinstance(value, torch.Tensor) else value
+        record = {"split": split, "iteration": self.iteration, **extra, **metric_values(metrics)}
         self.logger.info(f"evaluation ({split}) | " + format_record({k: v for k, v in record.items() if k != "split"}))
         if self._metrics is not None:
             self._metrics.write(record, split)
@@ -753,6 +751,34 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
         if dataset is not None:
             require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
+
+
+def metric_values(metrics: Any) -> dict[str, Any]:
+    """A metrics hook's dict as plain values: one-element tensors and numpy numbers as Python numbers, and a
+    vector (per-class scores, as torchmetrics gives with ``average=None``) as one number per element,
+    ``name_0``, ``name_1``, ... Anything but a dict is one line."""
+    if not isinstance(metrics, dict):
+        raise MetricsError(
+            f"run_compute_metrics must return a dict of metrics (name -> number), got {type(metrics).__name__}: "
+            "return e.g. {'accuracy': value}"
+        )
+    values: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+            flat = torch.as_tensor(value).detach().cpu().reshape(-1).tolist()
+            if isinstance(value, torch.Tensor):  # tensors give floats, as they always did (an int count too)
+                flat = [float(v) for v in flat]
+            if len(flat) == 1:
+                values[key] = flat[0]
+            else:
+                values.update({f"{key}_{i}": v for i, v in enumerate(flat)})
+        else:
+            values[key] = value
+    return values
+
+
+class MetricsError(RapidliteError):
+    """A metrics hook returned something other than a dict of metrics."""
 
 
 def perplexity(loss: float) -> float:
