@@ -85,9 +85,9 @@ class Finetuner(BaseTrainer):
                 bar.close()
         self.model.train(was_training)
         if self.args.eval_only:
-            return self.log_evaluation(split, metrics or {}, eval_only=True)
+            return self.log_evaluation(split, {} if metrics is None else metrics, eval_only=True)
         epoch = self.iteration / max(self.steps_per_epoch, 1)
-        return self.log_evaluation(split, metrics or {}, epoch=round(epoch, 4))
+        return self.log_evaluation(split, {} if metrics is None else metrics, epoch=round(epoch, 4))
 
     def _forward_batch(self, batch: Any) -> Any:
         self.count_batch(*batch_stats(batch))
