@@ -14,6 +14,7 @@ draws with its Agg backend, off-screen; without it nothing is drawn.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -208,7 +209,8 @@ def draw(curves: Curves, output: str | os.PathLike, title: str = "") -> Path:
     except ValueError as e:  # matplotlib: "Format 'x' is not supported (supported formats: ...)"
         raise ConfigError(f"{output}: {first_line(e)}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # missing, or under a path that is no directory (the error above says)
+            tmp.unlink()
     return output
 
 

@@ -148,6 +148,8 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += _resolve_load(args)
     _check_save_dir(args, given_load)
+    if getattr(args, "tensorboard_dir", None):
+        check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     _check_lora(args)
     if task is not None:
         _check_task(task, args)
@@ -468,6 +470,21 @@ def _resume_restarted_attempt(args: argparse.Namespace) -> list[str]:
     return [f"{restarted}: resuming from the latest checkpoint in {args.save}"]
 
 
+def check_writable_dir(flag: str, path: str, purpose: str) -> None:
+    """One line unless ``path`` is, or can be made as, a directory this process can write: not a file, and no
+    file or unwritable directory on the way to it."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{flag} {path}: is a file, not a directory; pass a directory for {purpose}")
+    existing = full
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{flag} {path}: {existing} is a file, so no directory can be made under it; pass another")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {existing} is not writable; pass a directory you can write to")
+
+
 def _check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> None:
     """``--save``: a directory that can be written, and not another run's unless this one resumes it (``--load``
     the same directory) or replaces it (``--overwrite``, carried out by the trainer when the run starts).
@@ -476,13 +493,7 @@ def _check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> 
     if args.save is None:
         return
     save = os.path.abspath(args.save)
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"--save {args.save}: is a file, not a directory; pass a directory for the checkpoints")
-    existing = save
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save {args.save}: {existing} is not writable; pass a directory you can write to")
+    check_writable_dir("--save", args.save, "the checkpoints")
     # A worker group restarted by --max-restarts continues the run that owns the directory.
     if args.eval_only or not os.path.isdir(save) or env_int("TORCHELASTIC_RESTART_COUNT", 0):
         return

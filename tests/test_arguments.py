@@ -105,6 +105,18 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--lr", "-1"], "--lr -1.0: must be positive"),
     (["--task", "translation"], "--task translation: unknown task"),
     (["--user-script", "/nonexistent/train.py"], "--user-script /nonexistent/train.py: file not found"),
+    (
+        ["--task", "sequence_classification", "--demo", "--tensorboard-dir", str(REPO / "setup.py" / "tb")],
+        "setup.py is a file, so no directory can be made under it",
+    ),
+    (
+        ["--task", "sequence_classification", "--demo", "--tensorboard-dir", str(REPO / "setup.py")],
+        "is a file, not a directory; pass a directory for the TensorBoard event files",
+    ),
+    (
+        ["--task", "sequence_classification", "--demo", "--save", str(REPO / "setup.py" / "run")],
+        "setup.py is a file, so no directory can be made under it",
+    ),
     (["--user-script", str(REPO / "examples")], "examples: is a directory; pass the script's .py file"),
     (
         ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(REPO / "setup.py")],

@@ -101,6 +101,7 @@ def test_rapidlite_plot_writes_a_png(tmp_path, capsys):
         ("missing", r"does not exist: pass the --save directory of a run"),
         ("no records", r"has no training or evaluation records to draw"),
         ("bad output", r"cannot write .*nowhere/curves.png"),
+        ("output under a file", r"cannot write .*metrics.jsonl/curves.png: Not a directory"),
     ],
 )
 def test_rapidlite_plot_mistakes_are_one_line(tmp_path, capsys, setup, message):
@@ -112,6 +113,9 @@ def test_rapidlite_plot_mistakes_are_one_line(tmp_path, capsys, setup, message):
     elif setup == "bad output":
         write_two_attempts(tmp_path)
         argv += ["--output", str(tmp_path / "nowhere" / "curves.png")]
+    elif setup == "output under a file":
+        write_two_attempts(tmp_path)
+        argv += ["--output", str(tmp_path / "metrics.jsonl" / "curves.png")]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
