@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from rapidlite.errors import RapidliteError
+
 COMPLETE = "COMPLETE"  # written last into a directory build_once made: the directory is whole
 
 
@@ -18,6 +20,37 @@ def cache_root() -> str:
     )
 
 
+class CacheError(RapidliteError):
+    """The cache directory cannot be made or written."""
+
+
+def make_cache_dir(path: str | os.PathLike) -> Path:
+    """``path`` (under the cache) made if missing, or one line naming it and ``RAPIDLITE_CACHE``."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise CacheError(
+            f"cannot write the cache directory {path} ({e.strerror or type(e).__name__}): set RAPIDLITE_CACHE to a "
+            "directory you can write to"
+        ) from None
+    return path
+
+
+def cache_scratch(parent: Path) -> Path:
+    """A new scratch directory in ``parent`` (made if missing), or one line as ``make_cache_dir`` says."""
+    make_cache_dir(parent)
+    try:
+        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+    except OSError as e:
+        raise CacheError(
+            f"cannot write the cache directory {parent} ({e.strerror or type(e).__name__}): set RAPIDLITE_CACHE to "
+            "a directory you can write to"
+        ) from None
+
+
 def build_once(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
     """``final``, built once: ``build(scratch)`` fills a scratch directory beside it, which is marked complete
     and put in place by one atomic rename. Safe when several ranks build at once (the first rename wins and the
@@ -25,8 +58,7 @@ def build_once(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
     final = Path(final)
     if (final / COMPLETE).is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    scratch = cache_scratch(final.parent)
     try:
         build(scratch)
         (scratch / COMPLETE).write_text("ok\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -41,3 +42,19 @@ def test_a_crashed_build_leaves_nothing_and_an_incomplete_directory_is_rebuilt(t
     (tmp_path / "demo" / "stale").write_text("")  # an older layout without the marker
     build_once(tmp_path / "demo", lambda scratch: (scratch / "data").write_text("ok"))
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [COMPLETE, "data"]
+
+
+def test_a_cache_under_a_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """RAPIDLITE_CACHE under a file (or unwritable): the run that needs the cache says so in one line, exit 2."""
+    from rapidlite.cache import CacheError, build_once, cache_root
+    from rapidlite.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("RAPIDLITE_CACHE", str(blocker / "cache"))
+    with pytest.raises(CacheError, match=r"cannot write the cache directory .*file/cache .*set RAPIDLITE_CACHE"):
+        build_once(os.path.join(cache_root(), "thing"), lambda scratch: None)
+    assert main(["--task", "sequence_classification", "--demo", "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rapidlite: error: cannot write the cache directory "), err
+    assert blocker.read_text() == "x"

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rapidlite.cache import cache_root
+from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.data.indexed_dataset import IndexedDataset
 from rapidlite.errors import ConfigError, DataError
 
@@ -144,9 +144,7 @@ def _cache_dir(prefix: str) -> Path:
     except OSError:
         pass
     digest = hashlib.sha1(os.path.abspath(prefix).encode()).hexdigest()[:12]
-    fallback = Path(cache_root()) / "index_cache" / f"{Path(prefix).name}_{digest}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+    return make_cache_dir(Path(cache_root()) / "index_cache" / f"{Path(prefix).name}_{digest}")
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:

@@ -15,11 +15,10 @@ import os
 import pathlib
 import random
 import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from rapidlite.cache import cache_root
+from rapidlite.cache import cache_root, cache_scratch, make_cache_dir
 from rapidlite.tasks.registry import Demo
 
 if TYPE_CHECKING:
@@ -210,8 +209,8 @@ def _atomic_dir(final: pathlib.Path) -> Iterator[pathlib.Path]:
 
     Several ranks may build the demo at once; readers then never see a half-written file.
     """
-    final.mkdir(parents=True, exist_ok=True)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    make_cache_dir(final)
+    scratch = cache_scratch(final.parent)
     try:
         yield scratch
         for item in scratch.iterdir():
@@ -292,7 +291,7 @@ def write_demo_assets(
     if existing == manifest and complete:
         return model_dir, data_dir
 
-    out.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(out)
     manifest_path.unlink(missing_ok=True)  # files are about to change; nobody may trust them meanwhile
     rng = random.Random(seed)
     seen: set[str] = set()
