@@ -440,19 +440,22 @@ def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
 
 
 def sequence_length(args: Any, config: Any = None) -> int:
-    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum, lowered to the
-    model's learned position table (``config``) as the tasks lower it. An explicit length beyond that table is
-    the run's own one-line refusal, not a failed probe."""
+    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum; a default (none
+    given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
+    lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
     from rapidlite.models.hf import position_limit
+    from rapidlite.resolve import given_flag
 
     limit = position_limit(config) if config is not None else None
     if args.seq_length:
-        if limit is not None and args.seq_length > limit and args.task != "pretraining":
-            raise ConfigError(
-                f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "
-                f"use --seq-length {limit} or less"
-            )
-        return args.seq_length
+        if limit is None or args.seq_length <= limit or args.task == "pretraining":
+            return args.seq_length
+        if not given_flag(args, "seq_length"):  # a task's default: lowered to the table, as the task lowers it
+            return limit
+        raise ConfigError(
+            f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "
+            f"use --seq-length {limit} or less"
+        )
     if args.task == "causal_lm":
         from rapidlite.tasks.causal_lm import DEFAULT_SEQ_LENGTH
     elif args.task == "seq2seq":

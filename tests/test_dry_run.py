@@ -203,3 +203,15 @@ def test_task_default_length_is_lowered_to_a_short_position_table(tmp_path):
         "rapidlite: error: --seq-length 100: the model has learned position embeddings for 64 positions; "
         "use --seq-length 64 or less"
     )
+
+
+def test_a_default_length_set_by_the_task_is_lowered_too(tmp_path):
+    """causal_lm's default --seq-length (512) is set by the task's defaults, not given: a GPT-2 with 64 positions
+    is planned at 64, as the task trains it."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "gpt2"), "--data-path", "unused"]
+    proc = run_cli(*argv, "--micro-batch-size", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sequence length 64" in proc.stdout
