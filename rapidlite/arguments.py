@@ -628,9 +628,25 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     ):
         add(p)
     if extra_args_provider is not None:
-        returned = extra_args_provider(p)  # the parser, or None (Megatron's providers return it, others do not)
+        try:
+            returned = extra_args_provider(p)  # the parser, or None (Megatron's providers return it, others do not)
+        except argparse.ArgumentError as e:
+            raise ConfigError(_conflict_message(p, e)) from None
         p = returned if isinstance(returned, argparse.ArgumentParser) else p
     return p
+
+
+def _conflict_message(parser: argparse.ArgumentParser, error: argparse.ArgumentError) -> str:
+    """The line for a script's flag that rapidlite already has: read rapidlite's, or rename the script's."""
+    if "conflicting option string" not in str(error):
+        return f"extra_args_provider: {error}"
+    taken = str(error).rsplit(":", 1)[-1].strip().split(", ")
+    dest = next((a.dest for a in parser._actions for o in taken if o in a.option_strings), None)
+    read = f"read it as get_args().{dest}" if dest else "read rapidlite's"
+    return (
+        f"extra_args_provider adds {', '.join(taken)}, which rapidlite already has: {read} instead of adding it, "
+        "or give the script's flag another name"
+    )
 
 
 class _Unset:

@@ -87,3 +87,20 @@ def test_metric_values_are_plain_numbers():
     assert all(type(v) in (float, int, str) for v in values.values())  # JSON and the trackers take them
     with pytest.raises(RapidliteError, match="must return a dict of metrics .* got float"):
         metric_values(0.5)
+
+
+@pytest.mark.parametrize("flag, dest", [("--lr", "lr"), ("--data-dir", "data_dir")])
+def test_a_script_flag_rapidlite_already_has_is_one_line(flag, dest):
+    from rapidlite.arguments import build_parser
+
+    def extra(parser):
+        parser.add_argument_group(title="mine").add_argument(flag, default=None)
+        return parser
+
+    with pytest.raises(RapidliteError) as caught:
+        build_parser(extra)
+    assert str(caught.value) == (
+        f"extra_args_provider adds {flag}, which rapidlite already has: read it as get_args().{dest} instead of "
+        "adding it, or give the script's flag another name"
+    )
+    assert build_parser(lambda parser: parser.add_argument("--my-flag")).parse_args(["--my-flag", "x"]).my_flag == "x"
