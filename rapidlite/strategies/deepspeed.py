@@ -61,7 +61,7 @@ class DeepSpeed(Strategy):
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
         optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
         config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
-        self.logger.info(f"starting DeepSpeed {dp.name} (its ops are compiled on first use: that can take minutes)")
+        self.logger.info(f"starting {dp.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)
         return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
 
