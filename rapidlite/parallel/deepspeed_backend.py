@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,6 +200,12 @@ def model_state_bytes(ds_engine: Any) -> dict[str, int]:
         "grad_bytes": grad_bytes,
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
     }
+
+
+def optimizer_partitions(directory: str | os.PathLike) -> int:
+    """How many data-parallel ranks a DeepSpeed checkpoint's ZeRO optimizer state is partitioned over (one
+    file per rank); 0 without ZeRO, whose optimizer state is whole."""
+    return len(list(Path(directory).glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
 
 
 def full_state_dict(ds_engine: Any) -> dict[str, torch.Tensor] | None:
