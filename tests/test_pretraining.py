@@ -91,6 +91,28 @@ def test_bad_pretraining_input_is_one_line(argv, message):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_config_directory_without_a_tokenizer_is_one_line(tmp_path):
+    """A model directory holding only config.json, as pretraining from a config has, names no tokenizer:
+    transformers would build one of the special tokens alone and every data id would look foreign."""
+    from transformers import Qwen2Config
+
+    prefix = tmp_path / "tiny_text_document"
+    write_tiny_corpus(prefix)
+    config_dir = tmp_path / "qwen2-tiny"
+    Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(config_dir)  # fmt: skip
+    proc = run_cli(
+        "--task", "pretraining", "--data-path", str(prefix), "--train-iters", "2", "--seq-length", "16",
+        "--micro-batch-size", "2", "--pretrained-model-name-or-path", str(config_dir), "--save", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "holds no tokenizer files" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("binary_head", [True, False])
 def test_bert_pretraining_from_a_config(tmp_path, binary_head):
     """A BERT config selects masked LM + next-sentence prediction on sentence-split data (masked LM only

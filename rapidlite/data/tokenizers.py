@@ -192,6 +192,14 @@ class HuggingFaceTokenizer(AbstractTokenizer):
                 "give a local directory holding the tokenizer files"
             ) from None
         tok = self._tokenizer
+        # transformers builds a tokenizer of its special tokens alone from a directory without tokenizer files
+        # (a model config saved on its own): every data id would then be "outside the vocabulary".
+        if len(tok) <= max(1, len(set(tok.all_special_ids))):
+            raise ConfigError(
+                f"{tokenizer_model}: holds no tokenizer files (its tokenizer has {len(tok)} ids, its special tokens "
+                "alone); save the tokenizer the data was made with there, or pass it with --tokenizer-type and its "
+                "files"
+            )
         self.vocab_size = len(tok)
         self.eod = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         self.cls, self.sep, self.mask, self.pad = (

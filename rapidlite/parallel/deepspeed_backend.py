@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -201,12 +202,31 @@ def model_state_bytes(ds_engine: Any) -> dict[str, int]:
     }
 
 
+def optimizer_partitions(directory: str | os.PathLike) -> int:
+    """How many data-parallel ranks a DeepSpeed checkpoint's ZeRO optimizer state is partitioned over (one
+    file per rank); 0 without ZeRO, whose optimizer state is whole."""
+    return len(list(Path(directory).glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
+
+
 def full_state_dict(ds_engine: Any) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
+    """The whole model's weights on rank 0 (None elsewhere); a collective under ZeRO-3. Trained parameters
+    come from DeepSpeed's fp32 master copies: under bf16/fp16 the module holds them rounded to 16 bits, and
+    the other backends (and DeepSpeed's own ``zero_to_fp32``) give fp32, which small updates such as LoRA's
+    need. Frozen parameters have no master copy and keep their dtype."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
     if ds_engine.zero_optimization_partition_weights():
         state = ds_engine._zero3_consolidated_16bit_state_dict()
     else:
         state = ds_engine.module.state_dict()
+    master = {}
+    for name, param in ds_engine.module.named_parameters(remove_duplicate=False):
+        if param.requires_grad and param.dtype != torch.float32:
+            full = safe_get_full_fp32_param(param)  # a collective under ZeRO-3, like the state above
+            if full is not None:
+                master[name] = full
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
+    out = {k: v.detach().cpu().clone() for k, v in state.items()}
+    out.update({k: v.detach().cpu().clone() for k, v in master.items() if k in out})
+    return out

@@ -24,6 +24,7 @@ class DeepSpeed(Strategy):
         self._resume_weights: dict[str, torch.Tensor] | None = None
         self._resume_from: tuple[int, Path] | None = None  # the checkpoint prepare_resume verified
         self._per_micro_mean_warned = False
+        self._weights_loaded = False  # the resume's weights went in before deepspeed.initialize
 
     @property
     def name(self) -> str:
@@ -36,8 +37,19 @@ class DeepSpeed(Strategy):
         self._resume_from = ckpt.select_checkpoint(load_dir)
         path = self._resume_from[1]
         if ckpt.is_deepspeed_checkpoint(path):
-            return
-        if not (args.finetune or args.no_load_optim):
+            saved = deepspeed_backend.optimizer_partitions(path / ckpt.DEEPSPEED_TAG)
+            if saved in (0, self.dist.dp_size):
+                return
+            # DeepSpeed cannot repartition ZeRO's optimizer state over another number of ranks (it raises
+            # deep inside load_checkpoint); the weights, consolidated by zero_to_fp32, load on any layout.
+            if not (args.finetune or args.no_load_optim):
+                raise ckpt.CheckpointError(
+                    f"--load {load_dir}: the DeepSpeed checkpoint's ZeRO optimizer state is partitioned over "
+                    f"{saved} data-parallel ranks and this run has {self.dist.dp_size}, which DeepSpeed cannot "
+                    f"repartition: resume on {saved}, or add --no-load-optim to continue from its weights and "
+                    "schedule (or --finetune for the weights)"
+                )
+        elif not (args.finetune or args.no_load_optim):
             raise ckpt.cross_backend_optimizer_error(load_dir, saved_by_deepspeed=False)
         self._resume_weights = ckpt.read_model_tensors(path)
 
@@ -57,11 +69,12 @@ class DeepSpeed(Strategy):
             ckpt.check_shapes(self.args.load, model.state_dict(), self._resume_weights)
             model.load_state_dict(self._resume_weights, strict=not lora.trainable_only(model))
             self._resume_weights = None
+            self._weights_loaded = True
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
         optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
         config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
-        self.logger.info(f"starting DeepSpeed {dp.name} (its ops are compiled on first use: that can take minutes)")
+        self.logger.info(f"starting {dp.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)
         return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
 
@@ -113,7 +126,7 @@ class DeepSpeed(Strategy):
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
     ) -> tuple[int, dict[str, Any] | None]:
         iteration, path = self._resume_from or ckpt.select_checkpoint(load_dir)
-        native = ckpt.is_deepspeed_checkpoint(path)
+        native = ckpt.is_deepspeed_checkpoint(path) and not self._weights_loaded
         if native:
             loaded, _ = model.load_checkpoint(
                 str(path),
