@@ -917,14 +917,11 @@ def export_hf(
 
 
 def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory: Path) -> None:
-    from rapidlite.models.hf import saved_config, unquantized
+    from rapidlite.models.hf import quiet_deepspeed_accelerator, saved_config, unquantized
     from rapidlite.models.spec import spec_of
 
     save = spec_of(model).save
-    if not torch.cuda.is_available():
-        # save_pretrained goes through accelerate, which imports DeepSpeed where it is installed; on a machine
-        # without a GPU DeepSpeed would then warn that it chose its CPU accelerator, a line about nothing here.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    quiet_deepspeed_accelerator()
     with saved_config(model):
         if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
             save(model, weights, directory)

@@ -301,3 +301,14 @@ def test_export_is_quiet_in_a_pipe(tmp_path):
     assert (tmp_path / "run" / "hf" / "model.safetensors").exists()
     for noise in ("Writing model shards", "Setting accelerator"):
         assert noise not in proc.stdout + proc.stderr
+
+
+def test_a_demo_writing_its_model_is_quiet(tmp_path):
+    """The embedded demo's model is written with save_pretrained into a fresh cache: no DeepSpeed line about its
+    accelerator (accelerate imports DeepSpeed where it is installed)."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update(PYTHONPATH=str(REPO), RAPIDLITE_CACHE=str(tmp_path / "cache"))
+    argv = [sys.executable, "-m", "rapidlite", "--task", "sequence_classification", "--demo", "--train-iters", "1"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "cache").is_dir() and "Setting accelerator" not in proc.stdout + proc.stderr

@@ -59,6 +59,16 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
     return model
 
 
+def quiet_deepspeed_accelerator() -> None:
+    """``save_pretrained`` goes through accelerate, which imports DeepSpeed where it is installed; on a machine
+    without a GPU DeepSpeed then warns that it chose its CPU accelerator, a line about nothing the run does.
+    The choice is made for it (``DS_ACCELERATOR``, unless set)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def disable_kv_cache(model: Any) -> None:
     """Training needs no key/value cache. A Hugging Face model whose config says ``use_cache`` builds one in
     every training forward: wasted work, and under ``torch.compile`` each block then guards on its own
