@@ -27,7 +27,7 @@ from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batc
 from rapidlite.data.tokenizers import tokenizer_from_args
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import check_positions, load_error, load_hf_model
+from rapidlite.models.hf import check_positions, load_config, load_hf_model
 from rapidlite.models.spec import spec_for_config
 from rapidlite.tasks.registry import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
@@ -53,21 +53,12 @@ def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
         model = _load_weights(AutoModelForCausalLM.from_pretrained, name, "causal language model")
         check_positions(model, args.seq_length, name)
         return model
-    config = _load_config(name)
+    config = load_config(name)
     _override_sizes(config, args)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
     _grow_positions(config, args.seq_length)
     return load_hf_model(AutoModelForCausalLM.from_config, config)
-
-
-def _load_config(name: str) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(name)
-    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise load_error("model config", name, e) from None
 
 
 def _load_weights(load: Any, name: str, what: str) -> torch.nn.Module:
@@ -108,7 +99,7 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
         model = _load_weights(cls.from_pretrained, name, "BERT model")
         check_positions(model, args.seq_length, name)
         return model
-    config = _load_config(name)
+    config = load_config(name)
     _override_sizes(config, args)
     config.vocab_size = max(config.vocab_size, vocab_size)
     _grow_positions(config, args.seq_length)
