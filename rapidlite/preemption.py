@@ -56,15 +56,21 @@ class StopSignals:
 
     def agreed(self, device: torch.device) -> int:
         """The signal number any rank of the job received (0: none), the same on every rank (a collective)."""
-        import torch
-        import torch.distributed as dist
+        return max_over_ranks(self.received, device)
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.received
-        # int32 is supported by NCCL reductions, unlike bool.
-        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of ``value`` over every rank of the job (all of them: tensor and pipeline ranks too), the
+    same on every rank; ``value`` itself without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    # int32 is supported by NCCL reductions, unlike bool.
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def signal_name(signum: int) -> str:

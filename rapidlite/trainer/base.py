@@ -673,7 +673,8 @@ class BaseTrainer:
         reason = None
         if interval is not None and self.iteration % interval == 0:
             reason = f"--exit-interval {interval}"
-        if minutes is not None and self._any_rank((time.time() - time_budget.command_start()) / 60 >= minutes):
+        late = minutes is not None and (time.time() - time_budget.command_start()) / 60 >= minutes
+        if minutes is not None and preemption.max_over_ranks(int(late), self.engine.device):
             reason = reason or f"--exit-duration-in-mins {minutes:g}"
         if reason is None:
             return False
@@ -692,16 +693,6 @@ class BaseTrainer:
             self.plot_curves()
         self._stop_signals.restore()
         return True
-
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank of the job (all of them: tensor and pipeline ranks too)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.engine.device)  # NCCL reduces int32
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
 
     def stop_if_signalled(self) -> None:
         """Called by the loops after each optimizer step. When SIGTERM or SIGUSR1 reached any rank, every rank
