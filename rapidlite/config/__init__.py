@@ -1,0 +1,1 @@
+"""The config layer: flag declarations as typed fields, the resolved sections, and the task registry."""
