@@ -61,7 +61,11 @@ setup(
             "rouge_score>=0.1.2",
             "nltk>=3.8",
             "sacrebleu>=2.3",
+            # tests/test_docs.py builds the documentation site with mkdocs build --strict
+            "mkdocs-material>=9.5",
         ],
+        # the documentation site: mkdocs serve / mkdocs build (mkdocs.yml, docs/)
+        "docs": ["mkdocs-material>=9.5"],
         "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1"],
         "deepspeed": ["deepspeed>=0.14"],
