@@ -1,6 +1,6 @@
 """The CPU image: docker/test-image.sh builds it and runs rapidlite --help, rapidlite env, a 2-process pretraining
 run, the fine-tuning demo and a DeepSpeed run inside it. Needs a Docker daemon (skipped without one); the build's
-settings (base image, local torch wheels, CA certificates) come from the environment, see docs/guides/docker.md."""
+settings (base image, local torch wheels, CA certificates) come from the environment, see docker/README.md."""
 
 import shutil
 import subprocess
