@@ -53,7 +53,11 @@ def _value(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
+    """The value without the flag. A plain switch is off until given, even one that stores False into its
+    destination (``--no-x``); a ``--x/--no-x`` pair shows its destination's default (blank: decided per run)."""
     default = action.default
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        return "off"
     if action.nargs == 0 and isinstance(default, bool):
         return "on" if default else "off"
     if default is None or default == argparse.SUPPRESS:
