@@ -60,7 +60,8 @@ def blocks(path: Path) -> list[Block]:
         if not opening:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(opening.group(1)))
+        # An unclosed fence runs to the end of the file, as Markdown renders it.
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith(opening.group(1))), len(lines))
         above = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         mark = MARK.match(above)
         found.append(
