@@ -89,8 +89,8 @@ class RapidliteEngine:
         self.extra_args_provider = extra_args_provider  # the script's own flags, for the config a checkpoint keeps
         self.timers = Timers()
         set_global_args(args, self.timers)
-        self.data_parallel = DataParallelConfig.from_args(args)
-        self.lora = lora.LoraSettings.from_args(args)
+        self.data_parallel = DataParallelConfig.of(args.sections.parallel)
+        self.lora = args.sections.lora
         owned = not distributed.dist.is_initialized()
         launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
         self.dist = distributed.init_distributed(
@@ -226,7 +226,7 @@ class RapidliteEngine:
         total = total_iters or self.args.train_iters
         if lr_scheduler_fn is None and total is None:
             raise ConfigError("the learning-rate schedule needs the run length: pass --train-iters")
-        return build_lr_scheduler(optimizer, self.args, total, lr_scheduler_fn)
+        return build_lr_scheduler(optimizer, self.args.sections.optim, total, lr_scheduler_fn)
 
     def _compose_result(self, model, optimizer, scheduler, train_dataloader, eval_dataloader) -> tuple:
         out = [model, optimizer, scheduler]

@@ -297,7 +297,7 @@ def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    return select(StrategyContext(args, ctx, DataParallelConfig.from_args(args), precision, quiet))
+    return select(StrategyContext(args, ctx, DataParallelConfig.of(args.sections.parallel), precision, quiet))
 
 
 def _optimizer_bytes_per_element(args: Any) -> int:
@@ -345,7 +345,7 @@ def plan(args: Any) -> Plan:
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     precision, _ = resolve_precision(args.precision, device)
-    settings = lora.LoraSettings.from_args(args)
+    settings = args.sections.lora
     notes: list[str] = []
 
     # Activations: one meta forward of the whole model, in the compute dtype.
@@ -409,7 +409,7 @@ def _quantisable(module: torch.nn.Module, settings: Any) -> list[torch.nn.Linear
     """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
     from rapidlite.models.lora import SKIP_ON_LOAD, split_names
 
-    keep = {*SKIP_ON_LOAD, *split_names(settings.modules_to_save)}
+    keep = {*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)}
     return [
         m
         for name, m in module.named_modules()
@@ -432,7 +432,7 @@ def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
         n = m.weight.numel()
         if settings.load_in_4bit:
             blocks = math.ceil(n / 64)
-            scales = blocks + 4 * math.ceil(blocks / 256) if settings.double_quant else 4 * blocks
+            scales = blocks + 4 * math.ceil(blocks / 256) if settings.bnb_4bit_use_double_quant else 4 * blocks
             total += math.ceil(n / 2) + scales
         else:
             total += n + 4 * m.out_features
@@ -516,7 +516,7 @@ def _rank_plan(
     from rapidlite.models.spec import find_blocks
     from rapidlite.parallel.data_parallel import DataParallelConfig
 
-    dp_cfg = DataParallelConfig.from_args(args)
+    dp_cfg = DataParallelConfig.of(args.sections.parallel)
     zero, dp = dp_cfg.zero_stage, dims.dp
     params = list(module.parameters())
     param_bytes = sum(_bytes(p) for p in params)

@@ -18,12 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidlite import megatron_flags
+from rapidlite.config.sections import LR_DECAY_STYLES, Sections
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
 from rapidlite.tracking import check_wandb_flags
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 class FrozenConfigError(ConfigError, AttributeError):
@@ -31,18 +30,17 @@ class FrozenConfigError(ConfigError, AttributeError):
 
 
 class RunConfig(argparse.Namespace):
-    """The run's settings after ``resolve``: every flag by its name (a user script's own flags from
-    ``extra_args_provider`` too) and the derived values; frozen.
+    """The run's settings after ``resolve``, frozen: the typed sections (``config.sections.optim``, ...) that
+    the code below the command line receives, and the flat view by flag name.
 
-    A frozen ``argparse.Namespace`` rather than a tree of dataclasses, because every reader reads it by flag
-    name: library code, Megatron- and Rapidformer-style user scripts (``get_args().micro_batch_size``,
-    ``getattr(args, "foo", default)``, ``vars(args)``), and flags that only the user's script declares, which
-    no dataclass of ours could list. Components that want typed fields take a grouped view built from it
-    (``OptimizerConfig.from_args``, ``DataParallelConfig.from_args``). The freeze covers the attributes; the
-    values themselves are the parser's (``data_path`` stays a list, as argparse gives it).
+    The flat view (``config.micro_batch_size``, ``vars(config)``) is what ``get_args()`` returns: Megatron- and
+    Rapidformer-style user scripts read it, with the flags only their script declares
+    (``extra_args_provider``), which no section of ours could list. Library code takes a section instead.
+    Both are built once from the same values; the freeze covers the attributes (``data_path`` stays a list, as
+    argparse gives it).
     """
 
-    __slots__ = ("_notices", "_deepspeed_notices")
+    __slots__ = ("_notices", "_deepspeed_notices", "_sections")
 
     def __init__(
         self, values: Mapping[str, Any], notices: Sequence[str] = (), deepspeed_notices: Sequence[str] = ()
@@ -50,6 +48,16 @@ class RunConfig(argparse.Namespace):
         self.__dict__.update(values)
         object.__setattr__(self, "_notices", tuple(notices))
         object.__setattr__(self, "_deepspeed_notices", tuple(deepspeed_notices))
+        object.__setattr__(self, "_sections", Sections.of(values))
+
+    @property
+    def sections(self) -> Sections:
+        """The settings as typed sections, one per part of the system (``rapidlite.config.sections``)."""
+        return self._sections
+
+    def given(self, dest: str) -> bool:
+        """Whether the command line (or a ``--config`` file) gave ``dest``'s flag rather than a default."""
+        return given_flag(self, dest)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenConfigError(

@@ -34,17 +34,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rapidlite.config.sections import TOKENIZER_TYPES
 from rapidlite.errors import ConfigError, DataError
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-)
 EOD_TOKEN = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 

@@ -11,7 +11,7 @@ import torch
 
 from rapidlite import checkpoint as ckpt
 from rapidlite.models import lora
-from rapidlite.optim import OptimizerConfig, build_optimizer
+from rapidlite.optim import build_optimizer
 from rapidlite.parallel import deepspeed_backend
 from rapidlite.strategies.base import Strategy
 
@@ -72,7 +72,7 @@ class DeepSpeed(Strategy):
             self._weights_loaded = True
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
-        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
+        optimizer = optimizer or build_optimizer(model, args.sections.optim, allow_apex=False)
         config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
         self.logger.info(f"starting {dp.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)

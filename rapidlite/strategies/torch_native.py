@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rapidlite import distributed
-from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, StepHooks, build_optimizer
+from rapidlite.optim import RapidliteOptimizer, StepHooks, build_optimizer
 from rapidlite.parallel.data_parallel import apply_data_parallel, gradient_averager, model_state_bytes
 from rapidlite.precision import LossScaler
 from rapidlite.strategies.base import Strategy, refuse_foreign_optimizer
@@ -60,8 +60,8 @@ class DataParallel(Strategy):
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
         args = self.args
         zero1_group = self.dist.dp_group if self.dist.initialized and self.data_parallel.zero_stage == 1 else None
-        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), zero1_group)
-        scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
+        optimizer = optimizer or build_optimizer(model, args.sections.optim, zero1_group)
+        scaler = LossScaler.of(args.sections.precision) if self.precision.name == "fp16" else None
         hooks, warn = self.step_hooks(), self.ctx.is_main_process
         return RapidliteOptimizer(optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, hooks=hooks, warn=warn)
 
