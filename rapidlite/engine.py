@@ -84,7 +84,8 @@ class RapidliteEngine:
             if argv is None:
                 from rapidlite.launcher import launch_script_or_join
 
-                launch_script_or_join(args)  # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
+                # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
+                launch_script_or_join(args.sections.parallel)
         self.args = args
         self.extra_args_provider = extra_args_provider  # the script's own flags, for the config a checkpoint keeps
         self.timers = Timers()
@@ -94,7 +95,7 @@ class RapidliteEngine:
         owned = not distributed.dist.is_initialized()
         launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
         self.dist = distributed.init_distributed(
-            args, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
+            args.sections.parallel, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
         )
         if owned and self.dist.initialized:
             # A launched worker ends through the clean teardown (see distributed.shutdown; failures reach it
@@ -136,7 +137,7 @@ class RapidliteEngine:
     def strategy(self) -> Strategy:
         """The backend that trains the model (``str()`` of it names it: "DDP", "ZeRO-3 (FSDP2) + CPU offload",
         "... x pipeline parallel 2 (1f1b)", ...), chosen from the flags and the topology."""
-        context = StrategyContext(self.args, self.dist, self.data_parallel, self.precision, self.logger)
+        context = StrategyContext(self.args.sections, self.dist, self.data_parallel, self.precision, self.logger)
         return strategies.select(context)
 
     # ------------------------------------------------------------------ compose

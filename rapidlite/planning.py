@@ -85,12 +85,12 @@ def meta_model(args: Any) -> torch.nn.Module:
                 "--dry-run builds the model from its config: give --pretrained-model-name-or-path (a hub name or "
                 "a local model directory)"
             )
-        from rapidlite.data.tokenizers import tokenizer_from_args
+        from rapidlite.data.tokenizers import tokenizer_of
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        vocab_size = tokenizer_from_args(args).vocab_size
+        vocab_size = tokenizer_of(args.sections).vocab_size
         with torch.device("meta"):
-            return GPTModel(GPTConfig.from_args(args, vocab_size))
+            return GPTModel(GPTConfig.of(args.sections, vocab_size))
     from transformers import AutoConfig
 
     from rapidlite.tasks.pretraining import _override_sizes
@@ -297,7 +297,7 @@ def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    return select(StrategyContext(args, ctx, DataParallelConfig.of(args.sections.parallel), precision, quiet))
+    return select(StrategyContext(args.sections, ctx, DataParallelConfig.of(args.sections.parallel), precision, quiet))
 
 
 def _optimizer_bytes_per_element(args: Any) -> int:
@@ -341,7 +341,7 @@ def plan(args: Any) -> Plan:
     from rapidlite.precision import resolve_precision
     from rapidlite.resolve import target_world_size
 
-    world_size = target_world_size(args)
+    world_size = target_world_size(args.sections.parallel)
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     precision, _ = resolve_precision(args.precision, device)
@@ -611,7 +611,7 @@ def format_plan(p: Plan) -> str:
 
     a = p.args
     dims = ParallelDims(p.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
-    nodes = num_nodes(a)
+    nodes = num_nodes(a.sections.parallel)
     checkpointing = (
         f"{a.recompute_granularity}"
         + (f", first {a.recompute_num_layers} blocks" if a.recompute_num_layers else ", every block")

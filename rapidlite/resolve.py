@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidlite import megatron_flags
-from rapidlite.config.sections import LR_DECAY_STYLES, Sections
+from rapidlite.config.sections import LR_DECAY_STYLES, ParallelConfig, Sections
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
@@ -88,17 +88,22 @@ def _default_nproc_per_node() -> int:
     return max(torch.cuda.device_count(), 1)
 
 
-def num_nodes(args: Any) -> int:
-    return args.nnodes or launch_int("NNODES", 1)
+def num_nodes(cfg: ParallelConfig) -> int:
+    return cfg.nnodes or launch_int("NNODES", 1)
 
 
-def nproc_per_node(args: Any) -> int:
-    return args.nproc_per_node or _default_nproc_per_node()
+def nproc_per_node(cfg: ParallelConfig) -> int:
+    return cfg.nproc_per_node or _default_nproc_per_node()
 
 
-def target_world_size(args: Any) -> int:
+def target_world_size(cfg: ParallelConfig) -> int:
     """Processes of the whole job: the launcher's WORLD_SIZE inside a worker, else nodes x processes."""
-    return env_int("WORLD_SIZE", 0) or num_nodes(args) * nproc_per_node(args)
+    return env_int("WORLD_SIZE", 0) or num_nodes(cfg) * nproc_per_node(cfg)
+
+
+def _section(args: argparse.Namespace, name: str) -> Any:
+    """One section of the flags being resolved (for the rules that live with a section's reader)."""
+    return getattr(Sections.of(vars(args)), name)
 
 
 def given_flag(args: Any, dest: str) -> bool:
@@ -295,7 +300,7 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
-    check_wandb_flags(args)
+    check_wandb_flags(_section(args, "logging"))
 
 
 def _check_lora(args: argparse.Namespace) -> None:
@@ -615,7 +620,7 @@ def _check_data_parallel(args: argparse.Namespace) -> None:
             "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
             "there); drop the flag under --deepspeed"
         )
-    nnodes = num_nodes(args)
+    nnodes = num_nodes(_section(args, "parallel"))
     if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or launch_value("MASTER_ADDR")):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
@@ -708,7 +713,7 @@ def _resolve_deepspeed(args: argparse.Namespace) -> list[str]:
 
 def _resolve_batch(args: argparse.Namespace) -> None:
     """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
-    world = target_world_size(args)
+    world = target_world_size(_section(args, "parallel"))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world % model_parallel:
         raise ConfigError(
