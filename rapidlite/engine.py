@@ -115,7 +115,7 @@ class RapidliteEngine:
         self.logger = setup_logger(self.rank, log_file)
         self.precision, precision_notice = resolve_precision(args.precision, self.device)
         if self.is_main_process:
-            notices = [*getattr(args, "notices", ()), *(getattr(args, "deepspeed_notices", None) or ())]
+            notices = [*args.notices, *args.deepspeed_notices]
             for notice in [*notices, precision_notice]:
                 if notice:
                     self.logger.warning(notice)

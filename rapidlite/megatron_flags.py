@@ -111,8 +111,8 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
                 "with --split"
             )
     # An iteration count an embedded demo filled in gives way to the samples asked for.
-    given = args.explicit_flags if getattr(args, "explicit_flags", None) is not None else frozenset(vars(args))
-    demo_values = getattr(args, "demo_defaults", frozenset())
+    given = args.explicit_flags if args.explicit_flags is not None else frozenset(vars(args))
+    demo_values = args.demo_defaults
     for samples, iters in (("train_samples", "train_iters"), ("lr_decay_samples", "lr_decay_iters")):
         if getattr(args, samples) is not None and getattr(args, iters) is not None:
             if iters in given and iters not in demo_values:

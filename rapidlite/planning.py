@@ -444,13 +444,12 @@ def sequence_length(args: Any, config: Any = None) -> int:
     given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
     lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
     from rapidlite.models.hf import position_limit
-    from rapidlite.resolve import given_flag
 
     limit = position_limit(config) if config is not None else None
     if args.seq_length:
         if limit is None or args.seq_length <= limit or args.task == "pretraining":
             return args.seq_length
-        if not given_flag(args, "seq_length"):  # a task's default: lowered to the table, as the task lowers it
+        if not args.given("seq_length"):  # a task's default: lowered to the table, as the task lowers it
             return limit
         raise ConfigError(
             f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "

@@ -57,7 +57,7 @@ class RunConfig(argparse.Namespace):
 
     def given(self, dest: str) -> bool:
         """Whether the command line (or a ``--config`` file) gave ``dest``'s flag rather than a default."""
-        return given_flag(self, dest)
+        return self._sections.given(dest)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenConfigError(
@@ -106,13 +106,6 @@ def _section(args: argparse.Namespace, name: str) -> Any:
     return getattr(Sections.of(vars(args)), name)
 
 
-def given_flag(args: Any, dest: str) -> bool:
-    """Whether the command line (or a ``--config`` file) gave ``dest``'s flag, rather than a default; settings
-    built by hand keep no record, and every flag counts as given there."""
-    given = getattr(args, "explicit_flags", None)
-    return given is None or dest in given
-
-
 def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConfig:
     """Check the parsed flags and derive every value, in one place; ``namespace`` is left as it was.
 
@@ -120,8 +113,6 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     ``--user-script`` (a user script's own ``RapidliteEngine()`` does not).
     """
     args = argparse.Namespace(**vars(namespace))  # the scratch copy the steps below fill in, in order
-    if not hasattr(args, "explicit_flags"):
-        args.explicit_flags = None  # built by hand: every flag counts as given
     notices: list[str] = []
     if require_task and args.task is None and args.user_script is None:
         raise ConfigError(f"no task given: pass --task {{{','.join(task_names())}}} or --user-script PATH")
@@ -132,7 +123,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
             raise ConfigError(f"--user-script {args.user_script}: is a directory; pass the script's .py file")
         if not os.path.isfile(args.user_script):
             raise ConfigError(f"--user-script {args.user_script}: file not found")
-    model = getattr(args, "pretrained_model_name_or_path", None)
+    model = args.pretrained_model_name_or_path
     if model and os.path.isfile(model):  # transformers would read it as a vocabulary file, or fail deep inside
         folder = os.path.dirname(model) or "."
         raise ConfigError(
@@ -161,7 +152,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += _resolve_load(args)
     _check_save_dir(args, given_load)
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     _check_lora(args)
     if task is not None:
@@ -186,7 +177,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
         return namespace
     demo = task.demo_run()
     args = argparse.Namespace(**vars(namespace))
-    given = getattr(args, "explicit_flags", None)
+    given = args.explicit_flags
     for dest, value in demo.defaults.items():
         if given is None or dest not in given:
             setattr(args, dest, value)
@@ -257,7 +248,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    budget = getattr(args, "time_budget", None)
+    budget = args.time_budget
     if budget is not None and not budget > 0:
         raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
     for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):

@@ -84,7 +84,7 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> tuple[dict[str, Any]
     only read; ``deepspeed_accumulation`` is the file's accumulation when no batch size decides it), and the
     notices of the file's values the command line overrides."""
     path = args.deepspeed_config
-    explicit = getattr(args, "explicit_flags", None)  # None (args built by hand): every flag counts as given
+    explicit = args.explicit_flags  # None (args built by hand): every flag counts as given
 
     def given(*dests: str) -> bool:
         return explicit is None or any(d in explicit for d in dests)
