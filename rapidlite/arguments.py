@@ -118,7 +118,7 @@ def _parse_known(
             # append/count/extend (a script's own flags) build on the value in place: they start from the default
             setattr(probe, action.dest, parser.get_default(action.dest))
     namespace, unknown = parser.parse_known_args(argv, probe)
-    explicit = frozenset(a.dest for a in actions if getattr(namespace, a.dest) is not _UNSET)
+    explicit = frozenset(dest for dest, value in vars(namespace).items() if value is not _UNSET)
     for action in actions:
         if getattr(namespace, action.dest) is _UNSET:
             default = parser.get_default(action.dest)

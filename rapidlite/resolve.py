@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidlite import megatron_flags
-from rapidlite.config.sections import LR_DECAY_STYLES, ParallelConfig, Sections
+from rapidlite.config.fields import derived_defaults
+from rapidlite.config.sections import LR_DECAY_STYLES, SECTIONS, ParallelConfig, Sections
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
@@ -112,7 +113,8 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     Raises ``ConfigError`` (one line) on any contradiction. ``require_task``: the command needs ``--task`` or
     ``--user-script`` (a user script's own ``RapidliteEngine()`` does not).
     """
-    args = argparse.Namespace(**vars(namespace))  # the scratch copy the steps below fill in, in order
+    # The scratch copy the steps below fill in, in order, starting from every derived field's default.
+    args = argparse.Namespace(**{**derived_defaults(SECTIONS), **vars(namespace)})
     notices: list[str] = []
     if require_task and args.task is None and args.user_script is None:
         raise ConfigError(f"no task given: pass --task {{{','.join(task_names())}}} or --user-script PATH")

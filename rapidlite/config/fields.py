@@ -114,8 +114,9 @@ def add_flags(
     # Group by group (a stable sort keeps each section's order), so the usage line reads as --help does.
     for title, f, spec, annotation in sorted(declared, key=lambda row: order.index(row[0])):
         made[title].add_argument(option(f.name), *spec.aliases, **argparse_kwargs(f, spec, annotation))
-    # The derived values start at their defaults too, so every parsed namespace holds every field.
-    parser.set_defaults(
-        **{f.name: f.default for section in sections for f in dataclasses.fields(section) if "derived" in f.metadata}
-    )
     return made
+
+
+def derived_defaults(sections: tuple[type, ...]) -> dict[str, Any]:
+    """The derived fields at their defaults: where ``resolve`` starts from before it derives them."""
+    return {f.name: f.default for section in sections for f in dataclasses.fields(section) if "derived" in f.metadata}
