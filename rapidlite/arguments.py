@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from rapidlite import config_file
 from rapidlite.config import sections
 from rapidlite.config.fields import add_flags
+from rapidlite.config.settings import SECTIONS
 from rapidlite.errors import ConfigError
 from rapidlite.megatron_flags import MEGATRON_DESCRIPTION, add_megatron_args
 from rapidlite.resolve import RunConfig, resolve
@@ -57,7 +58,7 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         metavar="FILE",
         help="flags from a YAML or JSON file (keys are flag names: 'micro-batch-size: 8'); the command line wins",
     )
-    groups = add_flags(p, sections.SECTIONS, GROUPS)
+    groups = add_flags(p, SECTIONS, GROUPS)
     add_megatron_args(groups[sections.MEGATRON])
     if extra_args_provider is not None:
         try:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rapidlite.config.sections import ParallelConfig
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError, RapidliteError
 

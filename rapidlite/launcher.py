@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from rapidlite.config.sections import ParallelConfig
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
 from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.config.sections import PrecisionConfig
+from rapidlite.config.runtime import PrecisionConfig
 
 
 @dataclass(frozen=True)

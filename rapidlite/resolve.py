@@ -19,7 +19,9 @@ from typing import Any
 
 from rapidlite import megatron_flags
 from rapidlite.config.fields import derived_defaults
-from rapidlite.config.sections import LR_DECAY_STYLES, SECTIONS, ParallelConfig, Sections
+from rapidlite.config.runtime import ParallelConfig
+from rapidlite.config.sections import LR_DECAY_STYLES
+from rapidlite.config.settings import SECTIONS, Sections
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names

@@ -13,7 +13,7 @@ import importlib.util
 import math
 from typing import Any
 
-from rapidlite.config.sections import LoggingConfig
+from rapidlite.config.runtime import LoggingConfig
 from rapidlite.errors import ConfigError
 
 INSTALL = "pip install 'rapidlite[wandb]'"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from helpers import MLP, engine
 from rapidlite import strategies
-from rapidlite.config.sections import Sections
+from rapidlite.config.settings import Sections
 from rapidlite.distributed import DistributedContext, ParallelDims
 from rapidlite.optim import RapidliteOptimizer, StepHooks
 from rapidlite.parallel.data_parallel import DataParallelConfig

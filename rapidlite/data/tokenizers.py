@@ -34,7 +34,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rapidlite.config.sections import TOKENIZER_TYPES, Sections
+from rapidlite.config.sections import TOKENIZER_TYPES
+from rapidlite.config.settings import Sections
 from rapidlite.errors import ConfigError, DataError
 
 EOD_TOKEN = "<|endoftext|>"

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rapidlite.config.sections import ParallelConfig
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.entry import run_command
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.data import TASK_FIELDS, load_eval_data

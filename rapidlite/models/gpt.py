@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidlite.apex_kernels import nvidia_apex
-from rapidlite.config.sections import Sections
+from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.losses import maybe_loss_parallel
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.config.sections import ParallelConfig
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.models.spec import find_blocks
 
 

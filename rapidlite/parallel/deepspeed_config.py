@@ -30,7 +30,7 @@ import math
 import os
 from typing import Any
 
-from rapidlite.config.sections import Sections
+from rapidlite.config.settings import Sections
 from rapidlite.errors import ConfigError
 
 AUTO = "auto"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
-from rapidlite.config.sections import Sections
+from rapidlite.config.settings import Sections
 from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError
 from rapidlite.losses import unpack_loss
