@@ -316,6 +316,7 @@ def weight_bytes(w: LoraWorkload) -> dict[str, int]:
     """Bytes of the base model's state dict in each storage (tied tensors counted once), without training."""
     import torch
 
+    from rapidlite.config.sections import LoraConfig
     from rapidlite.models import lora
 
     def size(model) -> int:
@@ -328,9 +329,9 @@ def weight_bytes(w: LoraWorkload) -> dict[str, int]:
 
     out = {"fp32": size(build_model(w)), "bf16": size(build_model(w, torch.bfloat16))}
     for name, settings in (
-        ("nf4", lora.LoraSettings(rank=w.rank, load_in_4bit=True)),
-        ("nf4 double quant", lora.LoraSettings(rank=w.rank, load_in_4bit=True, double_quant=True)),
-        ("int8", lora.LoraSettings(rank=w.rank, load_in_8bit=True)),
+        ("nf4", LoraConfig(lora_rank=w.rank, load_in_4bit=True)),
+        ("nf4 double quant", LoraConfig(lora_rank=w.rank, load_in_4bit=True, bnb_4bit_use_double_quant=True)),
+        ("int8", LoraConfig(lora_rank=w.rank, load_in_8bit=True)),
     ):
         model = build_model(w, torch.bfloat16)
         lora.quantize(model, settings, torch.bfloat16, torch.device("cpu"))

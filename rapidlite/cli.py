@@ -49,7 +49,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
         return dry_run(config)
-    code = launch_or_join(config, "rapidlite", argv, module=True)
+    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
     if code is not None:
         return code
 
@@ -98,7 +98,7 @@ def _run(argv: list[str]) -> int:
     config = resolve(namespace, require_task=False)
     if config.dry_run:
         return dry_run(config)
-    code = launch_or_join(config, "rapidlite", argv, module=True)
+    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
     return code if code is not None else run_user_script(script, argv)
 
 

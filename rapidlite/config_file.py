@@ -216,8 +216,8 @@ def saved_flags(args: Any, parser: argparse.ArgumentParser) -> dict[str, Any]:
     (``explicit_flags``: on the command line or in a config file) and every other one that differs from its
     default (a task's defaults, the global batch the number of processes gave), except ``PER_LAUNCH`` and
     ``DERIVED``."""
-    given = getattr(args, "explicit_flags", None)
-    weights_from_load = bool(getattr(args, "finetune", False) or getattr(args, "load_is_pretrained_model", False))
+    given = args.explicit_flags
+    weights_from_load = args.finetune or args.load_is_pretrained_model
     flags: dict[str, Any] = {}
     for action in parser._actions:
         longs = [opt for opt in action.option_strings if opt.startswith("--")]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError, RapidliteError
 
@@ -186,7 +187,7 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dict[s
     return {"store": dist.PrefixStore(f"rapidlite/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def init_distributed(args: Any, need_process_group: bool = False) -> DistributedContext:
+def init_distributed(cfg: ParallelConfig, need_process_group: bool = False) -> DistributedContext:
     """Join the process group the launcher described (or none for a single process that needs none).
 
     ``need_process_group`` starts a one-process group when sharding is asked for on a single process,
@@ -194,16 +195,16 @@ def init_distributed(args: Any, need_process_group: bool = False) -> Distributed
     """
     world = launched_world_size() or 1
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
-    dims = ParallelDims(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    dims = ParallelDims(world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
     device = pick_device(local_rank)
     ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world, dims=dims, device=device)
     if world == 1 and not need_process_group:
         return ctx
     if not dist.is_initialized():
-        backend = args.distributed_backend or default_backend(device)
+        backend = cfg.distributed_backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)
         if launched_world_size():
             rendezvous = _attempt_store(rank, world, timeout)  # env:// as the launcher set it up
         else:

@@ -84,17 +84,19 @@ class RapidliteEngine:
             if argv is None:
                 from rapidlite.launcher import launch_script_or_join
 
-                launch_script_or_join(args)  # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
-        self.args = args
+                # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
+                launch_script_or_join(args.sections.parallel)
+        self.args = args  # the flat view user scripts read (get_args()); the library reads self.settings
+        self.settings = settings = args.sections
         self.extra_args_provider = extra_args_provider  # the script's own flags, for the config a checkpoint keeps
         self.timers = Timers()
         set_global_args(args, self.timers)
-        self.data_parallel = DataParallelConfig.from_args(args)
-        self.lora = lora.LoraSettings.from_args(args)
+        self.data_parallel = DataParallelConfig.of(settings.parallel)
+        self.lora = settings.lora
         owned = not distributed.dist.is_initialized()
         launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
         self.dist = distributed.init_distributed(
-            args, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
+            settings.parallel, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
         )
         if owned and self.dist.initialized:
             # A launched worker ends through the clean teardown (see distributed.shutdown; failures reach it
@@ -110,23 +112,24 @@ class RapidliteEngine:
         self.dp_rank, self.dp_size = self.dist.dp_rank, self.dist.dp_size
         self.is_main_process = self.dist.is_main_process
         self.device = self.dist.device
-        log_file = os.path.join(args.save, "logs", f"rank{self.rank}.log") if args.per_rank_logs else None
+        save = settings.checkpoint.save
+        log_file = os.path.join(save, "logs", f"rank{self.rank}.log") if settings.logging.per_rank_logs else None
         self.logger = setup_logger(self.rank, log_file)
-        self.precision, precision_notice = resolve_precision(args.precision, self.device)
+        self.precision, precision_notice = resolve_precision(settings.precision.precision, self.device)
         if self.is_main_process:
-            notices = [*getattr(args, "notices", ()), *(getattr(args, "deepspeed_notices", None) or ())]
+            notices = [*args.notices, *args.deepspeed_notices]
             for notice in [*notices, precision_notice]:
                 if notice:
                     self.logger.warning(notice)
-        set_seed(args.seed)
+        set_seed(settings.training.seed)
         self._optimizer: Any = None
         self._composed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._gather_trim = GatherTrim()
         self.model_flops: ModelFlops | None = None  # set by compose, for the TFLOP/s and MFU in the logs
-        self.tf32 = set_tf32(args.tf32, self.device)
+        self.tf32 = set_tf32(settings.precision.tf32, self.device)
         if self.tf32 is not None and self.is_main_process:
             self.logger.info(f"TF32 matrix multiplies: {'on' if self.tf32 else 'off'} (--tf32/--no-tf32)")
-        self.peak_flops = args.peak_flops or device_peak_flops(self.device, self.precision.dtype, self.tf32)
+        self.peak_flops = settings.logging.peak_flops or device_peak_flops(self.device, self.precision.dtype, self.tf32)
 
     @property
     def _main_logger(self) -> Any:
@@ -136,7 +139,7 @@ class RapidliteEngine:
     def strategy(self) -> Strategy:
         """The backend that trains the model (``str()`` of it names it: "DDP", "ZeRO-3 (FSDP2) + CPU offload",
         "... x pipeline parallel 2 (1f1b)", ...), chosen from the flags and the topology."""
-        context = StrategyContext(self.args, self.dist, self.data_parallel, self.precision, self.logger)
+        context = StrategyContext(self.settings, self.dist, self.data_parallel, self.precision, self.logger)
         return strategies.select(context)
 
     # ------------------------------------------------------------------ compose
@@ -182,7 +185,7 @@ class RapidliteEngine:
         """One line saying what compose applied, so nothing it does to a user's own objects goes unseen."""
         if not self.is_main_process:
             return
-        args, precision = self.args, self.precision.name
+        s, precision = self.settings, self.precision.name
         if precision == "fp16":
             scaler = optimizer.loss_scaler
             kind = "dynamic" if scaler is None or scaler.dynamic else "static"
@@ -198,13 +201,13 @@ class RapidliteEngine:
             f"precision {precision}{' autocast' if precision != 'fp32' else ''}{scale}",
             f"optimizer {'yours: ' if users_optimizer else ''}{name}{'' if users_optimizer else ' from the flags'}",
             f"gradient clipping at norm {clip:g} (--clip-grad; 0 turns it off)" if clip > 0 else "no gradient clipping",
-            "LR schedule yours" if users_scheduler else f"LR schedule {args.lr_decay_style} from the flags",
-            f"global batch {args.global_batch_size} = micro {args.micro_batch_size} x accumulation "
-            f"{args.gradient_accumulation_steps} x data-parallel {args.data_parallel_size}",
+            "LR schedule yours" if users_scheduler else f"LR schedule {s.optim.lr_decay_style} from the flags",
+            f"global batch {s.training.global_batch_size} = micro {s.training.micro_batch_size} x accumulation "
+            f"{s.training.gradient_accumulation_steps} x data-parallel {s.parallel.data_parallel_size}",
         ]
-        if args.checkpoint_activations:
-            parts.append(f"activation checkpointing ({args.recompute_granularity})")
-        if args.torch_compile:
+        if s.model.checkpoint_activations:
+            parts.append(f"activation checkpointing ({s.model.recompute_granularity})")
+        if s.model.torch_compile:
             parts.append("torch.compile")
         self.logger.info("compose: " + " | ".join(parts))
 
@@ -223,10 +226,10 @@ class RapidliteEngine:
     def _scheduler(self, optimizer: torch.optim.Optimizer, lr_scheduler_fn: Any, total_iters: int | None) -> Any:
         if lr_scheduler_fn is not None and hasattr(lr_scheduler_fn, "step"):
             return lr_scheduler_fn
-        total = total_iters or self.args.train_iters
+        total = total_iters or self.settings.training.train_iters
         if lr_scheduler_fn is None and total is None:
             raise ConfigError("the learning-rate schedule needs the run length: pass --train-iters")
-        return build_lr_scheduler(optimizer, self.args, total, lr_scheduler_fn)
+        return build_lr_scheduler(optimizer, self.settings.optim, total, lr_scheduler_fn)
 
     def _compose_result(self, model, optimizer, scheduler, train_dataloader, eval_dataloader) -> tuple:
         out = [model, optimizer, scheduler]
@@ -278,20 +281,21 @@ class RapidliteEngine:
         ranks stay in step; evaluation loaders keep the order and pad only the last batches (see gather).
         ``lengths`` (tokens per sample): the training shuffle is grouped by length, megabatches of global
         batches (``--group-by-length``)."""
+        run = self.settings.training
         return build_data_loader(
             dataset,
-            micro_batch_size or self.args.micro_batch_size,
+            micro_batch_size or run.micro_batch_size,
             self.device,
             shuffle=shuffle,
             collate_fn=collate_fn,
-            seed=self.args.seed,
+            seed=run.seed,
             rank=self.dp_rank,
             world_size=self.dp_size,
-            num_workers=self.args.num_workers,
+            num_workers=self.settings.data.num_workers,
             pad=pad,
             gather_trim=self._gather_trim,
             lengths=lengths,
-            group_size=self.args.global_batch_size,
+            group_size=run.global_batch_size,
         )
 
 

@@ -57,7 +57,7 @@ def get_tokenizer():
     ``--pretrained-model-name-or-path``), built once: Megatron's ``get_tokenizer()``."""
     global _TOKENIZER
     if _TOKENIZER is None:
-        from rapidlite.data.tokenizers import tokenizer_from_args
+        from rapidlite.data.tokenizers import tokenizer_of
 
-        _TOKENIZER = tokenizer_from_args(get_args())
+        _TOKENIZER = tokenizer_of(get_args().sections)
     return _TOKENIZER

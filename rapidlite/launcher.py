@@ -29,30 +29,31 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
 from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size
 
 
-def needs_launch(args: Any) -> bool:
-    return not env_int("WORLD_SIZE", 0) and target_world_size(args) > 1
+def needs_launch(cfg: ParallelConfig) -> bool:
+    return not env_int("WORLD_SIZE", 0) and target_world_size(cfg) > 1
 
 
-def torchrun_args(args: Any) -> list[str]:
-    nnodes = num_nodes(args)
+def torchrun_args(cfg: ParallelConfig) -> list[str]:
+    nnodes = num_nodes(cfg)
     out = [
-        f"--nproc-per-node={nproc_per_node(args)}",
+        f"--nproc-per-node={nproc_per_node(cfg)}",
         f"--nnodes={nnodes}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={cfg.max_restarts}",
         "--monitor-interval=0.2",  # a failed worker is noticed (and its peers stopped) within a fraction of a second
     ]
-    master_addr = args.master_addr or launch_value("MASTER_ADDR")
-    master_port = args.master_port or launch_int("MASTER_PORT", 0)
+    master_addr = cfg.master_addr or launch_value("MASTER_ADDR")
+    master_port = cfg.master_port or launch_int("MASTER_PORT", 0)
     if nnodes == 1 and not master_addr:
         # A private rendezvous on a free port of the loopback address: torchrun would give the workers this host's
         # name to connect to, which may resolve to nothing (a container without network, some laptops and nodes).
         return [*out, "--standalone", "--local-addr=127.0.0.1"]
-    node_rank = args.node_rank if args.node_rank is not None else launch_int("NODE_RANK", 0)
+    node_rank = cfg.node_rank if cfg.node_rank is not None else launch_int("NODE_RANK", 0)
     return [*out, f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port or 29500}"]
 
 
@@ -213,15 +214,15 @@ def _supervised(supervisor: _Supervisor) -> Iterator[None]:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
 
 
-def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
+def launch(cfg: ParallelConfig, entry: str, argv: list[str], module: bool) -> int:
     """Run ``entry argv`` (a module with ``module``, else a script path) as a torchrun worker group; return
     the exit code to end with. Prints the first failure as described in the module docstring; workers that
     stopped on SIGTERM/SIGUSR1 end it with ``preemption.EXIT_CODE``."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    launch_args = torchrun_args(args)
-    _threads_per_worker(nproc_per_node(args))
+    launch_args = torchrun_args(cfg)
+    _threads_per_worker(nproc_per_node(cfg))
     _quiet_agent()
     parsed = get_args_parser().parse_args([*launch_args, *(["-m"] if module else []), entry, *argv])
     parsed.signals_to_handle = AGENT_SIGNALS  # torch >= 2.7 passes this to the agent's environment
@@ -238,19 +239,19 @@ def launch(args: Any, entry: str, argv: list[str], module: bool) -> int:
     return 0
 
 
-def launch_or_join(config: Any, entry: str, argv: list[str], module: bool) -> int | None:
+def launch_or_join(cfg: ParallelConfig, entry: str, argv: list[str], module: bool) -> int | None:
     """The launch decision. None: this process runs the training (it is a launched worker, or the job is one
     process). Otherwise this process was the launcher: it ran ``entry argv`` as the workers (``launch``) and
     the result is the exit code the process must end with."""
-    if not needs_launch(config):
+    if not needs_launch(cfg):
         return None
-    return launch(config, entry, argv, module=module)
+    return launch(cfg, entry, argv, module=module)
 
 
-def launch_script_or_join(config: Any) -> None:
+def launch_script_or_join(cfg: ParallelConfig) -> None:
     """``python my_trainer.py ... --nproc-per-node N``: the script becomes the launcher of its own workers and
     this process ends here with their exit code (``sys.exit``); in a worker, or on one process, it returns and
     the script runs."""
-    code = launch_or_join(config, sys.argv[0], sys.argv[1:], module=False)
+    code = launch_or_join(cfg, sys.argv[0], sys.argv[1:], module=False)
     if code is not None:
         sys.exit(code)

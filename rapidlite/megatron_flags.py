@@ -51,50 +51,16 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def add_megatron_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "Megatron-LM compatibility",
-        "Megatron's flags a pretrain_gpt.py script carries: the ones below are translated; "
-        + ", ".join(NO_EFFECT)
-        + " are accepted and one line names them (nothing to change here)",
-    )
-    g.add_argument(
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="shard the optimizer state over the data-parallel ranks: ZeRO-1 (--zero-1-memory-optimization)",
-    )
-    g.add_argument("--train-samples", type=int, default=None, help="train for this many samples (instead of iters)")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="decay over this many samples")
-    g.add_argument("--lr-warmup-samples", type=int, default=None, help="warm up over this many samples")
-    g.add_argument(
-        "--exit-interval",
-        type=int,
-        default=None,
-        help="stop after an iteration divisible by this, saving a checkpoint (--save) to resume from",
-    )
-    g.add_argument(
-        "--exit-duration-in-mins",
-        type=float,
-        default=None,
-        help="stop after the first step that ends this many minutes after the command's start, saving a checkpoint",
-    )
-    g.add_argument(
-        "--use-rotary-position-embeddings",
-        action="store_true",
-        help="built-in GPT: --position-embedding-type rope",
-    )
-    g.add_argument(
-        "--no-position-embedding",
-        action="store_true",
-        help="built-in GPT: no learned position table (with rotary positions)",
-    )
-    g.add_argument("--rotary-base", type=float, default=None, help="built-in GPT: rotary base (default 10000)")
-    g.add_argument("--rotary-percent", type=float, default=1.0, help="built-in GPT: only 1.0 (the whole head)")
-    g.add_argument(
-        "--disable-bias-linear",
-        action="store_true",
-        help="built-in GPT: no biases in linear layers (nor in LayerNorm)",
-    )
+MEGATRON_DESCRIPTION = (
+    "Megatron's flags a pretrain_gpt.py script carries: the ones below are translated; "
+    + ", ".join(NO_EFFECT)
+    + " are accepted and one line names them (nothing to change here)"
+)
+
+
+def add_megatron_args(g: argparse._ArgumentGroup) -> None:
+    """The Megatron flags no settings section declares: refused ones, and the ones with nothing to change here
+    (the translated ones are fields of the sections, in the same ``--help`` group)."""
     g.add_argument("--bert-no-binary-head", dest="binary_head", action="store_false", help="BERT: --no-binary-head")
     g.add_argument("--group-query-attention", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--num-query-groups", type=int, default=None, help=argparse.SUPPRESS)
@@ -145,8 +111,8 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
                 "with --split"
             )
     # An iteration count an embedded demo filled in gives way to the samples asked for.
-    given = args.explicit_flags if getattr(args, "explicit_flags", None) is not None else frozenset(vars(args))
-    demo_values = getattr(args, "demo_defaults", frozenset())
+    given = args.explicit_flags if args.explicit_flags is not None else frozenset(vars(args))
+    demo_values = args.demo_defaults
     for samples, iters in (("train_samples", "train_iters"), ("lr_decay_samples", "lr_decay_iters")):
         if getattr(args, samples) is not None and getattr(args, iters) is not None:
             if iters in given and iters not in demo_values:

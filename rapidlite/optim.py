@@ -12,32 +12,10 @@ from typing import Any
 import torch
 
 from rapidlite.apex_kernels import nvidia_apex
+from rapidlite.config.sections import OptimizerConfig
 from rapidlite.errors import ConfigError
 from rapidlite.logging import LOGGER_NAME
 from rapidlite.precision import LossScaler
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-
-    @classmethod
-    def from_args(cls, args: Any) -> OptimizerConfig:
-        return cls(
-            name=args.optimizer,
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            sgd_momentum=args.sgd_momentum,
-        )
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -124,7 +102,7 @@ def build_optimizer(
     params = [p for g in groups for p in g["params"]]
     fused = _fused_supported(params)
     kernels = {"fused": fused or None, "foreach": None if fused else True}
-    if cfg.name == "adamw":
+    if cfg.optimizer == "adamw":
         cls, defaults = torch.optim.AdamW, {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
         device_types = {p.device.type for p in params}
         device_type = device_types.pop() if len(device_types) == 1 else "mixed"
@@ -135,12 +113,12 @@ def build_optimizer(
                 return apex_cls(groups, lr=cfg.lr, **defaults, adam_w_mode=True)
             except (RuntimeError, ImportError):  # an Apex built without its CUDA extensions: torch's AdamW
                 pass
-    elif cfg.name == "sgd":
+    elif cfg.optimizer == "sgd":
         cls, defaults = torch.optim.SGD, {"momentum": cfg.sgd_momentum}
         if any(hasattr(p, "placements") for p in params):  # DTensor has no sharding rule for the fused SGD kernel
             kernels = {"fused": None, "foreach": True}
     else:
-        raise ConfigError(f"--optimizer {cfg.name}: unknown; choose adamw or sgd")
+        raise ConfigError(f"--optimizer {cfg.optimizer}: unknown; choose adamw or sgd")
     if zero1_group is not None:
         from rapidlite.parallel.data_parallel import build_zero1_optimizer
 
@@ -236,17 +214,17 @@ class LRScheduler:
         self.step(0)
 
 
-def warmup_steps_from_args(args: Any, decay_steps: int) -> int:
-    if args.lr_warmup_iters is not None:
-        return args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        return int(args.lr_warmup_fraction * decay_steps)
+def warmup_steps(cfg: OptimizerConfig, decay_steps: int) -> int:
+    if cfg.lr_warmup_iters is not None:
+        return cfg.lr_warmup_iters
+    if cfg.lr_warmup_fraction is not None:
+        return int(cfg.lr_warmup_fraction * decay_steps)
     return 0
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
-    args: Any,
+    cfg: OptimizerConfig,
     total_iters: int,
     lr_scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> Any:
@@ -254,23 +232,23 @@ def build_lr_scheduler(
     Megatron's schedule from the flags with ``--lr-decay-iters`` defaulting to the run's length."""
     if lr_scheduler_fn is not None:
         return lr_scheduler_fn(optimizer)
-    decay_steps = args.lr_decay_iters or total_iters
-    warmup_steps = warmup_steps_from_args(args, decay_steps)
-    if warmup_steps > decay_steps and args.lr_decay_style != "constant":
+    decay_steps = cfg.lr_decay_iters or total_iters
+    warmup = warmup_steps(cfg, decay_steps)
+    if warmup > decay_steps and cfg.lr_decay_style != "constant":
         # Known only now for an epoch-based run (its length comes from the data): warm up over the whole run,
         # as the Hugging Face Trainer does, and say so.
         logging.getLogger(LOGGER_NAME).warning(
-            f"--lr-warmup-iters {warmup_steps} is longer than the run's {decay_steps} iterations: warming up over "
+            f"--lr-warmup-iters {warmup} is longer than the run's {decay_steps} iterations: warming up over "
             "the whole run (the learning rate reaches --lr only at its end); lower --lr-warmup-iters"
         )
-        warmup_steps = decay_steps
+        warmup = decay_steps
     return LRScheduler(
         optimizer,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        warmup_steps=warmup_steps,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=warmup,
         decay_steps=decay_steps,
-        decay_style=args.lr_decay_style,
+        decay_style=cfg.lr_decay_style,
     )
 
 

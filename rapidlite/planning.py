@@ -85,12 +85,12 @@ def meta_model(args: Any) -> torch.nn.Module:
                 "--dry-run builds the model from its config: give --pretrained-model-name-or-path (a hub name or "
                 "a local model directory)"
             )
-        from rapidlite.data.tokenizers import tokenizer_from_args
+        from rapidlite.data.tokenizers import tokenizer_of
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        vocab_size = tokenizer_from_args(args).vocab_size
+        vocab_size = tokenizer_of(args.sections).vocab_size
         with torch.device("meta"):
-            return GPTModel(GPTConfig.from_args(args, vocab_size))
+            return GPTModel(GPTConfig.of(args.sections, vocab_size))
     from transformers import AutoConfig
 
     from rapidlite.tasks.pretraining import _override_sizes
@@ -297,7 +297,7 @@ def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    return select(StrategyContext(args, ctx, DataParallelConfig.from_args(args), precision, quiet))
+    return select(StrategyContext(args.sections, ctx, DataParallelConfig.of(args.sections.parallel), precision, quiet))
 
 
 def _optimizer_bytes_per_element(args: Any) -> int:
@@ -341,11 +341,11 @@ def plan(args: Any) -> Plan:
     from rapidlite.precision import resolve_precision
     from rapidlite.resolve import target_world_size
 
-    world_size = target_world_size(args)
+    world_size = target_world_size(args.sections.parallel)
     dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     precision, _ = resolve_precision(args.precision, device)
-    settings = lora.LoraSettings.from_args(args)
+    settings = args.sections.lora
     notes: list[str] = []
 
     # Activations: one meta forward of the whole model, in the compute dtype.
@@ -409,7 +409,7 @@ def _quantisable(module: torch.nn.Module, settings: Any) -> list[torch.nn.Linear
     """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
     from rapidlite.models.lora import SKIP_ON_LOAD, split_names
 
-    keep = {*SKIP_ON_LOAD, *split_names(settings.modules_to_save)}
+    keep = {*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)}
     return [
         m
         for name, m in module.named_modules()
@@ -432,7 +432,7 @@ def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
         n = m.weight.numel()
         if settings.load_in_4bit:
             blocks = math.ceil(n / 64)
-            scales = blocks + 4 * math.ceil(blocks / 256) if settings.double_quant else 4 * blocks
+            scales = blocks + 4 * math.ceil(blocks / 256) if settings.bnb_4bit_use_double_quant else 4 * blocks
             total += math.ceil(n / 2) + scales
         else:
             total += n + 4 * m.out_features
@@ -444,13 +444,12 @@ def sequence_length(args: Any, config: Any = None) -> int:
     given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
     lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
     from rapidlite.models.hf import position_limit
-    from rapidlite.resolve import given_flag
 
     limit = position_limit(config) if config is not None else None
     if args.seq_length:
         if limit is None or args.seq_length <= limit or args.task == "pretraining":
             return args.seq_length
-        if not given_flag(args, "seq_length"):  # a task's default: lowered to the table, as the task lowers it
+        if not args.given("seq_length"):  # a task's default: lowered to the table, as the task lowers it
             return limit
         raise ConfigError(
             f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "
@@ -516,7 +515,7 @@ def _rank_plan(
     from rapidlite.models.spec import find_blocks
     from rapidlite.parallel.data_parallel import DataParallelConfig
 
-    dp_cfg = DataParallelConfig.from_args(args)
+    dp_cfg = DataParallelConfig.of(args.sections.parallel)
     zero, dp = dp_cfg.zero_stage, dims.dp
     params = list(module.parameters())
     param_bytes = sum(_bytes(p) for p in params)
@@ -611,7 +610,7 @@ def format_plan(p: Plan) -> str:
 
     a = p.args
     dims = ParallelDims(p.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
-    nodes = num_nodes(a)
+    nodes = num_nodes(a.sections.parallel)
     checkpointing = (
         f"{a.recompute_granularity}"
         + (f", first {a.recompute_num_layers} blocks" if a.recompute_num_layers else ", every block")

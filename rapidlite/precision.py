@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rapidlite.config.runtime import PrecisionConfig
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -154,14 +156,15 @@ class LossScaler:
         self._hysteresis_tracker = hysteresis
 
     @classmethod
-    def from_args(cls, args: Any) -> LossScaler:
-        if args.loss_scale is not None:
-            return cls(initial_scale=args.loss_scale, dynamic=False)
+    def of(cls, cfg: PrecisionConfig) -> LossScaler:
+        """The scaler the fp16 flags ask for: static with ``--loss-scale``, else dynamic."""
+        if cfg.loss_scale is not None:
+            return cls(initial_scale=cfg.loss_scale, dynamic=False)
         return cls(
-            initial_scale=args.initial_loss_scale,
-            min_scale=args.min_loss_scale,
-            growth_interval=args.loss_scale_window,
-            hysteresis=args.hysteresis,
+            initial_scale=cfg.initial_loss_scale,
+            min_scale=cfg.min_loss_scale,
+            growth_interval=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
         )
 
     def update(self, found_inf: bool) -> None:

@@ -18,12 +18,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidlite import megatron_flags
+from rapidlite.config.fields import derived_defaults
+from rapidlite.config.runtime import ParallelConfig
+from rapidlite.config.sections import LR_DECAY_STYLES
+from rapidlite.config.settings import SECTIONS, Sections
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.tasks.registry import TaskSpec, get_task, task_names
 from rapidlite.tracking import check_wandb_flags
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 class FrozenConfigError(ConfigError, AttributeError):
@@ -31,18 +33,17 @@ class FrozenConfigError(ConfigError, AttributeError):
 
 
 class RunConfig(argparse.Namespace):
-    """The run's settings after ``resolve``: every flag by its name (a user script's own flags from
-    ``extra_args_provider`` too) and the derived values; frozen.
+    """The run's settings after ``resolve``, frozen: the typed sections (``config.sections.optim``, ...) that
+    the code below the command line receives, and the flat view by flag name.
 
-    A frozen ``argparse.Namespace`` rather than a tree of dataclasses, because every reader reads it by flag
-    name: library code, Megatron- and Rapidformer-style user scripts (``get_args().micro_batch_size``,
-    ``getattr(args, "foo", default)``, ``vars(args)``), and flags that only the user's script declares, which
-    no dataclass of ours could list. Components that want typed fields take a grouped view built from it
-    (``OptimizerConfig.from_args``, ``DataParallelConfig.from_args``). The freeze covers the attributes; the
-    values themselves are the parser's (``data_path`` stays a list, as argparse gives it).
+    The flat view (``config.micro_batch_size``, ``vars(config)``) is what ``get_args()`` returns: Megatron- and
+    Rapidformer-style user scripts read it, with the flags only their script declares
+    (``extra_args_provider``), which no section of ours could list. Library code takes a section instead.
+    Both are built once from the same values; the freeze covers the attributes (``data_path`` stays a list, as
+    argparse gives it).
     """
 
-    __slots__ = ("_notices", "_deepspeed_notices")
+    __slots__ = ("_notices", "_deepspeed_notices", "_sections")
 
     def __init__(
         self, values: Mapping[str, Any], notices: Sequence[str] = (), deepspeed_notices: Sequence[str] = ()
@@ -50,6 +51,16 @@ class RunConfig(argparse.Namespace):
         self.__dict__.update(values)
         object.__setattr__(self, "_notices", tuple(notices))
         object.__setattr__(self, "_deepspeed_notices", tuple(deepspeed_notices))
+        object.__setattr__(self, "_sections", Sections.of(values))
+
+    @property
+    def sections(self) -> Sections:
+        """The settings as typed sections, one per part of the system (``rapidlite.config.sections``)."""
+        return self._sections
+
+    def given(self, dest: str) -> bool:
+        """Whether the command line (or a ``--config`` file) gave ``dest``'s flag rather than a default."""
+        return self._sections.given(dest)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenConfigError(
@@ -80,24 +91,22 @@ def _default_nproc_per_node() -> int:
     return max(torch.cuda.device_count(), 1)
 
 
-def num_nodes(args: Any) -> int:
-    return args.nnodes or launch_int("NNODES", 1)
+def num_nodes(cfg: ParallelConfig) -> int:
+    return cfg.nnodes or launch_int("NNODES", 1)
 
 
-def nproc_per_node(args: Any) -> int:
-    return args.nproc_per_node or _default_nproc_per_node()
+def nproc_per_node(cfg: ParallelConfig) -> int:
+    return cfg.nproc_per_node or _default_nproc_per_node()
 
 
-def target_world_size(args: Any) -> int:
+def target_world_size(cfg: ParallelConfig) -> int:
     """Processes of the whole job: the launcher's WORLD_SIZE inside a worker, else nodes x processes."""
-    return env_int("WORLD_SIZE", 0) or num_nodes(args) * nproc_per_node(args)
+    return env_int("WORLD_SIZE", 0) or num_nodes(cfg) * nproc_per_node(cfg)
 
 
-def given_flag(args: Any, dest: str) -> bool:
-    """Whether the command line (or a ``--config`` file) gave ``dest``'s flag, rather than a default; settings
-    built by hand keep no record, and every flag counts as given there."""
-    given = getattr(args, "explicit_flags", None)
-    return given is None or dest in given
+def _section(args: argparse.Namespace, name: str) -> Any:
+    """One section of the flags being resolved (for the rules that live with a section's reader)."""
+    return getattr(Sections.of(vars(args)), name)
 
 
 def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConfig:
@@ -106,9 +115,8 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     Raises ``ConfigError`` (one line) on any contradiction. ``require_task``: the command needs ``--task`` or
     ``--user-script`` (a user script's own ``RapidliteEngine()`` does not).
     """
-    args = argparse.Namespace(**vars(namespace))  # the scratch copy the steps below fill in, in order
-    if not hasattr(args, "explicit_flags"):
-        args.explicit_flags = None  # built by hand: every flag counts as given
+    # The scratch copy the steps below fill in, in order, starting from every derived field's default.
+    args = argparse.Namespace(**{**derived_defaults(SECTIONS), **vars(namespace)})
     notices: list[str] = []
     if require_task and args.task is None and args.user_script is None:
         raise ConfigError(f"no task given: pass --task {{{','.join(task_names())}}} or --user-script PATH")
@@ -119,7 +127,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
             raise ConfigError(f"--user-script {args.user_script}: is a directory; pass the script's .py file")
         if not os.path.isfile(args.user_script):
             raise ConfigError(f"--user-script {args.user_script}: file not found")
-    model = getattr(args, "pretrained_model_name_or_path", None)
+    model = args.pretrained_model_name_or_path
     if model and os.path.isfile(model):  # transformers would read it as a vocabulary file, or fail deep inside
         folder = os.path.dirname(model) or "."
         raise ConfigError(
@@ -148,7 +156,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += _resolve_load(args)
     _check_save_dir(args, given_load)
-    if getattr(args, "tensorboard_dir", None):
+    if args.tensorboard_dir:
         check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     _check_lora(args)
     if task is not None:
@@ -173,7 +181,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
         return namespace
     demo = task.demo_run()
     args = argparse.Namespace(**vars(namespace))
-    given = getattr(args, "explicit_flags", None)
+    given = args.explicit_flags
     for dest, value in demo.defaults.items():
         if given is None or dest not in given:
             setattr(args, dest, value)
@@ -244,7 +252,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    budget = getattr(args, "time_budget", None)
+    budget = args.time_budget
     if budget is not None and not budget > 0:
         raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
     for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
@@ -287,7 +295,7 @@ def _check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
-    check_wandb_flags(args)
+    check_wandb_flags(_section(args, "logging"))
 
 
 def _check_lora(args: argparse.Namespace) -> None:
@@ -607,7 +615,7 @@ def _check_data_parallel(args: argparse.Namespace) -> None:
             "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
             "there); drop the flag under --deepspeed"
         )
-    nnodes = num_nodes(args)
+    nnodes = num_nodes(_section(args, "parallel"))
     if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or launch_value("MASTER_ADDR")):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
@@ -700,7 +708,7 @@ def _resolve_deepspeed(args: argparse.Namespace) -> list[str]:
 
 def _resolve_batch(args: argparse.Namespace) -> None:
     """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
-    world = target_world_size(args)
+    world = target_world_size(_section(args, "parallel"))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world % model_parallel:
         raise ConfigError(

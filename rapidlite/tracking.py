@@ -13,6 +13,7 @@ import importlib.util
 import math
 from typing import Any
 
+from rapidlite.config.runtime import LoggingConfig
 from rapidlite.errors import ConfigError
 
 INSTALL = "pip install 'rapidlite[wandb]'"
@@ -23,23 +24,23 @@ class TrackingError(ConfigError):
     """A tracker that cannot start (not logged in, unreachable, refused)."""
 
 
-def check_wandb_flags(args: Any) -> None:
+def check_wandb_flags(cfg: LoggingConfig) -> None:
     """Before anything runs: the companion flags need ``--wandb-project``, and the package must be installed (found
     without importing it: flag errors stay fast)."""
-    if args.wandb_project is None:
+    if cfg.wandb_project is None:
         given = [
             flag
             for flag, value in (
-                ("--wandb-entity", args.wandb_entity),
-                ("--wandb-run-name", args.wandb_run_name),
-                ("--wandb-mode", args.wandb_mode),
+                ("--wandb-entity", cfg.wandb_entity),
+                ("--wandb-run-name", cfg.wandb_run_name),
+                ("--wandb-mode", cfg.wandb_mode),
             )
             if value is not None
         ]
         if given:
             raise ConfigError(f"{given[0]} configures Weights & Biases reporting: add --wandb-project NAME")
         return
-    if not args.wandb_project.strip():
+    if not cfg.wandb_project.strip():
         raise ConfigError("--wandb-project: give the W&B project's name")
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"--wandb-project reports to Weights & Biases, which is not installed: {INSTALL}")
@@ -53,16 +54,16 @@ class WandbRun:
         self.id: str = run.id
 
     @classmethod
-    def start(cls, args: Any, config: dict[str, Any], resume_id: str | None = None) -> WandbRun:
+    def start(cls, cfg: LoggingConfig, config: dict[str, Any], resume_id: str | None = None) -> WandbRun:
         """``wandb.init`` from the flags (``--wandb-mode`` unset: W&B's own default and ``WANDB_MODE``);
         ``resume_id``: the id a checkpoint kept, continued with ``resume="allow"``."""
         import wandb
 
         kwargs: dict[str, Any] = {
-            "project": args.wandb_project,
-            "entity": args.wandb_entity,
-            "name": args.wandb_run_name,
-            "mode": args.wandb_mode,
+            "project": cfg.wandb_project,
+            "entity": cfg.wandb_entity,
+            "name": cfg.wandb_run_name,
+            "mode": cfg.wandb_mode,
             "config": config,
         }
         if resume_id:
@@ -72,7 +73,7 @@ class WandbRun:
         except Exception as e:  # wandb's errors (no API key, no network, a refused entity) are one line here
             text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise TrackingError(
-                f"--wandb-project {args.wandb_project}: Weights & Biases could not start the run ({text}); log in "
+                f"--wandb-project {cfg.wandb_project}: Weights & Biases could not start the run ({text}); log in "
                 "with 'wandb login' (or set WANDB_API_KEY), or pass --wandb-mode offline and 'wandb sync' later"
             ) from None
         run.define_metric(STEP)

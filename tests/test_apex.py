@@ -18,10 +18,11 @@ from torch import nn
 from rapidlite import checkpoint as ckpt
 from rapidlite import optim
 from rapidlite.apex_kernels import nvidia_apex
+from rapidlite.config.sections import OptimizerConfig
 from rapidlite.errors import ConfigError
 from rapidlite.models.families.gpt import gpt_plan
 from rapidlite.models.gpt import GPTConfig, GPTModel
-from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, apex_adamw_class, build_optimizer
+from rapidlite.optim import RapidliteOptimizer, apex_adamw_class, build_optimizer
 
 APEX_MODULES = ("apex", "apex.optimizers", "apex.normalization")
 
@@ -185,7 +186,7 @@ def test_build_optimizer_hands_fused_adam_the_same_groups_and_hyperparameters(ap
     assert [g["weight_decay"] for g in optimizer.param_groups] == [g["weight_decay"] for g in reference.param_groups]
     assert [len(g["params"]) for g in optimizer.param_groups] == [len(g["params"]) for g in reference.param_groups]
     assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 and g["lr"] == 1e-2 for g in optimizer.param_groups)
-    assert type(build_optimizer(tiny_model(), OptimizerConfig(name="sgd"))) is torch.optim.SGD
+    assert type(build_optimizer(tiny_model(), OptimizerConfig(optimizer="sgd"))) is torch.optim.SGD
     assert type(build_optimizer(tiny_model(), CFG, allow_apex=False)) is torch.optim.AdamW
 
 

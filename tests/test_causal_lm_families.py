@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import rapidlite_here, read_metrics
+from rapidlite.config.sections import LoraConfig
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.scoring import CausalLMScorer, load_scorer, text_windows
 from rapidlite.models import lora
@@ -101,7 +102,7 @@ def test_phi3_default_lora_targets_include_its_fused_projections():
 
     config = Phi3Config(vocab_size=64, intermediate_size=64, num_key_value_heads=2, pad_token_id=0, **SIZES)
     model = Phi3ForCausalLM(config)
-    chosen = {name.rsplit(".", 1)[-1] for name in lora.target_modules(model, lora.LoraSettings(rank=4))}
+    chosen = {name.rsplit(".", 1)[-1] for name in lora.target_modules(model, LoraConfig(lora_rank=4))}
     assert chosen == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 
 
@@ -120,7 +121,7 @@ def test_linear_subclasses_are_quantised_and_a_model_with_none_is_refused():
     import bitsandbytes as bnb
     from transformers import FalconConfig, FalconForCausalLM
 
-    settings = lora.LoraSettings(rank=4, load_in_4bit=True)
+    settings = LoraConfig(lora_rank=4, load_in_4bit=True)
     # Falcon's FalconLinear subclasses nn.Linear; transformers' quantisation on load leaves it full precision.
     falcon = FalconForCausalLM(FalconConfig(vocab_size=64, **SIZES))
     peft_model = lora.prepare(falcon, settings, torch.float32, torch.device("cpu"))
@@ -141,7 +142,7 @@ def test_gpt2_4bit_merged_export_loads_with_its_conv1d_layout(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(
         tmp_path / "gpt2"
     )
-    settings = lora.LoraSettings(rank=4, load_in_4bit=True)
+    settings = LoraConfig(lora_rank=4, load_in_4bit=True)
     kwargs = lora.load_kwargs(settings, torch.float32, torch.device("cpu"))
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", **kwargs)  # Conv1D layers become [out, in]
     model = lora.prepare(base, settings, torch.float32, torch.device("cpu")).eval()

@@ -37,7 +37,7 @@ def test_file_fills_what_the_flags_leave_open(tmp_path):
     assert args.deepspeed and args.micro_batch_size == 4 and args.gradient_accumulation_steps == 3
     assert args.global_batch_size == 12 and args.clip_grad == 0.5 and args.precision == "bf16"
     assert args.zero_3_memory_optimization and args.cpu_offload
-    config = build_config(args, "bf16", 3, True)
+    config = build_config(args.sections, "bf16", 3, True)
     assert config["train_batch_size"] == 12 and config["train_micro_batch_size_per_gpu"] == 4
     assert config["bf16"]["enabled"] and not config["fp16"]["enabled"]
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
@@ -60,7 +60,7 @@ def test_flags_given_win_with_a_notice(tmp_path):
     assert f"{path}: train_micro_batch_size_per_gpu 4 replaced by --micro-batch-size 2" in args.deepspeed_notices
     assert f"{path}: train_batch_size 64 replaced by --global-batch-size 8" in args.deepspeed_notices
     assert f"{path}: zero_optimization.stage 1 replaced by --zero-2-memory-optimization" in args.deepspeed_notices
-    config = build_config(args, "fp16", 2, False)
+    config = build_config(args.sections, "fp16", 2, False)
     assert config["zero_optimization"]["stage"] == 2
     assert config["fp16"] == {
         "enabled": True,
@@ -75,7 +75,7 @@ def test_flags_given_win_with_a_notice(tmp_path):
 
 def test_plain_deepspeed_flag_maps_every_setting():
     args = parse_args(BASE + ["--deepspeed", "--zero-1-memory-optimization", "--clip-grad", "0"])
-    config = build_config(args, "fp32", 1, False)
+    config = build_config(args.sections, "fp32", 1, False)
     assert config["zero_optimization"] == {"stage": 1} and config["gradient_clipping"] == 0.0
     assert not config["bf16"]["enabled"] and not config["fp16"]["enabled"]
     assert config["zero_allow_untested_optimizer"] and not config["zero_force_ds_cpu_optimizer"]

@@ -69,6 +69,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.progress",
             "rapidlite.plot",
             "rapidlite.time_budget",
+            # the flag declarations and typed settings sections every layer reads
+            "rapidlite.config",
         ),
     ),
 ]

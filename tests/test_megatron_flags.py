@@ -36,7 +36,7 @@ def resolved(*argv: str):
 def test_a_megatron_example_script_is_accepted_and_named():
     args = resolved(*shlex.split(MEGATRON_SCRIPT))
     assert args.zero_1_memory_optimization  # the distributed optimizer is ZeRO-1
-    config = GPTConfig.from_args(args, vocab_size=100)
+    config = GPTConfig.of(args.sections, vocab_size=100)
     assert (config.rotary_base, config.bias, config.position_embedding_type) == (500000.0, False, "rope")
     (line,) = [n for n in args.notices if n.startswith("Megatron-LM flags")]
     for flag in ("--use-mcore-models", "--use-flash-attn", "--overlap-grad-reduce", "--ckpt-format"):

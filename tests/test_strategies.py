@@ -5,7 +5,6 @@ layout's step hooks at construction."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 
 from helpers import MLP, engine
 from rapidlite import strategies
+from rapidlite.config.settings import Sections
 from rapidlite.distributed import DistributedContext, ParallelDims
 from rapidlite.optim import RapidliteOptimizer, StepHooks
 from rapidlite.parallel.data_parallel import DataParallelConfig
@@ -22,7 +22,7 @@ from rapidlite.precision import Precision
 def _context(world: int = 1, pp: int = 1, zero: int = 0, deepspeed: bool = False, mesh: object = None):
     dist = DistributedContext(world_size=world, dims=ParallelDims(world, pp=pp), mesh=mesh)
     return strategies.StrategyContext(
-        args=SimpleNamespace(),
+        config=Sections.of({}),
         dist=dist,
         data_parallel=DataParallelConfig(zero_stage=zero, deepspeed=deepspeed),
         precision=Precision(None, "cpu"),

@@ -34,17 +34,10 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rapidlite.config.sections import TOKENIZER_TYPES
+from rapidlite.config.settings import Sections
 from rapidlite.errors import ConfigError, DataError
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-)
 EOD_TOKEN = "<|endoftext|>"
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -317,22 +310,23 @@ def build_tokenizer(
     raise ConfigError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def tokenizer_from_args(args: Any) -> Any:
+def tokenizer_of(settings: Sections) -> Any:
     """The tokenizer the flags name: ``--tokenizer-type`` with its files, else the tokenizer of
     ``--pretrained-model-name-or-path`` (what Megatron's ``get_tokenizer()`` returns)."""
-    if args.tokenizer_type is None:
-        if args.pretrained_model_name_or_path is None:
+    data, model = settings.data, settings.model.pretrained_model_name_or_path
+    if data.tokenizer_type is None:
+        if model is None:
             raise ConfigError(
                 "--task pretraining needs the tokenizer the data was preprocessed with: --tokenizer-type with "
                 "--vocab-file/--merge-file/--tokenizer-model, or --pretrained-model-name-or-path"
             )
-        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=args.pretrained_model_name_or_path)
+        return build_tokenizer("HuggingFaceTokenizer", tokenizer_model=model)
     return build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+        vocab_size=data.vocab_size,
     )
 
 

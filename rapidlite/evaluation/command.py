@@ -18,23 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.entry import run_command
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.data import TASK_FIELDS, load_eval_data
-
-# What rapidlite.launcher and distributed.init_distributed read; evaluation has one data-parallel group
-# on this node, so these are fixed rather than flags.
-_LAUNCH_DEFAULTS = {
-    "nnodes": None,
-    "node_rank": None,
-    "master_addr": None,
-    "master_port": None,
-    "max_restarts": 0,
-    "tensor_model_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "distributed_backend": None,
-    "distributed_timeout_minutes": 10,
-}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="processes sharing the items (default: visible GPUs, else 1)"
     )
-    p.set_defaults(**_LAUNCH_DEFAULTS)
     return p
 
 
@@ -108,13 +94,15 @@ def run(argv: Sequence[str]) -> int:
 
     from rapidlite.launcher import launch, needs_launch
 
-    if needs_launch(args):
-        return launch(args, "rapidlite.evaluation.command", list(argv), module=True)
+    # One data-parallel group on this node: the launch settings other than the process count keep their defaults.
+    parallel = ParallelConfig(nproc_per_node=args.nproc_per_node)
+    if needs_launch(parallel):
+        return launch(parallel, "rapidlite.evaluation.command", list(argv), module=True)
 
     from rapidlite.distributed import init_distributed
     from rapidlite.evaluation.scoring import evaluate, load_scorer
 
-    ctx = init_distributed(args)
+    ctx = init_distributed(parallel)
     scorer = load_scorer(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
     results = evaluate(scorer, task, items, ctx if ctx.initialized else None)
     if ctx.is_main_process:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidlite.apex_kernels import nvidia_apex
+from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.losses import maybe_loss_parallel
 
@@ -136,28 +137,29 @@ class GPTConfig:
         return asdict(self)
 
     @classmethod
-    def from_args(cls, args: Any, vocab_size: int) -> GPTConfig:
+    def of(cls, settings: Sections, vocab_size: int) -> GPTConfig:
         """The architecture the flags describe (``--num-layers``, ``--hidden-size``, ...), with rapidlite's
         defaults for what they leave open."""
-        hidden = args.hidden_size or 256
+        m, seq_length = settings.model, settings.data.seq_length
+        hidden = m.hidden_size or 256
         return cls(
             vocab_size=vocab_size,
-            num_layers=args.num_layers or 4,
+            num_layers=m.num_layers or 4,
             hidden_size=hidden,
-            num_attention_heads=args.num_attention_heads or max(1, hidden // 64),
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            max_position_embeddings=args.max_position_embeddings or args.seq_length,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            init_method_std=args.init_method_std,
-            hidden_dropout=0.1 if args.hidden_dropout is None else args.hidden_dropout,
-            attention_dropout=0.1 if args.attention_dropout is None else args.attention_dropout,
-            normalization=args.normalization,
-            swiglu=args.swiglu,
-            position_embedding_type=args.position_embedding_type,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            rotary_base=getattr(args, "rotary_base", None) or 10000.0,
-            bias=not getattr(args, "disable_bias_linear", False),
+            num_attention_heads=m.num_attention_heads or max(1, hidden // 64),
+            ffn_hidden_size=m.ffn_hidden_size,
+            seq_length=seq_length,
+            max_position_embeddings=m.max_position_embeddings or seq_length,
+            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+            init_method_std=m.init_method_std,
+            hidden_dropout=0.1 if m.hidden_dropout is None else m.hidden_dropout,
+            attention_dropout=0.1 if m.attention_dropout is None else m.attention_dropout,
+            normalization=m.normalization,
+            swiglu=m.swiglu,
+            position_embedding_type=m.position_embedding_type,
+            untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+            rotary_base=m.rotary_base or 10000.0,
+            bias=not m.disable_bias_linear,
         )
 
     @classmethod
@@ -323,7 +325,7 @@ class GPTModel(nn.Module):
         if config is None:
             from rapidlite.global_vars import get_args, get_tokenizer
 
-            config = GPTConfig.from_args(get_args(), get_tokenizer().vocab_size)
+            config = GPTConfig.of(get_args().sections, get_tokenizer().vocab_size)
             per_token_loss = True if per_token_loss is None else per_token_loss
         self.config = config
         self.per_token_loss = bool(per_token_loss)

@@ -26,13 +26,13 @@ import logging
 import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from rapidlite.config.sections import LoraConfig
 from rapidlite.errors import ConfigError
 
 # bitsandbytes logs a warning on import on AVX-512 BF16 CPUs when an optional hub-fetched kernel for its packed
@@ -65,52 +65,9 @@ _TASK_TYPES = {
 }
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """The LoRA and quantisation flags. ``rank`` 0: no adapters (full fine-tuning)."""
-
-    rank: int = 0
-    alpha: float | None = None
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ()
-    modules_to_save: tuple[str, ...] = ()
-    merge: bool = False
-    load_in_4bit: bool = False
-    load_in_8bit: bool = False
-    quant_type: str = "nf4"
-    double_quant: bool = False
-
-    @classmethod
-    def from_args(cls, args: Any) -> LoraSettings:
-        return cls(
-            rank=getattr(args, "lora_rank", 0) or 0,
-            alpha=getattr(args, "lora_alpha", None),
-            dropout=getattr(args, "lora_dropout", 0.0) or 0.0,
-            target_modules=tuple(getattr(args, "lora_target_modules", None) or ()),
-            modules_to_save=tuple(getattr(args, "lora_modules_to_save", None) or ()),
-            merge=bool(getattr(args, "merge_lora", False)),
-            load_in_4bit=bool(getattr(args, "load_in_4bit", False)),
-            load_in_8bit=bool(getattr(args, "load_in_8bit", False)),
-            quant_type=getattr(args, "bnb_4bit_quant_type", "nf4"),
-            double_quant=bool(getattr(args, "bnb_4bit_use_double_quant", False)),
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def quantized(self) -> bool:
-        return self.load_in_4bit or self.load_in_8bit
-
-    @property
-    def quant_flag(self) -> str:
-        return "--load-in-4bit" if self.load_in_4bit else "--load-in-8bit"
-
-
-def split_names(values: Iterable[str]) -> tuple[str, ...]:
-    """Module names given as separate words or comma-separated (``q_proj,v_proj``)."""
-    return tuple(name for value in values for name in value.replace(",", " ").split())
+def split_names(values: Iterable[str] | None) -> tuple[str, ...]:
+    """Module names given as separate words or comma-separated (``q_proj,v_proj``); none for ``None``."""
+    return tuple(name for value in values or () for name in value.replace(",", " ").split())
 
 
 def require_bitsandbytes(flag: str) -> None:
@@ -125,7 +82,7 @@ def require_peft() -> None:
 
 
 # ------------------------------------------------------------------------------------------- loading
-def load_kwargs(settings: LoraSettings, compute_dtype: torch.dtype | None, device: torch.device) -> dict[str, Any]:
+def load_kwargs(settings: LoraConfig, compute_dtype: torch.dtype | None, device: torch.device) -> dict[str, Any]:
     """Extra ``from_pretrained`` arguments for the base model of a black-box task.
 
     Full fine-tuning loads fp32 weights (transformers 5 would otherwise keep a bf16 checkpoint in bf16, and
@@ -142,11 +99,11 @@ def load_kwargs(settings: LoraSettings, compute_dtype: torch.dtype | None, devic
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=settings.load_in_4bit,
             load_in_8bit=settings.load_in_8bit,
-            bnb_4bit_quant_type=settings.quant_type,
-            bnb_4bit_use_double_quant=settings.double_quant,
+            bnb_4bit_quant_type=settings.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=settings.bnb_4bit_use_double_quant,
             bnb_4bit_compute_dtype=compute_dtype or torch.float32,
             # transformers' own guess keeps only the last module; a classifier head is trained in full
-            llm_int8_skip_modules=[*SKIP_ON_LOAD, *split_names(settings.modules_to_save)],
+            llm_int8_skip_modules=[*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)],
         )
         kwargs["device_map"] = {"": str(device)}
     return kwargs
@@ -190,14 +147,14 @@ def output_heads(model: nn.Module) -> set[str]:
     return heads
 
 
-def quantize(model: nn.Module, settings: LoraSettings, compute_dtype: torch.dtype | None, device: torch.device) -> int:
+def quantize(model: nn.Module, settings: LoraConfig, compute_dtype: torch.dtype | None, device: torch.device) -> int:
     """Replace the full-precision linear layers (not the output heads or the modules trained in full) by
     bitsandbytes 4-bit or 8-bit layers holding the same weights, quantised on ``device``. Returns how many."""
     require_bitsandbytes(settings.quant_flag)
     import bitsandbytes as bnb
 
     keep = output_heads(model)
-    saved = set(settings.modules_to_save)
+    saved = set(settings.lora_modules_to_save or ())
     replaced = 0
     for name, module in list(model.named_modules()):
         # Subclasses too (Falcon's FalconLinear), which transformers' own quantisation on load leaves alone.
@@ -212,15 +169,15 @@ def quantize(model: nn.Module, settings: LoraSettings, compute_dtype: torch.dtyp
                 module.out_features,
                 bias=has_bias,
                 compute_dtype=compute_dtype or torch.float32,
-                quant_type=settings.quant_type,
-                compress_statistics=settings.double_quant,
+                quant_type=settings.bnb_4bit_quant_type,
+                compress_statistics=settings.bnb_4bit_use_double_quant,
                 device="meta",
             )
             layer.weight = bnb.nn.Params4bit(
                 weight.float().cpu(),
                 requires_grad=False,
-                quant_type=settings.quant_type,
-                compress_statistics=settings.double_quant,
+                quant_type=settings.bnb_4bit_quant_type,
+                compress_statistics=settings.bnb_4bit_use_double_quant,
             )
         else:
             layer = bnb.nn.Linear8bitLt(
@@ -290,14 +247,14 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def target_modules(model: nn.Module, settings: LoraSettings) -> list[str]:
+def target_modules(model: nn.Module, settings: LoraConfig) -> list[str]:
     """The qualified names of the layers to adapt: the flags' names, else the family's defaults, else every
     linear layer; one line naming the choices when a name matches no linear layer."""
     from rapidlite.models.spec import spec_of
 
     heads = output_heads(model)
     linears = [n for n, m in model.named_modules() if _linear_like(m) and n]
-    requested = split_names(settings.target_modules)
+    requested = split_names(settings.lora_target_modules)
     if not requested:
         requested = spec_of(model).lora_targets or (ALL_LINEAR,)
         defaulted = True
@@ -330,7 +287,7 @@ def _check_modules_to_save(model: nn.Module, names: tuple[str, ...]) -> None:
 
 def prepare(
     model: nn.Module,
-    settings: LoraSettings,
+    settings: LoraConfig,
     compute_dtype: torch.dtype | None,
     device: torch.device,
     logger: logging.Logger | None = None,
@@ -346,7 +303,8 @@ def prepare(
     if not settings.enabled:
         return model
     require_peft()
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     quantized = 0
     if settings.quantized and not is_quantized(model):
@@ -357,13 +315,13 @@ def prepare(
                 f"heads (its layers are {', '.join(linear_module_names(model)) or 'none'}); drop the flag"
             )
     keep_training_kernel(model)
-    modules_to_save = split_names(settings.modules_to_save)
+    modules_to_save = split_names(settings.lora_modules_to_save)
     _check_modules_to_save(model, modules_to_save)
     targets = target_modules(model, settings)
-    config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha if settings.alpha is not None else 2 * settings.rank,
-        lora_dropout=settings.dropout,
+    config = PeftLoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha if settings.lora_alpha is not None else 2 * settings.lora_rank,
+        lora_dropout=settings.lora_dropout,
         target_modules=targets,
         modules_to_save=list(modules_to_save) or None,
         task_type=_task_type(model),

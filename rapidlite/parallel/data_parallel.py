@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rapidlite.config.runtime import ParallelConfig
 from rapidlite.models.spec import find_blocks
 
 
@@ -39,16 +40,17 @@ class DataParallelConfig:
     deepspeed: bool = False  # the stages run by DeepSpeed's engine instead of PyTorch's machinery
 
     @classmethod
-    def from_args(cls, args: Any) -> DataParallelConfig:
-        if args.zero_3_memory_optimization or args.fsdp_memory_optimization:
+    def of(cls, cfg: ParallelConfig) -> DataParallelConfig:
+        """The data-parallel layout the ZeRO/FSDP/DeepSpeed flags ask for."""
+        if cfg.zero_3_memory_optimization or cfg.fsdp_memory_optimization:
             stage = 3
-        elif args.zero_2_memory_optimization:
+        elif cfg.zero_2_memory_optimization:
             stage = 2
-        elif args.zero_1_memory_optimization:
+        elif cfg.zero_1_memory_optimization:
             stage = 1
         else:
             stage = 0
-        return cls(zero_stage=stage, cpu_offload=args.cpu_offload, deepspeed=bool(getattr(args, "deepspeed", False)))
+        return cls(zero_stage=stage, cpu_offload=cfg.cpu_offload, deepspeed=cfg.deepspeed)
 
     @property
     def fully_sharded(self) -> bool:

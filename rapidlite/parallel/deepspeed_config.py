@@ -30,6 +30,7 @@ import math
 import os
 from typing import Any
 
+from rapidlite.config.settings import Sections
 from rapidlite.errors import ConfigError
 
 AUTO = "auto"
@@ -83,7 +84,7 @@ def adopt_user_config(args: Any, config: dict[str, Any]) -> tuple[dict[str, Any]
     only read; ``deepspeed_accumulation`` is the file's accumulation when no batch size decides it), and the
     notices of the file's values the command line overrides."""
     path = args.deepspeed_config
-    explicit = getattr(args, "explicit_flags", None)  # None (args built by hand): every flag counts as given
+    explicit = args.explicit_flags  # None (args built by hand): every flag counts as given
 
     def given(*dests: str) -> bool:
         return explicit is None or any(d in explicit for d in dests)
@@ -167,20 +168,16 @@ def _drop_auto(node: Any) -> Any:
     return node
 
 
-def build_config(args: Any, precision: str, stage: int, cpu_offload: bool) -> dict[str, Any]:
+def build_config(settings: Sections, precision: str, stage: int, cpu_offload: bool) -> dict[str, Any]:
     """The config handed to ``deepspeed.initialize``: the user's file with every flag applied."""
-    config = copy.deepcopy(getattr(args, "deepspeed_user_config", None) or {})
+    config = copy.deepcopy(settings.parallel.deepspeed_user_config or {})
     for section in ("optimizer", "scheduler"):
         config.pop(section, None)
-    explicit = getattr(args, "explicit_flags", None)
-
-    def given(*dests: str) -> bool:
-        return explicit is None or any(d in explicit for d in dests)
-
-    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
-    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    config["train_batch_size"] = args.global_batch_size
-    config["gradient_clipping"] = args.clip_grad
+    run, scaling = settings.training, settings.precision
+    config["train_micro_batch_size_per_gpu"] = run.micro_batch_size
+    config["gradient_accumulation_steps"] = run.gradient_accumulation_steps
+    config["train_batch_size"] = run.global_batch_size
+    config["gradient_clipping"] = settings.optim.clip_grad
 
     config.pop("bfloat16", None)
     bf16 = config.setdefault("bf16", {})
@@ -190,13 +187,13 @@ def build_config(args: Any, precision: str, stage: int, cpu_offload: bool) -> di
     if precision == "fp16":
         # Flags given on the command line win; otherwise the file's values, else the flags' defaults.
         for key, dest, value in (
-            ("loss_scale", "loss_scale", args.loss_scale or 0),
-            ("initial_scale_power", "initial_loss_scale", int(round(math.log2(args.initial_loss_scale)))),
-            ("loss_scale_window", "loss_scale_window", args.loss_scale_window),
-            ("hysteresis", "hysteresis", args.hysteresis),
-            ("min_loss_scale", "min_loss_scale", args.min_loss_scale),
+            ("loss_scale", "loss_scale", scaling.loss_scale or 0),
+            ("initial_scale_power", "initial_loss_scale", int(round(math.log2(scaling.initial_loss_scale)))),
+            ("loss_scale_window", "loss_scale_window", scaling.loss_scale_window),
+            ("hysteresis", "hysteresis", scaling.hysteresis),
+            ("min_loss_scale", "min_loss_scale", scaling.min_loss_scale),
         ):
-            if given(dest) or _get(fp16, key) is _UNSET:
+            if settings.given(dest) or _get(fp16, key) is _UNSET:
                 fp16[key] = value
 
     zero = config.setdefault("zero_optimization", {})

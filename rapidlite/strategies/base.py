@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rapidlite import checkpoint as ckpt
+from rapidlite.config.settings import Sections
 from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError
 from rapidlite.losses import unpack_loss
@@ -28,7 +29,7 @@ from rapidlite.precision import Precision
 class StrategyContext:
     """What every strategy is built from: the run's settings, topology, precision and logger."""
 
-    args: Any
+    config: Sections
     dist: DistributedContext
     data_parallel: DataParallelConfig
     precision: Precision
@@ -80,7 +81,7 @@ class Strategy:
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
-        self.args, self.dist, self.data_parallel = ctx.args, ctx.dist, ctx.data_parallel
+        self.config, self.dist, self.data_parallel = ctx.config, ctx.dist, ctx.data_parallel
         self.precision, self.logger = ctx.precision, ctx.logger
         self.device = ctx.dist.device
 
@@ -100,17 +101,17 @@ class Strategy:
     def _prepare_module(self, model: torch.nn.Module, dynamic_shapes: bool | None, split: Callable | None) -> None:
         """What every backend applies to the plain module, in torchtitan's order: dropout, this rank's pipeline
         stages (``split``), tensor parallelism, activation checkpointing, compile."""
-        args = self.args
-        set_dropout(model, args.hidden_dropout, args.attention_dropout)
+        cfg = self.config.model
+        set_dropout(model, cfg.hidden_dropout, cfg.attention_dropout)
         if split is not None:
             split(model)
         if self.dist.tp_mesh is not None:
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(model, self.dist.tp_mesh, args.sequence_parallel)
-        if args.checkpoint_activations:
-            apply_activation_checkpointing(model, args.recompute_granularity, args.recompute_num_layers)
-        if args.torch_compile:
+            apply_tensor_parallel(model, self.dist.tp_mesh, self.config.parallel.sequence_parallel)
+        if cfg.checkpoint_activations:
+            apply_activation_checkpointing(model, cfg.recompute_granularity, cfg.recompute_num_layers)
+        if cfg.torch_compile:
             self._compile(model, dynamic_shapes)
 
     def _compile(self, model: torch.nn.Module, dynamic_shapes: bool | None) -> None:
@@ -118,11 +119,12 @@ class Strategy:
         before the data-parallel wrappers (as torchtitan orders them)."""
         from rapidlite.graph import compile_model
 
-        count = compile_model(model, self.args.compile_mode, dynamic_shapes)
+        count = compile_model(model, self.config.model.compile_mode, dynamic_shapes)
         if self.ctx.is_main_process:
             shapes = "; any batch and sequence length" if dynamic_shapes else ""
+            mode = self.config.model.compile_mode
             self.logger.info(
-                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {self.args.compile_mode}{shapes}); "
+                f"torch.compile: {count} module{'s' if count > 1 else ''} (mode {mode}{shapes}); "
                 "they compile during the first step"
             )
 
@@ -201,7 +203,7 @@ class Strategy:
 
     def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
         """The whole model in Hugging Face format on rank 0 (a collective); None for other models and ranks."""
-        return ckpt.export_hf(model, out_dir, tokenizer, merge_adapters=self.args.merge_lora)
+        return ckpt.export_hf(model, out_dir, tokenizer, merge_adapters=self.config.lora.merge_lora)
 
 
 def refuse_foreign_optimizer(strategy: Strategy, optimizer: Any, builds_it: bool) -> None:

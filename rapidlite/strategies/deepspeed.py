@@ -11,7 +11,7 @@ import torch
 
 from rapidlite import checkpoint as ckpt
 from rapidlite.models import lora
-from rapidlite.optim import OptimizerConfig, build_optimizer
+from rapidlite.optim import build_optimizer
 from rapidlite.parallel import deepspeed_backend
 from rapidlite.strategies.base import Strategy
 
@@ -33,7 +33,7 @@ class DeepSpeed(Strategy):
     def prepare_resume(self, load_dir: str) -> None:
         """A checkpoint written without DeepSpeed: its weights go into the model before DeepSpeed builds its
         fp32 copies from them (the optimizer state does not carry over)."""
-        args = self.args
+        cfg = self.config.checkpoint
         self._resume_from = ckpt.select_checkpoint(load_dir)
         path = self._resume_from[1]
         if ckpt.is_deepspeed_checkpoint(path):
@@ -42,14 +42,14 @@ class DeepSpeed(Strategy):
                 return
             # DeepSpeed cannot repartition ZeRO's optimizer state over another number of ranks (it raises
             # deep inside load_checkpoint); the weights, consolidated by zero_to_fp32, load on any layout.
-            if not (args.finetune or args.no_load_optim):
+            if not (cfg.finetune or cfg.no_load_optim):
                 raise ckpt.CheckpointError(
                     f"--load {load_dir}: the DeepSpeed checkpoint's ZeRO optimizer state is partitioned over "
                     f"{saved} data-parallel ranks and this run has {self.dist.dp_size}, which DeepSpeed cannot "
                     f"repartition: resume on {saved}, or add --no-load-optim to continue from its weights and "
                     "schedule (or --finetune for the weights)"
                 )
-        elif not (args.finetune or args.no_load_optim):
+        elif not (cfg.finetune or cfg.no_load_optim):
             raise ckpt.cross_backend_optimizer_error(load_dir, saved_by_deepspeed=False)
         self._resume_weights = ckpt.read_model_tensors(path)
 
@@ -62,18 +62,18 @@ class DeepSpeed(Strategy):
             raise TypeError("compose() was given a DeepSpeed engine: pass the plain model")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("under --deepspeed, compose() takes a torch.optim.Optimizer (or None: built from flags)")
-        args, dp = self.args, self.data_parallel
+        dp = self.data_parallel
         model.to(self.device)
         self._prepare_module(model, dynamic_shapes, split=None)
         if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
-            ckpt.check_shapes(self.args.load, model.state_dict(), self._resume_weights)
+            ckpt.check_shapes(self.config.checkpoint.load, model.state_dict(), self._resume_weights)
             model.load_state_dict(self._resume_weights, strict=not lora.trainable_only(model))
             self._resume_weights = None
             self._weights_loaded = True
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
-        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), allow_apex=False)
-        config = build_config(args, self.precision.name, dp.zero_stage, dp.cpu_offload)
+        optimizer = optimizer or build_optimizer(model, self.config.optim, allow_apex=False)
+        config = build_config(self.config, self.precision.name, dp.zero_stage, dp.cpu_offload)
         self.logger.info(f"starting {dp.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)
         return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
@@ -148,5 +148,5 @@ class DeepSpeed(Strategy):
         if not hasattr(module, "save_pretrained"):
             return None
         full = deepspeed_backend.full_state_dict(model)  # a collective under ZeRO-3; None off rank 0
-        merge = self.args.merge_lora
+        merge = self.config.lora.merge_lora
         return ckpt.export_hf(module, out_dir, tokenizer, full, merge_adapters=merge) if full is not None else None

@@ -23,7 +23,7 @@ class Pipeline(DataParallel):
 
     @property
     def name(self) -> str:
-        return super().name + f" x pipeline parallel {self.dist.dims.pp} ({self.args.pipeline_schedule})"
+        return super().name + f" x pipeline parallel {self.dist.dims.pp} ({self.config.parallel.pipeline_schedule})"
 
     def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
         if self.pipeline is not None:
@@ -35,16 +35,16 @@ class Pipeline(DataParallel):
         then see only the blocks this rank runs)."""
         from rapidlite.parallel.pipeline import PipelineRunner, embedding_groups
 
-        args, dist = self.args, self.dist
+        cfg, dist = self.config.parallel, self.dist
         runner = PipelineRunner(
             model,
             dist.pp_group,
             dist.pp_rank,
             dist.dims.pp,
             self.device,
-            args.pipeline_schedule,
-            layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-            split=args.pipeline_split,
+            cfg.pipeline_schedule,
+            layers_per_virtual_stage=cfg.num_layers_per_virtual_pipeline_stage,
+            split=cfg.pipeline_split,
             tp_mesh=dist.tp_mesh,
         )
         runner.embedding_group = embedding_groups(dist.mesh, dist.dims.pp) if runner.tied else None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rapidlite import distributed
-from rapidlite.optim import OptimizerConfig, RapidliteOptimizer, StepHooks, build_optimizer
+from rapidlite.optim import RapidliteOptimizer, StepHooks, build_optimizer
 from rapidlite.parallel.data_parallel import apply_data_parallel, gradient_averager, model_state_bytes
 from rapidlite.precision import LossScaler
 from rapidlite.strategies.base import Strategy, refuse_foreign_optimizer
@@ -45,7 +45,7 @@ class DataParallel(Strategy):
         self._prepare_module(model, dynamic_shapes, self._split)
         self._wrap(model)
         optimizer = self._optimizer(model, optimizer)
-        if self.args.use_ort:
+        if self.config.model.use_ort:
             from rapidlite.graph import wrap_ort
 
             model = wrap_ort(model)
@@ -58,12 +58,13 @@ class DataParallel(Strategy):
             apply_data_parallel(model, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
 
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
-        args = self.args
         zero1_group = self.dist.dp_group if self.dist.initialized and self.data_parallel.zero_stage == 1 else None
-        optimizer = optimizer or build_optimizer(model, OptimizerConfig.from_args(args), zero1_group)
-        scaler = LossScaler.from_args(args) if self.precision.name == "fp16" else None
+        optimizer = optimizer or build_optimizer(model, self.config.optim, zero1_group)
+        scaler = LossScaler.of(self.config.precision) if self.precision.name == "fp16" else None
         hooks, warn = self.step_hooks(), self.ctx.is_main_process
-        return RapidliteOptimizer(optimizer, clip_grad=args.clip_grad, loss_scaler=scaler, hooks=hooks, warn=warn)
+        return RapidliteOptimizer(
+            optimizer, clip_grad=self.config.optim.clip_grad, loss_scaler=scaler, hooks=hooks, warn=warn
+        )
 
     def step_hooks(self) -> StepHooks:
         tp = self.dist.tp_mesh is not None

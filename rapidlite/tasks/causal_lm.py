@@ -21,7 +21,6 @@ from rapidlite.models import lora
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
-from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -123,7 +122,7 @@ class CausalLMFinetuner(Finetuner):
         set_chat_template(self.tokenizer, args.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
-        seq_length = causal_seq_length(args.seq_length, config, explicit=given_flag(args, "seq_length"))
+        seq_length = causal_seq_length(args.seq_length, config, explicit=args.given("seq_length"))
         self.data = build_instruction_data(
             raw,
             self.tokenizer,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
-from rapidlite.data.tokenizers import tokenizer_from_args
+from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import check_positions, load_config, load_hf_model
@@ -122,7 +122,7 @@ class GPTPretrainer(PreTrainer):
         super().__init__(engine)
         args = self.args
         self.hf = args.pretrained_model_name_or_path is not None
-        self.data_tokenizer = tokenizer_from_args(args)
+        self.data_tokenizer = tokenizer_of(args.sections)
         self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
         _need_seq_length(args)
 
@@ -146,7 +146,7 @@ class GPTPretrainer(PreTrainer):
             return hf_causal_lm(args, vocab_size), None, None
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        return GPTModel(GPTConfig.from_args(args, vocab_size)), None, None
+        return GPTModel(GPTConfig.of(args.sections, vocab_size)), None, None
 
     def run_forward_step(self, data_iterator, model):
         args = self.args
@@ -187,7 +187,7 @@ class BertPretrainer(PreTrainer):
     def __init__(self, engine: Any = None) -> None:
         super().__init__(engine)
         args = self.args
-        self.data_tokenizer = tokenizer_from_args(args)
+        self.data_tokenizer = tokenizer_of(args.sections)
         self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
         if getattr(self.data_tokenizer, "mask", None) is None or getattr(self.data_tokenizer, "cls", None) is None:
             raise ConfigError(

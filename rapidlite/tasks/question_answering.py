@@ -31,7 +31,6 @@ from rapidlite.models.hf import (
     sequence_length,
 )
 from rapidlite.progress import hf_datasets_progress
-from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 384  # run_qa's --max_seq_length
@@ -73,7 +72,7 @@ class QuestionAnsweringFinetuner(Finetuner):
         config = load_config(args.pretrained_model_name_or_path)
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = given_flag(args, "seq_length")
+        explicit = args.given("seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

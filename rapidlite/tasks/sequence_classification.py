@@ -22,7 +22,6 @@ from rapidlite.models.hf import (
     sequence_length,
 )
 from rapidlite.progress import hf_datasets_progress
-from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
@@ -57,7 +56,7 @@ class SequenceClassificationFinetuner(Finetuner):
         config = load_config(args.pretrained_model_name_or_path)
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = given_flag(args, "seq_length")
+        explicit = args.given("seq_length")
         seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

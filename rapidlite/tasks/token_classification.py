@@ -33,7 +33,6 @@ from rapidlite.models.hf import (
     sequence_length,
 )
 from rapidlite.progress import hf_datasets_progress
-from rapidlite.resolve import given_flag
 from rapidlite.trainer import Finetuner
 
 DEFAULT_SEQ_LENGTH = 128
@@ -84,7 +83,7 @@ class TokenClassificationFinetuner(Finetuner):
         self.tokenizer = load_word_tokenizer(name, config)
         if (padding := ensure_pad_token(self.tokenizer, config, name)) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = given_flag(args, "seq_length")
+        explicit = args.given("seq_length")
         self.seq_length = seq_length = sequence_length(
             args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
         )

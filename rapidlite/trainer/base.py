@@ -245,7 +245,7 @@ class BaseTrainer:
         """``--wandb-project``: the W&B run of this training (the resumed checkpoint's, if it kept one)."""
         if self.args.wandb_project is None:
             return None
-        run = WandbRun.start(self.args, config_file.plain_settings(self.args), self._wandb_resume_id)
+        run = WandbRun.start(self.args.sections.logging, config_file.plain_settings(self.args), self._wandb_resume_id)
         continued = " (continued: the checkpoint's run)" if self._wandb_resume_id == run.id else ""
         self.logger.info(f"Weights & Biases: run {run.id} in project {self.args.wandb_project}{continued}")
         return run

@@ -1,0 +1,72 @@
+"""``Sections``: one of each settings section, the run's settings as the code below the command line reads them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rapidlite.config.runtime import CheckpointConfig, LoggingConfig, ParallelConfig, PrecisionConfig
+from rapidlite.config.sections import (
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TaskConfig,
+    TrainingConfig,
+)
+
+SECTIONS: tuple[type, ...] = (
+    TaskConfig,
+    ModelConfig,
+    DataConfig,
+    TrainingConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ParallelConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    LoraConfig,
+)
+
+
+SECTION_NAMES = ("task", "model", "data", "training", "optim", "precision", "parallel", "checkpoint", "logging", "lora")
+
+
+@dataclass(frozen=True)
+class Sections:
+    """One of each section: the run's settings as the code below the command line reads them."""
+
+    task: TaskConfig
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig
+    optim: OptimizerConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    lora: LoraConfig
+    # The flags the command line (or a --config file) gave; None for settings built by hand, where every flag
+    # counts as given.
+    explicit_flags: frozenset[str] | None = None
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Sections:
+        """The sections of flat settings (a namespace's ``vars``): each field takes its value by name, and a
+        field the values lack keeps its default (settings built by hand may name only what they need)."""
+        built: dict[str, Any] = {"explicit_flags": values.get("explicit_flags")}
+        for name, section in zip(SECTION_NAMES, SECTIONS, strict=True):
+            names = {g.name for g in dataclasses.fields(section)}
+            built[name] = section(**{name: values[name] for name in names if name in values})
+        return cls(**built)
+
+    def given(self, dest: str) -> bool:
+        """Whether the command line gave ``dest``'s flag rather than a default (see ``explicit_flags``)."""
+        return self.explicit_flags is None or dest in self.explicit_flags
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """Every name a section declares: the flat settings the sections cover."""
+        return frozenset(f.name for section in SECTIONS for f in dataclasses.fields(section))
