@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "config",
         (
-            "rapidlite.config",
+            # the flags reference page is rendered from the command line's parser
+            "rapidlite.config.reference",
             "rapidlite.arguments",
             "rapidlite.resolve",
             "rapidlite.config_file",
