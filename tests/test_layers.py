@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "config",
         (
+            "rapidlite.config",
             "rapidlite.arguments",
             "rapidlite.resolve",
             "rapidlite.config_file",

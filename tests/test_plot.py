@@ -177,7 +177,7 @@ def test_end_of_run_curves_follow_a_resumed_run(tmp_path, log_lines):
 
 
 def test_overwrite_removes_the_earlier_runs_curves(tmp_path):
-    from rapidlite.checkpoint import clear_run
+    from rapidlite.checkpoint.layout import clear_run
 
     write_two_attempts(tmp_path)
     write_curves(tmp_path)

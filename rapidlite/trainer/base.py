@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rapidlite import checkpoint as ckpt
 from rapidlite import config_file, distributed, preemption, time_budget
 from rapidlite.arguments import build_parser
+from rapidlite.checkpoint import layout, rng, selection
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, require_map_style
 from rapidlite.engine import RapidliteEngine
@@ -218,7 +218,7 @@ class BaseTrainer:
             self.load_checkpoint()
         if self.engine.is_main_process:
             if getattr(self.args, "overwrite_save", False):
-                removed = ckpt.clear_run(self.args.save)
+                removed = layout.clear_run(self.args.save)
                 self.logger.info(f"--overwrite: removed the earlier run in {self.args.save} ({removed})")
             self._metrics = MetricsWriter(
                 self.args.save, self.args.tensorboard_dir, run_id=self.run_id, wandb=self._start_wandb()
@@ -505,7 +505,7 @@ class BaseTrainer:
         self.logger.info(f"saved checkpoint {path}")
         self._last_saved = self.iteration
         if self.args.keep_last:
-            for old in ckpt.prune_checkpoints(self.args.save, self.args.keep_last, self.iteration):
+            for old in selection.prune_checkpoints(self.args.save, self.args.keep_last, self.iteration):
                 self.logger.info(f"--keep-last {self.args.keep_last}: deleted {old}")
 
     def load_checkpoint(self) -> None:
@@ -641,7 +641,7 @@ class BaseTrainer:
         """Called once everything is built, right before the first step."""
         if self._resume_rng is not None:
             # Restored last, so nothing built after loading (data iterators, workers) shifts the RNG streams.
-            ckpt.set_rng_state(self._resume_rng)
+            rng.set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._progress = self.progress_bar(self.total_iters, "train", initial=self.iteration)
         self._first_iteration = self.iteration
