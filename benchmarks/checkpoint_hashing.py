@@ -1,4 +1,4 @@
-"""What the checkpoint manifest costs: ``rapidlite.checkpoint.save_checkpoint`` of a model and its AdamW state
+"""What the checkpoint manifest costs: ``rapidlite.checkpoint.dcp.save_checkpoint`` of a model and its AdamW state
 with the CRC-32 manifest and with hashing turned off, saves taking turns, plus the verification a load does.
 
 The model is ``examples/pretrain_custom_model.py``'s (4 blocks, hidden 256: 3.2M parameters, a 38 MB
@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 from pretrain_custom_model import TinyCausalLM  # noqa: E402
 
-from rapidlite import checkpoint as ckpt  # noqa: E402
+from rapidlite.checkpoint import dcp, integrity  # noqa: E402
+from rapidlite.checkpoint.integrity import _checkpoint_files  # noqa: E402
 
 
 def main() -> None:
@@ -44,26 +45,26 @@ def main() -> None:
     n_params = sum(q.numel() for q in model.parameters())
 
     root = Path(a.dir or tempfile.mkdtemp(prefix="ckpt_bench_"))
-    hash_files = ckpt._hash_own_files
-    sizes_only = lambda d, r, w: {n: {"size": (d / n).stat().st_size, "crc32": 0} for n in ckpt._checkpoint_files(d)}  # noqa: E731
+    hash_files = integrity._hash_own_files
+    sizes_only = lambda d, r, w: {n: {"size": (d / n).stat().st_size, "crc32": 0} for n in _checkpoint_files(d)}  # noqa: E731
     times: dict[str, list[float]] = {"with manifest": [], "without hashing": []}
     verify: list[float] = []
     try:
         for i in range(saves * 2 + 1):  # the first save warms the page cache and allocator up: not counted
             kind = "with manifest" if i % 2 else "without hashing"
-            ckpt._hash_own_files = hash_files if kind == "with manifest" else sizes_only
+            integrity._hash_own_files = hash_files if kind == "with manifest" else sizes_only
             start = time.perf_counter()
-            path = ckpt.save_checkpoint(root, i, model, optimizer, {"trainer": {}})
+            path = dcp.save_checkpoint(root, i, model, optimizer, {"trainer": {}})
             seconds = time.perf_counter() - start
             if i:
                 times[kind].append(seconds)
             if kind == "with manifest":
                 start = time.perf_counter()
-                assert ckpt.verify_checkpoint(path) is None
+                assert integrity.verify_checkpoint(path) is None
                 verify.append(time.perf_counter() - start)
             shutil.rmtree(path)
     finally:
-        ckpt._hash_own_files = hash_files
+        integrity._hash_own_files = hash_files
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     with_hash, without = (statistics.median(times[k]) for k in ("with manifest", "without hashing"))

@@ -411,7 +411,8 @@ def _resolve_load(args: argparse.Namespace) -> list[str]:
     ``--save D --load D`` with no checkpoint in ``D`` yet (or no ``D``) starts fresh, so one command both starts
     and resumes a requeued job; ``--load D`` alone still has to exist (a mistyped path must not start over). A
     worker group restarted by ``--max-restarts`` resumes from ``--save``'s latest checkpoint."""
-    from rapidlite.checkpoint import check_loadable, is_pretrained_model_dir
+    from rapidlite.checkpoint.layout import is_pretrained_model_dir
+    from rapidlite.checkpoint.selection import check_loadable
 
     args.load_is_pretrained_model = False
     notices = _resume_restarted_attempt(args)
@@ -446,7 +447,7 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 def _no_checkpoint_yet(path: str) -> bool:
     """No directory, or an empty start of one: no 'latest', no iter_* and no Hugging Face model (a crash during
     the first save leaves only a .tmp_ directory, which is never loaded)."""
-    from rapidlite.checkpoint import LATEST_FILE, is_pretrained_model_dir
+    from rapidlite.checkpoint.layout import LATEST_FILE, is_pretrained_model_dir
 
     if not os.path.exists(path):
         return True
@@ -460,7 +461,7 @@ def _no_checkpoint_yet(path: str) -> bool:
 def _resume_restarted_attempt(args: argparse.Namespace) -> list[str]:
     """In a worker group that torchrun restarted (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0): resume
     from ``--save``'s latest checkpoint, whatever ``--load`` said for the first attempt."""
-    from rapidlite.checkpoint import LATEST_FILE, is_pretrained_model_dir
+    from rapidlite.checkpoint.layout import LATEST_FILE, is_pretrained_model_dir
 
     attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if not attempt:

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from rapidlite import checkpoint as ckpt
 from rapidlite import optim
 from rapidlite.apex_kernels import nvidia_apex
+from rapidlite.checkpoint import dcp as ckpt
 from rapidlite.config.sections import OptimizerConfig
 from rapidlite.errors import ConfigError
 from rapidlite.models.families.gpt import gpt_plan

@@ -136,7 +136,7 @@ def test_gpt2_4bit_merged_export_loads_with_its_conv1d_layout(tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from rapidlite.checkpoint import export_hf
+    from rapidlite.checkpoint.export import export_hf
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from helpers import (
     rapidlite_here,
     read_metrics,
 )
-from rapidlite import checkpoint as ckpt
+from rapidlite.checkpoint import dcp, integrity, layout, selection
 from rapidlite.errors import CheckpointError
 
 ARGV = ["--micro-batch-size", "8", "--lr", "0.01", "--log-interval", "1", "--seed", "3"]
@@ -133,7 +134,7 @@ def test_resume_after_a_fallback_continues_as_from_the_good_checkpoint(copy, fro
 
 def test_nothing_verifies_is_one_line(copy):
     for iteration in (2, 4, 6):
-        flip_byte(copy / ckpt.checkpoint_name(iteration) / "__0_0.distcp")
+        flip_byte(copy / layout.checkpoint_name(iteration) / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="no checkpoint verifies") as e:
         resume(copy)
     assert "\n" not in str(e.value)
@@ -171,14 +172,14 @@ KILL_BEFORE_LATEST = """
 import os, sys
 sys.path.insert(0, {tests!r})
 from helpers import ToyFinetuner, engine
-from rapidlite import checkpoint as ckpt
-real, calls = ckpt._write_latest, []
+from rapidlite.checkpoint import layout
+real, calls = layout._write_latest, []
 def dying(save_dir, iteration):
     calls.append(iteration)
     if len(calls) == {kill_at}:  # iter_N is complete and renamed into place; the machine dies before 'latest'
         os._exit(9)
     real(save_dir, iteration)
-ckpt._write_latest = dying
+layout._write_latest = dying
 ToyFinetuner(engine(*sys.argv[1:])).train()
 """
 
@@ -187,11 +188,11 @@ ToyFinetuner(engine(*sys.argv[1:])).train()
 def test_killed_before_latest_is_written_resumes_from_the_complete_checkpoint(tmp_path, kill_at, log_lines):
     save = tmp_path / "run"
     script = tmp_path / "die.py"
-    script.write_text(KILL_BEFORE_LATEST.format(tests=str(ckpt.Path(__file__).parent), kill_at=kill_at))
+    script.write_text(KILL_BEFORE_LATEST.format(tests=str(Path(__file__).parent), kill_at=kill_at))
     argv = [*ARGV, "--train-iters", "6", "--save-interval", "2", "--save", str(save)]
     proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr[-3000:]
-    newest = ckpt.checkpoint_name(2 * kill_at)
+    newest = layout.checkpoint_name(2 * kill_at)
     assert (save / "latest").is_file() == (kill_at > 1) and (save / newest / "manifest.json").is_file()
     trainer = ToyFinetuner(engine(*ARGV, "--train-iters", "6", "--load", str(save)))
     trainer.setup_model(6)
@@ -243,17 +244,17 @@ def test_keep_last_never_deletes_the_good_one_for_a_damaged_newer(copy, monkeypa
     alone until it is replaced, and the newest good checkpoint always stays."""
     flip_byte(copy / "iter_0000006" / "__0_0.distcp")
     seen = []
-    real = ckpt.prune_checkpoints
+    real = selection.prune_checkpoints
 
     def watching(save_dir, keep, saved):
         deleted = real(save_dir, keep, saved)
         seen.append((saved, sorted(p.name for p in copy.glob("iter_*"))))
         return deleted
 
-    monkeypatch.setattr(ckpt, "prune_checkpoints", watching)
+    monkeypatch.setattr(selection, "prune_checkpoints", watching)
     train("--train-iters", "6", "--save-interval", "1", "--keep-last", "1", "--load", str(copy), "--save", str(copy))
     assert seen == [(5, ["iter_0000005", "iter_0000006"]), (6, ["iter_0000006"])]
-    assert ckpt.verify_checkpoint(copy / "iter_0000006") is None
+    assert integrity.verify_checkpoint(copy / "iter_0000006") is None
 
 
 # ------------------------------------------------------------------------------------ shapes, disk full
@@ -271,9 +272,9 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(base):
 
 def test_shapes_are_checked_against_tensors_too():
     """The weights of a DeepSpeed checkpoint (or one loaded into DeepSpeed) are tensors, not DCP metadata."""
-    ckpt.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.ones(2, 3), "other": torch.zeros(1)})
+    dcp.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.ones(2, 3), "other": torch.zeros(1)})
     with pytest.raises(CheckpointError, match=r"parameter w has shape \(3, 3\) in the checkpoint but \(2, 3\)"):
-        ckpt.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.zeros(3, 3)})
+        dcp.check_shapes("ckpt", {"w": torch.zeros(2, 3)}, {"w": torch.zeros(3, 3)})
 
 
 def _no_space(*args, **kwargs):
@@ -298,7 +299,7 @@ def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypat
             return _no_space() if calls["n"] == 2 else real(*args, **kwargs)
 
         monkeypatch.setattr(fs, "_write_item", write_item)
-        monkeypatch.setattr(ckpt.dcp, "FileSystemWriter", writer)
+        monkeypatch.setattr(dcp.dcp, "FileSystemWriter", writer)
     else:
         real = torch.save
 
@@ -318,7 +319,7 @@ def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypat
     assert "'latest' still points at iteration 2" in message
     assert (save / "latest").read_text().strip() == "2"
     assert not list(save.glob(".tmp_*")) and not (save / "iter_0000004").exists()
-    assert ckpt.verify_checkpoint(save / "iter_0000002") is None
+    assert integrity.verify_checkpoint(save / "iter_0000002") is None
 
 
 # ------------------------------------------------------------------------------------- the command line
@@ -369,9 +370,9 @@ def test_two_ranks_hash_their_own_files_and_agree_on_the_fallback(tmp_path):
 
 def test_hashing_is_shared_by_the_ranks_that_wrote_the_files():
     names = ["__0_0.distcp", "__1_0.distcp", "rng_rank1.pt", "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert [ckpt._writer_rank(n, 2) for n in names] == [0, 1, 1, 1]
-    assert ckpt._writer_rank("deepspeed/mp_rank_00_model_states.pt", 2) == 0
-    assert ckpt._writer_rank("state.pt", 2) == ckpt._writer_rank(".metadata", 2) == 0
+    assert [integrity._writer_rank(n, 2) for n in names] == [0, 1, 1, 1]
+    assert integrity._writer_rank("deepspeed/mp_rank_00_model_states.pt", 2) == 0
+    assert integrity._writer_rank("state.pt", 2) == integrity._writer_rank(".metadata", 2) == 0
 
 
 def test_a_traceback_never_reaches_the_user_on_a_zero_filled_metadata_without_manifest(copy):
@@ -381,7 +382,7 @@ def test_a_traceback_never_reaches_the_user_on_a_zero_filled_metadata_without_ma
         path.unlink()
     zero_fill(copy / "iter_0000006" / "__0_0.distcp")
     code = (
-        f"import sys; sys.path.insert(0, {str(ckpt.Path(__file__).parent)!r})\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from helpers import ToyFinetuner, engine\n"
         f"ToyFinetuner(engine('--micro-batch-size', '8', '--train-iters', '8', '--load', {str(copy)!r})).train()\n"
     )

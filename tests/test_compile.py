@@ -5,7 +5,7 @@ run (here: it is not installed; on torch 2.13 it fails to import anyway)."""
 import pytest
 
 from helpers import assert_close_lists, rapidlite, read_metrics, train_losses, write_tiny_corpus
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.graph import ort_import_error
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_hf_blocks_compile_once_without_a_kv_cache(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from helpers import engine
-    from rapidlite.checkpoint import export_hf
+    from rapidlite.checkpoint.export import export_hf
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -17,7 +17,7 @@ import yaml
 from helpers import REPO, ToyFinetuner
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import build_parser, parse, parse_args
-from rapidlite.checkpoint import verify_checkpoint
+from rapidlite.checkpoint.integrity import verify_checkpoint
 from rapidlite.cli import main
 from rapidlite.config_file import FILE_NAME, saved_flags
 from rapidlite.resolve import with_embedded_demo

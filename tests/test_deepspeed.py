@@ -11,7 +11,8 @@ from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
 from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, stopped_copy, train_losses
-from rapidlite.checkpoint import read_model_tensors, verify_checkpoint
+from rapidlite.checkpoint.dcp import read_model_tensors
+from rapidlite.checkpoint.integrity import verify_checkpoint
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 

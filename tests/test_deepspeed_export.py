@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import rapidlite, read_metrics
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")

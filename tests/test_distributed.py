@@ -13,7 +13,7 @@ from helpers import DP_COMMON as COMMON
 from helpers import DP_ONE as ONE
 from helpers import DP_TWO as TWO
 from helpers import PRETRAIN, REPO, assert_close_lists, rapidlite, read_metrics, stopped_copy, train_losses
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.data.samplers import EpochSampler, EvalBatchSampler
 
 pytestmark = pytest.mark.distributed

@@ -80,7 +80,7 @@ def test_the_export_of_a_built_in_gpt_is_a_transformers_model(tmp_path, kw):
     """What pretraining writes to DIR/hf: transformers loads it (and its tokenizer), GPTModel.from_pretrained too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rapidlite.checkpoint import export_hf
+    from rapidlite.checkpoint.export import export_hf
     from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
 
     tok = GPT2BPETokenizer(*train_byte_level_bpe(["the quick brown fox"] * 20, 280, tmp_path / "bpe"))
@@ -97,7 +97,7 @@ def test_the_export_of_a_built_in_gpt_is_a_transformers_model(tmp_path, kw):
 
 
 def test_a_built_in_gpt_without_a_transformers_layout_is_exported_in_its_own_format_with_a_line(tmp_path, log_lines):
-    from rapidlite.checkpoint import export_hf
+    from rapidlite.checkpoint.export import export_hf
 
     model = _model(normalization="RMSNorm")
     export_hf(model, tmp_path / "hf")

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from helpers import REPO, rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
-from rapidlite.checkpoint import SafeFileSystemReader, checkpoint_path
+from rapidlite.checkpoint.dcp import SafeFileSystemReader
+from rapidlite.checkpoint.layout import checkpoint_path
 from rapidlite.cli import main
 from rapidlite.errors import ConfigError
 from rapidlite.models import lora

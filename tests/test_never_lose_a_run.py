@@ -57,7 +57,7 @@ def test_a_diverging_run_stops_with_one_line_and_never_saves_nan(tmp_path, capsy
     latest = int((save / "latest").read_text())
     assert latest < first_bad  # no checkpoint written once steps were skipped
     for path in save.glob("iter_*"):
-        from rapidlite.checkpoint import read_model_tensors
+        from rapidlite.checkpoint.dcp import read_model_tensors
 
         assert all(torch.isfinite(t).all() for t in read_model_tensors(path).values()), path
     assert not (save / "hf").exists()

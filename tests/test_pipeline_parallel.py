@@ -16,7 +16,7 @@ from helpers import (
     train_losses,
     write_tiny_corpus,
 )
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 
 pytestmark = pytest.mark.distributed
 

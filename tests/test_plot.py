@@ -146,7 +146,7 @@ def test_a_plot_that_fails_never_fails_the_run(tmp_path, monkeypatch, log_lines)
     def broken(*args, **kwargs):
         raise RuntimeError("the renderer fell over\nsecond line")
 
-    monkeypatch.setattr("rapidlite.trainer.base.write_curves", broken)
+    monkeypatch.setattr("rapidlite.trainer.monitor.write_curves", broken)
     save = tmp_path / "run"
     ToyFinetuner(engine("--micro-batch-size", "16", "--epochs", "1", "--save", str(save))).train()
     assert [line for line in log_lines if "curves.png" in line] == [
@@ -177,7 +177,7 @@ def test_end_of_run_curves_follow_a_resumed_run(tmp_path, log_lines):
 
 
 def test_overwrite_removes_the_earlier_runs_curves(tmp_path):
-    from rapidlite.checkpoint import clear_run
+    from rapidlite.checkpoint.layout import clear_run
 
     write_two_attempts(tmp_path)
     write_curves(tmp_path)

@@ -20,7 +20,7 @@ import torch
 
 from helpers import DP_COMMON, DP_ONE, DP_TWO, REPO, read_metrics
 from rapidlite.arguments import parse_args
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.errors import CheckpointError
 from rapidlite.preemption import EXIT_CODE
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import REPO
+from rapidlite.data.documents import SentenceSplitter
 from rapidlite.data.indexed_dataset import IndexedDataset
-from rapidlite.data.preprocess import SentenceSplitter, main, preprocess
+from rapidlite.data.preprocess import main, preprocess
 from rapidlite.data.tokenizers import build_tokenizer, train_byte_level_bpe, write_wordpiece_vocab
 from rapidlite.errors import ConfigError, DataError
 

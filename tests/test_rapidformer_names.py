@@ -137,6 +137,6 @@ def test_torch_compile_of_variable_length_fine_tuning_compiles_once(log_lines):
     assert compiled_graphs() - before == 1  # ...one graph
     assert any("any batch and sequence length" in line for line in log_lines)
     assert not [line for line in log_lines if "more graph" in line]
-    trainer._graphs -= 1  # as if a graph had been built after the first step: said in one line
-    trainer._log_recompiles()
+    trainer.monitor._graphs -= 1  # as if a graph had been built after the first step: said in one line
+    trainer.monitor._log_recompiles(trainer.iteration)
     assert "torch.compile: 1 more graph compiled by iteration" in log_lines[-1]

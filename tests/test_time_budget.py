@@ -70,10 +70,10 @@ def fake_speed(monkeypatch, step_s, elapsed_s):
     import time
 
     from rapidlite import cli
-    from rapidlite.trainer.base import BaseTrainer
+    from rapidlite.trainer.clock import RunClock
 
-    real = BaseTrainer._time_step
-    monkeypatch.setattr(BaseTrainer, "_time_step", lambda self, seconds: real(self, step_s))
+    real = RunClock._time_step
+    monkeypatch.setattr(RunClock, "_time_step", lambda self, seconds: real(self, step_s))
     monkeypatch.setattr(time_budget, "command_start", lambda: time.time() - elapsed_s)
     monkeypatch.setattr(cli, "mark_start", lambda: None)
 

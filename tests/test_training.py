@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import MLP, REPO, TokenSumFinetuner, ToyFinetuner, engine, params, read_metrics
-from rapidlite.checkpoint import read_model_tensors
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.errors import CheckpointError
 from rapidlite.precision import cpu_bf16_is_fast
 
@@ -380,7 +380,7 @@ def test_checkpoint_metadata_unpickler_refuses_foreign_globals(tmp_path):
     """DCP's metadata is a pickle: reading it must not call anything but DCP's own metadata classes."""
     import pickle
 
-    from rapidlite.checkpoint import SafeFileSystemReader
+    from rapidlite.checkpoint.dcp import SafeFileSystemReader
 
     train(ToyFinetuner, "--micro-batch-size", "8", "--train-iters", "1", "--save", str(tmp_path))
     ckpt = tmp_path / "iter_0000001"

@@ -74,7 +74,7 @@ def test_provider_shapes():
 def test_metric_values_are_plain_numbers():
     import numpy as np
 
-    from rapidlite.trainer.base import metric_values
+    from rapidlite.trainer.monitor import metric_values
 
     values = metric_values(
         {"acc": torch.tensor(0.5), "n": torch.tensor(40), "f1": np.float32(0.25), "per_class": torch.tensor([0.5, 1.0])}

@@ -125,7 +125,7 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
     except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
         raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
     if builder == "json":
-        from rapidlite.data.question_answering import is_squad_layout, squad_layout_rows
+        from rapidlite.data.question_answering_rows import is_squad_layout, squad_layout_rows
 
         if is_squad_layout(ds):  # the official SQuAD file: one object; its questions are the rows
             return squad_layout_rows(path)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from rapidlite import checkpoint as ckpt
+from rapidlite.checkpoint import dcp
+from rapidlite.checkpoint.export import export_hf
 from rapidlite.config.settings import Sections
 from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError
@@ -190,20 +191,20 @@ class Strategy:
         with_optimizer: bool,
         files: dict[str, str] | None = None,
     ) -> Path:
-        """``ckpt.save_checkpoint``: ``state`` and the text ``files`` are rank 0's."""
+        """``dcp.save_checkpoint``: ``state`` and the text ``files`` are rank 0's."""
         inner = optimizer.optimizer if with_optimizer else None
-        return ckpt.save_checkpoint(save_dir, iteration, model, inner, state, files=files)
+        return dcp.save_checkpoint(save_dir, iteration, model, inner, state, files=files)
 
     def load_checkpoint(
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
     ) -> tuple[int, dict[str, Any] | None]:
         """``(iteration, state)`` of ``load_dir``'s latest checkpoint, loaded into ``model`` (and the optimizer)."""
         inner = optimizer.optimizer if with_optimizer else None
-        return ckpt.load_checkpoint(load_dir, model, inner, weights_only=weights_only)
+        return dcp.load_checkpoint(load_dir, model, inner, weights_only=weights_only)
 
     def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
         """The whole model in Hugging Face format on rank 0 (a collective); None for other models and ranks."""
-        return ckpt.export_hf(model, out_dir, tokenizer, merge_adapters=self.config.lora.merge_lora)
+        return export_hf(model, out_dir, tokenizer, merge_adapters=self.config.lora.merge_lora)
 
 
 def refuse_foreign_optimizer(strategy: Strategy, optimizer: Any, builds_it: bool) -> None:

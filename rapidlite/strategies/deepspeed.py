@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from rapidlite import checkpoint as ckpt
+from rapidlite.checkpoint import dcp, layout, selection
+from rapidlite.checkpoint.export import export_hf
+from rapidlite.errors import CheckpointError
 from rapidlite.models import lora
 from rapidlite.optim import build_optimizer
 from rapidlite.parallel import deepspeed_backend
@@ -34,24 +36,24 @@ class DeepSpeed(Strategy):
         """A checkpoint written without DeepSpeed: its weights go into the model before DeepSpeed builds its
         fp32 copies from them (the optimizer state does not carry over)."""
         cfg = self.config.checkpoint
-        self._resume_from = ckpt.select_checkpoint(load_dir)
+        self._resume_from = selection.select_checkpoint(load_dir)
         path = self._resume_from[1]
-        if ckpt.is_deepspeed_checkpoint(path):
-            saved = deepspeed_backend.optimizer_partitions(path / ckpt.DEEPSPEED_TAG)
+        if layout.is_deepspeed_checkpoint(path):
+            saved = deepspeed_backend.optimizer_partitions(path / layout.DEEPSPEED_TAG)
             if saved in (0, self.dist.dp_size):
                 return
             # DeepSpeed cannot repartition ZeRO's optimizer state over another number of ranks (it raises
             # deep inside load_checkpoint); the weights, consolidated by zero_to_fp32, load on any layout.
             if not (cfg.finetune or cfg.no_load_optim):
-                raise ckpt.CheckpointError(
+                raise CheckpointError(
                     f"--load {load_dir}: the DeepSpeed checkpoint's ZeRO optimizer state is partitioned over "
                     f"{saved} data-parallel ranks and this run has {self.dist.dp_size}, which DeepSpeed cannot "
                     f"repartition: resume on {saved}, or add --no-load-optim to continue from its weights and "
                     "schedule (or --finetune for the weights)"
                 )
         elif not (cfg.finetune or cfg.no_load_optim):
-            raise ckpt.cross_backend_optimizer_error(load_dir, saved_by_deepspeed=False)
-        self._resume_weights = ckpt.read_model_tensors(path)
+            raise dcp.cross_backend_optimizer_error(load_dir, saved_by_deepspeed=False)
+        self._resume_weights = dcp.read_model_tensors(path)
 
     def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
         """Dropout and activation checkpointing as usual, then DeepSpeed's engine takes the model and the
@@ -66,7 +68,7 @@ class DeepSpeed(Strategy):
         model.to(self.device)
         self._prepare_module(model, dynamic_shapes, split=None)
         if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
-            ckpt.check_shapes(self.config.checkpoint.load, model.state_dict(), self._resume_weights)
+            dcp.check_shapes(self.config.checkpoint.load, model.state_dict(), self._resume_weights)
             model.load_state_dict(self._resume_weights, strict=not lora.trainable_only(model))
             self._resume_weights = None
             self._weights_loaded = True
@@ -115,33 +117,33 @@ class DeepSpeed(Strategy):
         def write(directory: Path) -> None:
             model.save_checkpoint(
                 str(directory),
-                tag=ckpt.DEEPSPEED_TAG,
+                tag=layout.DEEPSPEED_TAG,
                 save_latest=False,
                 exclude_frozen_parameters=lora.trainable_only(model.module),
             )
 
-        return ckpt.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write, files=files)
+        return dcp.save_checkpoint(save_dir, iteration, model, None, state, write_tensors=write, files=files)
 
     def load_checkpoint(
         self, load_dir: str, model: Any, optimizer: Any, *, with_optimizer: bool, weights_only: bool
     ) -> tuple[int, dict[str, Any] | None]:
-        iteration, path = self._resume_from or ckpt.select_checkpoint(load_dir)
-        native = ckpt.is_deepspeed_checkpoint(path) and not self._weights_loaded
+        iteration, path = self._resume_from or selection.select_checkpoint(load_dir)
+        native = layout.is_deepspeed_checkpoint(path) and not self._weights_loaded
         if native:
             loaded, _ = model.load_checkpoint(
                 str(path),
-                tag=ckpt.DEEPSPEED_TAG,
+                tag=layout.DEEPSPEED_TAG,
                 load_optimizer_states=with_optimizer,
                 load_lr_scheduler_states=False,
                 load_module_only=weights_only,
                 load_module_strict=not lora.trainable_only(model.module),
             )
             if loaded is None:
-                raise ckpt.CheckpointError(f"--load {load_dir}: DeepSpeed could not read the checkpoint in {path}")
+                raise CheckpointError(f"--load {load_dir}: DeepSpeed could not read the checkpoint in {path}")
         # else: the weights were loaded before deepspeed.initialize (prepare_resume)
         if weights_only:
             return iteration, None
-        return iteration, ckpt.read_state(path, load_dir, optimizer_loaded=native and with_optimizer)
+        return iteration, dcp.read_state(path, load_dir, optimizer_loaded=native and with_optimizer)
 
     def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
         module = model.module
@@ -149,4 +151,4 @@ class DeepSpeed(Strategy):
             return None
         full = deepspeed_backend.full_state_dict(model)  # a collective under ZeRO-3; None off rank 0
         merge = self.config.lora.merge_lora
-        return ckpt.export_hf(module, out_dir, tokenizer, full, merge_adapters=merge) if full is not None else None
+        return export_hf(module, out_dir, tokenizer, full, merge_adapters=merge) if full is not None else None

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from rapidlite import checkpoint as ckpt
+from rapidlite.checkpoint import dcp
+from rapidlite.checkpoint.export import export_hf
 from rapidlite.optim import StepHooks
 from rapidlite.parallel.data_parallel import apply_data_parallel
 from rapidlite.strategies.base import inconsistent_losses
@@ -113,10 +114,10 @@ class Pipeline(DataParallel):
     ) -> tuple[int, dict[str, Any] | None]:
         inner = optimizer.optimizer if with_optimizer else None
         # A stage holds part of the model: the checkpoint's other weights belong to other stages.
-        return ckpt.load_checkpoint(load_dir, model, inner, weights_only=weights_only, partial=True)
+        return dcp.load_checkpoint(load_dir, model, inner, weights_only=weights_only, partial=True)
 
     def export(self, model: Any, out_dir: str, tokenizer: Any) -> Path | None:
         if not hasattr(model, "save_pretrained"):
             return None
         # Each stage's weights, whole, gathered to rank 0 (a collective).
-        return ckpt.export_hf(model, out_dir, tokenizer, self.pipeline.full_state_dict())
+        return export_hf(model, out_dir, tokenizer, self.pipeline.full_state_dict())

@@ -90,7 +90,7 @@ class Finetuner(BaseTrainer):
         return self.log_evaluation(split, {} if metrics is None else metrics, epoch=round(epoch, 4))
 
     def _forward_batch(self, batch: Any) -> Any:
-        self.count_batch(*batch_stats(batch))
+        self.monitor.count_batch(*batch_stats(batch))
         return self.run_forward_step(batch, self.model)
 
     def train(self) -> dict[str, Any]:
@@ -203,8 +203,7 @@ class Finetuner(BaseTrainer):
         self.evaluate("validation")
         if self.test_dataloader is not None:
             self.evaluate("test")
-        if self._metrics is not None:
-            self._metrics.close()
+        self.monitor.close()
         return self.last_evaluation
 
     def _build_eval_loaders(self, valid_ds: Any, test_ds: Any, collate_fn: Any) -> None:

@@ -2,17 +2,74 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from rapidlite import time_budget
-from rapidlite.data.loader import DeviceDataLoader
+from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.data.samplers import PretrainingBatchSampler
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
-from rapidlite.trainer.base import BaseTrainer, CountingIterator, perplexity, split_datasets
+from rapidlite.trainer.base import BaseTrainer, perplexity, split_datasets
+
+
+class CountingIterator:
+    """Wraps a data iterator handed to ``run_forward_step`` and counts the samples/tokens drawn."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+        self.samples = 0
+        self.tokens = 0
+        self.tokens_known = True
+        self._replay: collections.deque[Any] = collections.deque()
+        self._recording: list[Any] | None = None
+
+    def __iter__(self) -> CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._replay:  # a pipeline replays a forward step on the batches it drew before (not counted again)
+            return self._replay.popleft()
+        batch = next(self.iterator)
+        if self._recording is not None:
+            self._recording.append(batch)
+        samples, tokens = batch_stats(batch)
+        self.samples += samples
+        if tokens is None:
+            self.tokens_known = False
+        else:
+            self.tokens += tokens
+        return batch
+
+    def take_counts(self) -> tuple[int, int | None]:
+        counts = (self.samples, self.tokens if self.tokens_known else None)
+        self.samples, self.tokens, self.tokens_known = 0, 0, True
+        return counts
+
+    def replayable(self, step: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """``(record, replay)`` for pipeline parallelism: ``record()`` runs ``step`` and keeps the batches it
+        drew; ``replay()`` runs it again on those same batches."""
+        drawn: list[Any] = []
+
+        def record() -> Any:
+            self._recording = drawn
+            try:
+                return step()
+            finally:
+                self._recording = None
+
+        def replay() -> Any:
+            self._replay.extend(drawn)
+            try:
+                return step()
+            finally:
+                self._replay.clear()
+
+        return record, replay
 
 
 class PreTrainer(BaseTrainer):
@@ -140,7 +197,7 @@ class PreTrainer(BaseTrainer):
         while self.iteration < self.total_iters:  # --time-budget may shorten it after the first steps
             self.train_step(self._micro_step(iterator) for _ in range(args.gradient_accumulation_steps))
             samples, tokens = iterator.take_counts()
-            self.count_batch(samples, tokens)
+            self.monitor.count_batch(samples, tokens)
             self.after_step(samples)
             self.stop_if_signalled()
             if self.exit_if_due():
