@@ -39,7 +39,7 @@ def run_user_script(script: str, argv: list[str]) -> int:
 
 def run_task(config: RunConfig, argv: list[str]) -> int:
     """``--task``: build the embedded demo's files if the run uses them, launch or join, train."""
-    from rapidlite.tasks.registry import get_task
+    from rapidlite.config.tasks import get_task
 
     task = get_task(config.task)
     if config.demo:

@@ -40,32 +40,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.tasks import TASKS, TaskSpec
 from rapidlite.errors import ConfigError
 
 GiB = 2**30
+# A user script's data without --seq-length is planned at this length (a black-box task's default is its own).
+SCRIPT_SEQ_LENGTH = 128
 MiB = 2**20
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def _task_auto_class(task: str | None, config: Any) -> Any:
+def _task_spec(args: Any) -> TaskSpec | None:
+    """The black-box task the plan is for: None for a user script (whose model the plan reads from its config)."""
+    return TASKS.get(args.task) if args.user_script is None else None
+
+
+def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
+    """The class the task builds from ``config`` (its ``TaskSpec``), else the config's own architecture."""
     import transformers
 
-    if task == "sequence_classification":
-        return transformers.AutoModelForSequenceClassification
-    if task == "token_classification":
-        return transformers.AutoModelForTokenClassification
-    if task == "question_answering":
-        return transformers.AutoModelForQuestionAnswering
-    if task == "masked_lm":
-        return transformers.AutoModelForMaskedLM
-    if task == "multiple_choice":
-        return transformers.AutoModelForMultipleChoice
-    if task == "pretraining" and getattr(config, "model_type", None) == "bert":
-        return transformers.BertForPreTraining
-    if task in ("pretraining", "causal_lm"):
-        return transformers.AutoModelForCausalLM
-    if task == "seq2seq":
-        return transformers.AutoModelForSeq2SeqLM
+    name = spec.model_class_name(getattr(config, "model_type", None)) if spec is not None else None
+    if name is not None:
+        return getattr(transformers, name)
     architectures = getattr(config, "architectures", None) or []
     name = architectures[0] if architectures else None
     if name is not None and hasattr(transformers, name):
@@ -76,11 +72,11 @@ def _task_auto_class(task: str | None, config: Any) -> Any:
 def meta_model(args: Any) -> torch.nn.Module:
     """The run's model on the ``meta`` device: from ``--pretrained-model-name-or-path``'s config (sizes overridden
     by the flags as the tasks do), or the built-in GPT from the flags for pretraining."""
-    name = args.pretrained_model_name_or_path
-    if name is None and args.load is not None and getattr(args, "load_is_pretrained_model", False):
+    name, spec = args.pretrained_model_name_or_path, _task_spec(args)
+    if name is None and args.load is not None and args.load_is_pretrained_model:
         name = args.load
     if name is None:
-        if args.task != "pretraining":
+        if spec is None or not spec.from_config:
             raise ConfigError(
                 "--dry-run builds the model from its config: give --pretrained-model-name-or-path (a hub name or "
                 "a local model directory)"
@@ -93,15 +89,15 @@ def meta_model(args: Any) -> torch.nn.Module:
             return GPTModel(GPTConfig.of(args.sections, vocab_size))
     from transformers import AutoConfig
 
-    from rapidlite.tasks.pretraining import _override_sizes
+    from rapidlite.models.hf import override_sizes
 
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
-    if args.task == "pretraining":
-        _override_sizes(config, args)
-    auto = _task_auto_class(args.task, config)
+    if spec is not None and spec.from_config:
+        override_sizes(config, args.sections.model, args.seq_length)
+    auto = _auto_class(spec, config)
     # Auto classes build from a config with from_config; a model class named by the config's architectures
     # (the fallback for a task not listed above) with _from_config.
     build = getattr(auto, "from_config", None) or auto._from_config
@@ -109,12 +105,9 @@ def meta_model(args: Any) -> torch.nn.Module:
         return build(config)
 
 
-# A multiple-choice micro-batch is planned with SWAG's four choices per question (each choice is a sequence).
-PLANNED_CHOICES = 4
-
-
-def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it)."""
+def _forward_loss(model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1) -> torch.Tensor:
+    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it).
+    ``inputs_per_sample`` > 1: each sample is that many sequences (``[questions, choices, tokens]``)."""
     from rapidlite.models.gpt import GPTModel
 
     if isinstance(model, GPTModel):
@@ -122,8 +115,8 @@ def _forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     else:
         # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-        if type(model).__name__.endswith("ForMultipleChoice"):  # [questions, choices, tokens]
-            ids = ids.unsqueeze(1).repeat(1, PLANNED_CHOICES, 1)
+        if inputs_per_sample > 1:
+            ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
         out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None
@@ -150,7 +143,9 @@ class ActivationProfile:
     largest_split: bool = False
 
 
-def profile_activations(model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None) -> Any:
+def profile_activations(
+    model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None, inputs_per_sample: int = 1
+) -> Any:
     """Run one meta forward and count what autograd saves (see the module docstring)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -229,7 +224,7 @@ def profile_activations(model: torch.nn.Module, micro_batch: int, seq_length: in
         ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
     try:
         with Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _forward_loss(model, ids)
+            _forward_loss(model, ids, inputs_per_sample)
     finally:
         for h in handles:
             h.remove()
@@ -355,8 +350,9 @@ def plan(args: Any) -> Plan:
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
     seq = sequence_length(args, getattr(model, "config", None))
     probe = model.to(precision.dtype) if precision.dtype is not None else model
-    profile = profile_activations(probe, args.micro_batch_size, seq, hidden)
-    profile_next = profile_activations(probe, args.micro_batch_size + 1, seq, hidden)
+    per_sample = spec.inputs_per_sample if (spec := _task_spec(args)) is not None else 1
+    profile = profile_activations(probe, args.micro_batch_size, seq, hidden, per_sample)
+    profile_next = profile_activations(probe, args.micro_batch_size + 1, seq, hidden, per_sample)
     n_blocks = len(profile.blocks_split) or 1
 
     deepspeed = bool(getattr(args, "deepspeed", False))
@@ -443,25 +439,18 @@ def sequence_length(args: Any, config: Any = None) -> int:
     """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum; a default (none
     given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
     lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
-    from rapidlite.models.hf import position_limit
+    from rapidlite.models.hf import position_limit, within_positions
 
-    limit = position_limit(config) if config is not None else None
+    spec = _task_spec(args)
+    # A task that trains its config from scratch grows the table to the length; a script's own data without
+    # --seq-length is planned at SCRIPT_SEQ_LENGTH.
+    limit = position_limit(config) if config is not None and not (spec and spec.from_config) else None
     if args.seq_length:
-        if limit is None or args.seq_length <= limit or args.task == "pretraining":
-            return args.seq_length
-        if not args.given("seq_length"):  # a task's default: lowered to the table, as the task lowers it
-            return limit
-        raise ConfigError(
-            f"--seq-length {args.seq_length}: the model has learned position embeddings for {limit} positions; "
-            f"use --seq-length {limit} or less"
-        )
-    if args.task == "causal_lm":
-        from rapidlite.tasks.causal_lm import DEFAULT_SEQ_LENGTH
-    elif args.task == "seq2seq":
-        from rapidlite.tasks.seq2seq import DEFAULT_SEQ_LENGTH
+        seq_length, explicit = args.seq_length, args.given("seq_length")
     else:
-        from rapidlite.tasks.sequence_classification import DEFAULT_SEQ_LENGTH
-    return min(DEFAULT_SEQ_LENGTH, limit) if limit is not None else DEFAULT_SEQ_LENGTH
+        seq_length, explicit = SCRIPT_SEQ_LENGTH, False
+    refusal = "the model has learned position embeddings for {limit} positions; use --seq-length {limit} or less"
+    return within_positions(seq_length, limit, explicit, refusal)
 
 
 def _resident_bytes() -> int:
@@ -625,7 +614,7 @@ def format_plan(p: Plan) -> str:
         *describe_mesh(dims),
         f"batch: micro {a.micro_batch_size} x accumulation {a.gradient_accumulation_steps} x data parallel "
         f"{dims.dp} = global {a.global_batch_size}; sequence length {p.seq_length or sequence_length(a)}"
-        + ("" if a.seq_length else " (the task's default; the longest a batch is padded to)"),
+        + ("" if a.given("seq_length") else " (the task's default; the longest a batch is padded to)"),
         f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
         "predicted memory per rank (peak of a training step):",

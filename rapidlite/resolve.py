@@ -22,9 +22,9 @@ from rapidlite.config.fields import derived_defaults
 from rapidlite.config.runtime import ParallelConfig
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTIONS, Sections
+from rapidlite.config.tasks import TaskSpec, get_task, task_names
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.errors import ConfigError
-from rapidlite.tasks.registry import TaskSpec, get_task, task_names
 from rapidlite.tracking import check_wandb_flags
 
 
@@ -368,7 +368,7 @@ def _check_lora(args: argparse.Namespace) -> None:
 
 
 def _check_task(task: TaskSpec, args: argparse.Namespace) -> None:
-    """What the chosen black-box task needs (``rapidlite.tasks.registry``)."""
+    """What the chosen black-box task needs (``rapidlite.config.tasks``)."""
     if not args.demo:
         missing = [flag for flag in task.required if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
         if missing:
@@ -433,7 +433,8 @@ def _resolve_load(args: argparse.Namespace) -> list[str]:
     if task is not None and task.load_model_dir and model in (None, args.load):
         args.pretrained_model_name_or_path = args.load
         return notices
-    hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if args.task == "pretraining" else "")
+    from_config = task is not None and task.from_config  # it starts from a config unless asked for the weights
+    hint = "--pretrained-model-name-or-path DIR" + (" --load-pretrained-weights" if from_config else "")
     raise ConfigError(
         f"--load {args.load} holds a Hugging Face model, not a rapidlite checkpoint (no 'latest'): start from it "
         f"with {hint}; --load resumes a --save directory"

@@ -93,9 +93,13 @@ def long_modules(limit: int = 500) -> dict[str, int]:
     return {name: n for name, n in sorted(lengths.items()) if n > limit}
 
 
+# A task compared by its name: ``task == "causal_lm"``, ``args.task != 'pretraining'``, ``task in ("a", "b")``.
+TASK_NAME_COMPARISON = r"\btask\s*(==|!=)\s*[\"']|\btask\s+in\s*\(\s*[\"']"
+
+
 def task_name_comparisons() -> list[str]:
-    """Code that asks which task runs by its name (``task == "causal_lm"``) instead of asking its TaskSpec."""
-    pattern = re.compile(r"\btask\s*(==|!=|in\s*\()|\.task\s*(==|!=|in\s*\()")
+    """Code that asks which task runs by its name instead of asking its TaskSpec."""
+    pattern = re.compile(TASK_NAME_COMPARISON)
     return [
         f"{path.relative_to(REPO)}:{i}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -131,5 +135,7 @@ def test_the_measures_see_what_they_measure(tmp_path):
     assert _holds_settings(call.args[0]) and isinstance(call.args[1], ast.Constant)
     reads = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _holds_settings(n.value)]
     assert [r.attr for r in reads] == ["micro_batch_size"]
-    assert re.search(r"\btask\s*(==|!=|in\s*\()", 'if task == "causal_lm":')
+    assert re.search(TASK_NAME_COMPARISON, 'if args.task == "causal_lm":')
+    assert re.search(TASK_NAME_COMPARISON, "if task in ('pretraining', 'causal_lm'):")
+    assert not re.search(TASK_NAME_COMPARISON, "if task == MULTIPLE_CHOICE:")  # rapidlite-eval's own item kinds
     assert namespace_readers()  # the command line and resolve read the namespace on purpose

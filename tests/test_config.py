@@ -16,9 +16,9 @@ from helpers import ToyFinetuner
 from rapidlite import arguments
 from rapidlite.arguments import build_parser, parse, parse_args
 from rapidlite.cli import main
+from rapidlite.config import tasks as registry
 from rapidlite.errors import ConfigError
 from rapidlite.resolve import FrozenConfigError, RunConfig, resolve, with_embedded_demo
-from rapidlite.tasks import registry
 
 BASE = ["--task", "sequence_classification", "--demo"]
 

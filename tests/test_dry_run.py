@@ -164,7 +164,9 @@ def test_a_model_class_named_by_the_config_is_built_on_meta(tmp_path):
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     config.architectures = ["BertForMaskedLM"]
     config.save_pretrained(tmp_path)
-    model = meta_model(Namespace(pretrained_model_name_or_path=str(tmp_path), load=None, task="other"))
+    model = meta_model(
+        Namespace(pretrained_model_name_or_path=str(tmp_path), load=None, task="other", user_script=None)
+    )
     assert type(model).__name__ == "BertForMaskedLM"
     assert next(model.parameters()).device.type == "meta"
 

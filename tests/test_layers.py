@@ -36,7 +36,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.resolve",
             "rapidlite.config_file",
             "rapidlite.megatron_flags",
-            "rapidlite.tasks.registry",
         ),
     ),
     (

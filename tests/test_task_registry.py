@@ -7,8 +7,8 @@ import pytest
 from helpers import ToyFinetuner
 from rapidlite.arguments import parse_args
 from rapidlite.cli import main
+from rapidlite.config import tasks as registry
 from rapidlite.errors import ConfigError
-from rapidlite.tasks import registry
 
 
 def toy_trainer(args):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rapidlite.config.fields import derived, flag
-from rapidlite.tasks.registry import task_names
+from rapidlite.config.tasks import task_names
 
 # The --help groups, in their order (title -> description).
 TASK_AND_MODEL = "task and model"

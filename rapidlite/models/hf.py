@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from rapidlite.config.sections import ModelConfig
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.logging import LOGGER_NAME
 
@@ -210,13 +211,40 @@ def sequence_length(
     limit, source = min(limits) if limits else (None, "")
     if seq_length is None:
         return min(limit or default_cap, default_cap)
-    if limit is not None and seq_length > limit:
-        if not explicit:
-            return limit
-        raise ConfigError(
-            f"--seq-length {seq_length}: the model takes at most {limit} tokens ({source}); use --seq-length {limit}"
-        )
-    return seq_length
+    refusal = "the model takes at most {limit} tokens (" + source + "); use --seq-length {limit}"
+    return within_positions(seq_length, limit, explicit, refusal)
+
+
+def within_positions(
+    seq_length: int, limit: int | None, explicit: bool, refusal: str, flag: str = "--seq-length"
+) -> int:
+    """The sequence-length rule, for every task, the planner and evaluation: a length within the model's limit
+    (its learned position table, ``position_limit``) stands; a default beyond it (``explicit`` False: a task's
+    default, not the user's) is lowered to it; a length the user gave beyond it is refused in one line,
+    ``--seq-length N: `` (or ``flag``'s) + ``refusal`` (which may name ``{limit}``), before any step would index
+    past the table."""
+    if limit is None or seq_length <= limit:
+        return seq_length
+    if not explicit:
+        return limit
+    raise ConfigError(f"{flag} {seq_length}: " + refusal.replace("{limit}", str(limit)))
+
+
+def override_sizes(config: Any, model: ModelConfig, seq_length: int) -> None:
+    """A config a task trains from scratch (``TaskSpec.from_config``): the size flags given (``--num-layers``,
+    ``--hidden-size``, ...) onto the keys the model family's spec names, and a learned position table too short
+    for ``seq_length`` made long enough (rotary and ALiBi models have no table; the value is then unused)."""
+    from rapidlite.models.spec import spec_for_config
+
+    for flag, keys in spec_for_config(config).size_keys.items():
+        value = getattr(model, flag)
+        if value is not None:
+            for key in keys:
+                if hasattr(config, key):
+                    setattr(config, key, value)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_length > limit:
+        config.max_position_embeddings = seq_length
 
 
 def check_positions(model: Any, seq_length: int, name: str) -> None:
@@ -224,11 +252,8 @@ def check_positions(model: Any, seq_length: int, name: str) -> None:
     (``position_limit`` of its config): the first long batch would otherwise fail deep inside the model with
     an index error."""
     limit = position_limit(getattr(model, "config", model))
-    if limit is not None and seq_length > limit:
-        raise ConfigError(
-            f"--seq-length {seq_length}: {name} has learned position embeddings for {limit} positions; use "
-            f"--seq-length {limit} or less"
-        )
+    refusal = name + " has learned position embeddings for {limit} positions; use --seq-length {limit} or less"
+    within_positions(seq_length, limit, True, refusal)
 
 
 def unquantized(model: Any) -> Any:

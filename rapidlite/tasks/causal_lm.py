@@ -13,18 +13,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.tasks import get_task
 from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models import lora
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit
+from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
-DEFAULT_SEQ_LENGTH = 512
 MAX_NEW_TOKENS = 64
 _CHATML_END = "<|im_end|>"
 
@@ -65,17 +65,13 @@ def config_vocab_size(config: Any) -> int | None:
 
 
 def causal_seq_length(seq_length: int | None, config: Any, explicit: bool = True) -> int:
-    """``--seq-length`` (the task's default 512 when not ``explicit``) within the model's learned position table,
-    which a longer row would index past: the default is lowered to it, a longer explicit value is one line."""
+    """``--seq-length`` (the task's default when none is given or not ``explicit``) within the model's learned
+    position table, which a longer row would index past: the default is lowered to it, a longer explicit value
+    is one line."""
     limit = position_limit(config) if config is not None else None
-    seq_length = seq_length or DEFAULT_SEQ_LENGTH
-    if limit is None or seq_length <= limit:
-        return seq_length
-    if not explicit:
-        return limit
-    raise ConfigError(
-        f"--seq-length {seq_length}: the model's learned positions end at {limit} tokens; use --seq-length {limit}"
-    )
+    seq_length = seq_length or get_task("causal_lm").defaults["seq_length"]
+    refusal = "the model's learned positions end at {limit} tokens; use --seq-length {limit}"
+    return within_positions(seq_length, limit, explicit, refusal)
 
 
 def choose_pad(tokenizer: Any, vocab_size: int | None, logger: Any) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rapidlite.cache import cache_root, cache_scratch, make_cache_dir
-from rapidlite.tasks.registry import Demo
+from rapidlite.config.tasks import Demo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

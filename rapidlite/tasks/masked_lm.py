@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.tasks import get_task
 from rapidlite.data.masked_lm import (
     EVAL_STREAM,
     IGNORE_INDEX,
@@ -39,8 +40,6 @@ from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
-MAX_DEFAULT_SEQ_LENGTH = 512
-
 
 def load_masked_lm(name: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForMaskedLM`` from ``name``; attention through SDPA where the model class has it. ``kwargs``:
@@ -56,7 +55,7 @@ def load_masked_lm(name: str, **kwargs: Any) -> torch.nn.Module:
 class MaskedLMFinetuner(Finetuner):
     """Masked-LM training on raw text; the loss is over the masked tokens."""
 
-    seq_length = MAX_DEFAULT_SEQ_LENGTH
+    seq_length = get_task("masked_lm").defaults["seq_length"]  # until the data sets it
 
     def train_valid_test_datasets_provider(self):
         args = self.args
@@ -64,7 +63,9 @@ class MaskedLMFinetuner(Finetuner):
         config = load_config(args.pretrained_model_name_or_path)
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
-        self.seq_length = sequence_length(args.seq_length, self.tokenizer, MAX_DEFAULT_SEQ_LENGTH, config)
+        self.seq_length = sequence_length(
+            args.seq_length, self.tokenizer, args.seq_length, config, args.given("seq_length")
+        )
         with hf_datasets_progress(self.show_progress):
             raw = load_text_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_masked_lm_data(

@@ -28,8 +28,6 @@ from rapidlite.models.hf import (
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
-DEFAULT_SEQ_LENGTH = 512  # the cap of the default (the model's limit); rows are padded per batch to their longest
-
 
 def load_multiple_choice_model(name: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForMultipleChoice`` from ``name`` (a fresh scoring head when the checkpoint has none);
@@ -51,7 +49,7 @@ class MultipleChoiceFinetuner(Finetuner):
         config = load_config(args.pretrained_model_name_or_path)
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config)
+        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, args.given("seq_length"))
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_multiple_choice_data(

@@ -23,24 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.tasks import model_family
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import check_positions, load_config, load_hf_model
-from rapidlite.models.spec import spec_for_config
-from rapidlite.tasks.registry import model_family
+from rapidlite.models.hf import check_positions, load_config, load_hf_model, override_sizes
 from rapidlite.trainer.pretrainer import PreTrainer
-
-
-def _override_sizes(config: Any, args: Any) -> None:
-    """The size flags given, onto the config keys the model family's spec names."""
-    for flag, keys in spec_for_config(config).size_keys.items():
-        value = getattr(args, flag)
-        if value is not None:
-            for key in keys:
-                if hasattr(config, key):
-                    setattr(config, key, value)
 
 
 def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
@@ -54,10 +43,9 @@ def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
         check_positions(model, args.seq_length, name)
         return model
     config = load_config(name)
-    _override_sizes(config, args)
+    override_sizes(config, args.sections.model, args.seq_length)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
-    _grow_positions(config, args.seq_length)
     return load_hf_model(AutoModelForCausalLM.from_config, config)
 
 
@@ -72,14 +60,6 @@ def _load_weights(load: Any, name: str, what: str) -> torch.nn.Module:
             f"({first_line(e, 160)}); name a directory or hub model with weights, or leave out "
             "--load-pretrained-weights to train from the config"
         ) from None
-
-
-def _grow_positions(config: Any, seq_length: int) -> None:
-    """A model built from its config trains from scratch: a learned position table too short for
-    ``--seq-length`` is made long enough (rotary and ALiBi models have no table; the value is then unused)."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_length > limit:
-        config.max_position_embeddings = seq_length
 
 
 def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
@@ -100,9 +80,8 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
         check_positions(model, args.seq_length, name)
         return model
     config = load_config(name)
-    _override_sizes(config, args)
+    override_sizes(config, args.sections.model, args.seq_length)
     config.vocab_size = max(config.vocab_size, vocab_size)
-    _grow_positions(config, args.seq_length)
     # The auto classes map a BERT config to BertForPreTraining / BertForMaskedLM; unlike the classes' own
     # constructors, their from_config takes the attention implementation.
     auto = AutoModelForPreTraining if args.binary_head else AutoModelForMaskedLM

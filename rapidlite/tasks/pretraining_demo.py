@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from rapidlite.cache import build_once, cache_root
-from rapidlite.tasks.registry import Demo
+from rapidlite.config.tasks import Demo
 
 # Bump when the extraction, tokenizer or preprocessing changes, so cached assets are rebuilt.
 CORPUS_VERSION = 1

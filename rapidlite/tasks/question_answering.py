@@ -33,8 +33,6 @@ from rapidlite.models.hf import (
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
-DEFAULT_SEQ_LENGTH = 384  # run_qa's --max_seq_length
-
 
 def load_question_answering_model(name: str, **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForQuestionAnswering`` from ``name`` (a fresh span head when the checkpoint has none);
@@ -73,7 +71,7 @@ class QuestionAnsweringFinetuner(Finetuner):
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
         explicit = args.given("seq_length")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
+        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, explicit)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             # --eval-only of data without a validation split scores its train split: it needs the windows' metadata.

@@ -20,7 +20,7 @@ import random
 from typing import TYPE_CHECKING
 
 from rapidlite.cache import build_once, cache_root
-from rapidlite.tasks.registry import Demo
+from rapidlite.config.tasks import Demo
 
 if TYPE_CHECKING:
     import torch

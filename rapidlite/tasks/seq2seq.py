@@ -25,11 +25,10 @@ from rapidlite.data.seq2seq import build_seq2seq_data
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer
+from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
-DEFAULT_SEQ_LENGTH = 1024  # run_summarization's --max_source_length
 DEFAULT_MAX_TARGET_LENGTH = 128  # and its --max_target_length
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 SEQ2SEQ_INSTALL = "pip install 'rapidlite[seq2seq]'"
@@ -178,8 +177,8 @@ class Seq2SeqFinetuner(Finetuner):
         return d.train, d.validation, d.test, PadCollator.for_tokenizer(self.tokenizer)
 
     def _lengths(self, name: str) -> tuple[int, int]:
-        """``--seq-length`` (default 1024) and ``--max-target-length`` (default 128), within the model's position
-        table: a default is lowered to it, a length asked for beyond it is refused. A model that is no
+        """``--seq-length`` (the task's default 1024) and ``--max-target-length`` (default 128), within the model's
+        position table: a default is lowered to it, a length asked for beyond it is refused. A model that is no
         sequence-to-sequence model is refused here, before any data is read."""
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
@@ -195,21 +194,12 @@ class Seq2SeqFinetuner(Finetuner):
                 "model (AutoModelForSeq2SeqLM: T5, BART, Marian, Pegasus, ...); --task causal_lm fine-tunes "
                 "decoder-only models"
             )
-        limit = getattr(config, "max_position_embeddings", None)
-        if not isinstance(limit, int) or getattr(config, "model_type", None) in ("t5", "mt5", "umt5", "longt5"):
-            limit = None  # relative position buckets: no table to run past
-        lengths = []
-        for flag, value, default in (
-            ("--seq-length", args.seq_length, DEFAULT_SEQ_LENGTH),
-            ("--max-target-length", args.max_target_length, DEFAULT_MAX_TARGET_LENGTH),
-        ):
-            if limit is not None and value is not None and value > limit:
-                raise ConfigError(
-                    f"{flag} {value}: the model has {limit} positions (max_position_embeddings); use at most {limit}"
-                )
-            length = value if value is not None else default
-            lengths.append(min(length, limit) if limit is not None else length)
-        return lengths[0], lengths[1]
+        limit = position_limit(config)  # None for T5's relative position buckets: no table to run past
+        refusal = "the model has {limit} positions (max_position_embeddings); use at most {limit}"
+        source = within_positions(args.seq_length, limit, args.given("seq_length"), refusal)
+        target_given = args.max_target_length is not None
+        target = args.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
+        return source, within_positions(target, limit, target_given, refusal, flag="--max-target-length")
 
     def model_optimizer_lr_scheduler_provider(self):
         args = self.args

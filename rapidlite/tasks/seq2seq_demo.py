@@ -19,7 +19,7 @@ import pathlib
 import random
 
 from rapidlite.cache import build_once, cache_root
-from rapidlite.tasks.registry import Demo
+from rapidlite.config.tasks import Demo
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1

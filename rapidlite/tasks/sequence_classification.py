@@ -24,8 +24,6 @@ from rapidlite.models.hf import (
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
-DEFAULT_SEQ_LENGTH = 128
-
 
 def load_classifier(name: str, num_labels: int, id2label: dict[int, str], **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForSequenceClassification`` from ``name`` with a fresh head for these labels (or, with
@@ -57,7 +55,7 @@ class SequenceClassificationFinetuner(Finetuner):
         if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
             self.logger.info(f"data: {padding}")
         explicit = args.given("seq_length")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit)
+        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
             raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
             self.data = build_text_classification_data(

@@ -35,7 +35,6 @@ from rapidlite.models.hf import (
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
-DEFAULT_SEQ_LENGTH = 128
 # Byte-level BPE tokenizers read pre-split words only with a space before each (run_ner's list).
 _PREFIX_SPACE_MODELS = ("bloom", "gpt2", "roberta", "deberta", "longformer", "bart")
 
@@ -85,7 +84,7 @@ class TokenClassificationFinetuner(Finetuner):
             self.logger.info(f"data: {padding}")
         explicit = args.given("seq_length")
         self.seq_length = seq_length = sequence_length(
-            args.seq_length, self.tokenizer, DEFAULT_SEQ_LENGTH, config, explicit
+            args.seq_length, self.tokenizer, args.seq_length, config, explicit
         )
         with hf_datasets_progress(self.show_progress):
             raw = load_token_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)

@@ -1,10 +1,11 @@
 """The black-box tasks ``--task`` can name: what each runs, what it needs, what it supports.
 
-One ``TaskSpec`` per task, looked up by name. The command line (``rapidlite.cli``) and ``resolve``
-(``rapidlite.resolve``) consult this table and nothing else, so adding a task is one module under
-``rapidlite/tasks/`` plus one entry here. The table is torch-free and imports no task module: trainers and
-demos are named by ``"module:attribute"`` and imported only when a run needs them, so ``--help`` and flag
-errors stay fast.
+One ``TaskSpec`` per task, looked up by name: everything the rest of rapidlite knows about a task is here.
+The command line (``rapidlite.cli``), ``resolve`` (``rapidlite.resolve``) and the planner (``--dry-run``) consult
+this table and never compare task names, so adding a task is one module under ``rapidlite/tasks/`` plus one
+entry here (or ``register_task`` from outside the package). The table is torch-free and imports no task
+module: trainers and demos are named by ``"module:attribute"`` and imported only when a run needs them, so
+``--help`` and flag errors stay fast.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ class TaskSpec:
     Hugging Face model directory given to ``--load`` is the model to start from. ``check``: task-specific
     validation of the parsed flags (torch-free). ``defaults``: the task's values of flags left unset (by
     destination; each a value or a function of the otherwise resolved flags), applied by ``resolve``.
-    ``eval_only``: the trainer honours ``--eval-only`` (a ``Finetuner`` does).
+    ``eval_only``: the trainer honours ``--eval-only`` (a ``Finetuner`` does). ``auto_class``: the
+    ``transformers`` class the task builds from a config (``auto_class_by_model_type`` where a model type takes
+    another, as BERT pretraining does), which the planner builds on the meta device. ``inputs_per_sample``:
+    sequences one sample feeds the model (a multiple-choice question: one per choice, planned at four).
+    ``from_config``: the task builds its model from a config and trains it from scratch (weights only with
+    ``--load-pretrained-weights``): the size flags reshape the config, the position table grows to
+    ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT.
     """
 
     name: str
@@ -61,6 +68,14 @@ class TaskSpec:
     load_model_dir: bool = False
     check: Callable[[Any], None] | None = None
     eval_only: bool = False
+    auto_class: str | None = None
+    auto_class_by_model_type: Mapping[str, str] = field(default_factory=dict)
+    inputs_per_sample: int = 1
+    from_config: bool = False
+
+    def model_class_name(self, model_type: str | None) -> str | None:
+        """The ``transformers`` class this task builds for a config of ``model_type``."""
+        return self.auto_class_by_model_type.get(model_type or "", self.auto_class)
 
     def trainer_class(self, args: Any) -> type:
         return _import(self.trainer)(args)
@@ -118,7 +133,7 @@ def _check_pretraining(args: Any) -> None:
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
             "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
         )
-    given = getattr(args, "explicit_flags", None)
+    given = args.explicit_flags
     if args.pretrained_model_name_or_path is not None and given is not None:
         for dest in _BUILT_IN_GPT_FLAGS:
             if dest in given:
@@ -130,13 +145,16 @@ def _check_pretraining(args: Any) -> None:
                 )
 
 
+QUESTION_ANSWERING_SEQ_LENGTH = 384  # run_qa's --max_seq_length
+
+
 def _check_question_answering(args: Any) -> None:
     if args.padding_free:
         raise ConfigError(
             "--padding-free: question answering picks each window's answer span by a softmax over the whole window, "
             "which a row of packed windows would mix; drop --padding-free (--group-by-length also cuts padding)"
         )
-    seq_length = args.seq_length or 384
+    seq_length = args.seq_length or QUESTION_ANSWERING_SEQ_LENGTH
     for flag, value in (("--n-best-size", args.n_best_size), ("--max-answer-length", args.max_answer_length)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be at least 1")
@@ -180,8 +198,10 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.sequence_classification:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.demo:demo",
+            defaults={"seq_length": 128},
             load_model_dir=True,
             eval_only=True,
+            auto_class="AutoModelForSequenceClassification",
         ),
         TaskSpec(
             name="pretraining",
@@ -193,6 +213,9 @@ TASKS: dict[str, TaskSpec] = {
             demo_without_data=True,
             defaults={"seq_length": _pretraining_seq_length},
             check=_check_pretraining,
+            auto_class="AutoModelForCausalLM",
+            auto_class_by_model_type={"bert": "BertForPreTraining"},
+            from_config=True,
         ),
         TaskSpec(
             name="causal_lm",
@@ -203,6 +226,7 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": 512},
             load_model_dir=True,
             eval_only=True,
+            auto_class="AutoModelForCausalLM",
         ),
         TaskSpec(
             name="question_answering",
@@ -210,10 +234,11 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.question_answering:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.question_answering_demo:demo",
-            defaults={"seq_length": 384},
+            defaults={"seq_length": QUESTION_ANSWERING_SEQ_LENGTH},
             load_model_dir=True,
             check=_check_question_answering,
             eval_only=True,
+            auto_class="AutoModelForQuestionAnswering",
         ),
         TaskSpec(
             name="masked_lm",
@@ -221,9 +246,11 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.masked_lm:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.masked_lm_demo:demo",
+            defaults={"seq_length": 512},  # a cap: lowered to the model's limit
             load_model_dir=True,
             check=_check_masked_lm,
             eval_only=True,
+            auto_class="AutoModelForMaskedLM",
         ),
         TaskSpec(
             name="multiple_choice",
@@ -231,9 +258,12 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.multiple_choice:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.multiple_choice_demo:demo",
+            defaults={"seq_length": 512},  # a cap: lowered to the model's limit; rows pad to the longest
             load_model_dir=True,
             check=_check_multiple_choice,
             eval_only=True,
+            auto_class="AutoModelForMultipleChoice",
+            inputs_per_sample=4,  # SWAG's four choices per question, each a sequence
         ),
         TaskSpec(
             name="token_classification",
@@ -244,6 +274,7 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": 128},
             load_model_dir=True,
             eval_only=True,
+            auto_class="AutoModelForTokenClassification",
         ),
         TaskSpec(
             name="seq2seq",
@@ -251,9 +282,11 @@ TASKS: dict[str, TaskSpec] = {
             trainer="rapidlite.tasks.seq2seq:trainer_for",
             required=("--pretrained-model-name-or-path", "--data-path"),
             demo="rapidlite.tasks.seq2seq_demo:demo",
+            defaults={"seq_length": 1024},  # run_summarization's --max_source_length
             load_model_dir=True,
             check=_check_seq2seq,
             eval_only=True,
+            auto_class="AutoModelForSeq2SeqLM",
         ),
     )
 }
@@ -261,6 +294,14 @@ TASKS: dict[str, TaskSpec] = {
 
 def task_names() -> list[str]:
     return list(TASKS)
+
+
+def register_task(spec: TaskSpec) -> None:
+    """Add a task ``--task spec.name`` can name, from outside the package: its trainer and demo are named by
+    ``"module:attribute"`` as the built-in tasks' are. A name already taken is refused."""
+    if spec.name in TASKS:
+        raise ConfigError(f"task {spec.name!r} is registered already; give the new task another name")
+    TASKS[spec.name] = spec
 
 
 def get_task(name: str) -> TaskSpec:
