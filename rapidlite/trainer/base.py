@@ -40,7 +40,8 @@ class BaseTrainer:
 
     def __init__(self, engine: RapidliteEngine | None = None) -> None:
         self.engine = engine if engine is not None else RapidliteEngine()
-        self.args = self.engine.args
+        self.args = self.engine.args  # the flat view, for user hooks (get_args() is the same object)
+        self.settings = self.engine.settings
         self.logger = self.engine.logger
         self.timers = self.engine.timers
         self.model: torch.nn.Module | None = None
@@ -51,8 +52,8 @@ class BaseTrainer:
         self.consumed_samples = 0
         self.total_iters = 0
         # The run's log and evaluation intervals: the flags', unless --time-budget spaces them over its length.
-        self.log_every: int = self.args.log_interval
-        self.eval_every: int | None = self.args.eval_interval
+        self.log_every: int = self.settings.logging.log_interval
+        self.eval_every: int | None = self.settings.training.eval_interval
         self.last_evaluation: dict[str, Any] = {}
         self.monitor = Monitor(self.engine)
         self.clock = RunClock(self)
@@ -117,7 +118,7 @@ class BaseTrainer:
     def show_progress(self) -> bool:
         """Whether this process draws progress bars (for data preparation too): the main process, unless
         ``--no-progress``; a bar still needs a terminal (``rapidlite.progress``)."""
-        return self.engine.is_main_process and not getattr(self.args, "no_progress", False)
+        return self.engine.is_main_process and not self.settings.logging.no_progress
 
     def progress_bar(
         self, total: int | None, desc: str, unit: str = "it", leave: bool = True, initial: int = 0
@@ -147,13 +148,13 @@ class BaseTrainer:
         self.engine.barrier()
         strategy = self.engine.strategy
         n_params = strategy.parameter_count(self.model)
-        a = self.args
+        a = self.settings.training
         self.logger.info(
             f"model: {model_class_name(strategy.module(self.model))}, {n_params / 1e6:.2f}M parameters | "
             f"device: {self.engine.device} | "
             f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
-            f"{a.gradient_accumulation_steps} x data-parallel {a.data_parallel_size} = global batch "
-            f"{a.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
+            f"{a.gradient_accumulation_steps} x data-parallel {self.settings.parallel.data_parallel_size} = global "
+            f"batch {a.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
             + (f" (resuming at {self.iteration})" if self.iteration else "")
             + f" | run id {self.monitor.run_id}"
         )
@@ -209,7 +210,11 @@ class BaseTrainer:
             with self.clock.timing_evaluation():
                 self.evaluate("validation")
         # Not while steps are being skipped for NaN/inf: latest stays at the last step that trained.
-        if self.args.save_interval and self.iteration % self.args.save_interval == 0 and not self.clock.skip_streak:
+        if (
+            self.settings.checkpoint.save_interval
+            and self.iteration % self.settings.checkpoint.save_interval == 0
+            and not self.clock.skip_streak
+        ):
             self.checkpointing.save()
         self.clock.bookkeeping_ended()
 
@@ -245,10 +250,10 @@ class BaseTrainer:
     def finish(self) -> None:
         """Final checkpoint, Hugging Face export (gathered on rank 0), close outputs."""
         self.monitor.close_progress()
-        if self.args.save is not None:
+        if self.settings.checkpoint.save is not None:
             self.checkpointing.save()
             with hf_transformers_progress(self.show_progress):  # save_pretrained's bars: on a terminal only
-                out = self.engine.strategy.export(self.model, f"{self.args.save}/hf", self.tokenizer)
+                out = self.engine.strategy.export(self.model, f"{self.settings.checkpoint.save}/hf", self.tokenizer)
             if out is not None:
                 self.logger.info(f"exported Hugging Face model to {out}")
         self.monitor.close(plot=True)
@@ -288,7 +293,7 @@ class BaseTrainer:
         checkpoint. Returns how to go on (``resume``: the flags that continue the run, given ``{save}``)."""
         self.monitor.log_interval(self.iteration, self.consumed_samples, self.optimizer)
         self.monitor.close_progress()
-        save = self.args.save
+        save = self.settings.checkpoint.save
         if save is None:
             return "nothing saved (no --save): a rerun starts over"
         self.checkpointing.save()

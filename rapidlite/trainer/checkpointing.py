@@ -23,7 +23,8 @@ class Checkpointing:
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.args = trainer.args
+        self.settings = trainer.settings
+        self.ckpt = trainer.settings.checkpoint
         self.engine = trainer.engine
         self.logger = trainer.logger
         self.last_saved = -1  # the iteration of the last checkpoint this run wrote or resumed
@@ -33,36 +34,37 @@ class Checkpointing:
     @property
     def resuming(self) -> bool:
         """Whether --load names a rapidlite checkpoint to resume (not a Hugging Face model to start from)."""
-        return self.args.load is not None and not self.args.load_is_pretrained_model
+        return self.ckpt.load is not None and not self.ckpt.load_is_pretrained_model
 
     def prepare(self) -> None:
         """Before the model is built: a resume's strategy may need the checkpoint first (DeepSpeed's weights)."""
-        if self.args.load_is_pretrained_model:
+        ckpt = self.settings.checkpoint
+        if ckpt.load_is_pretrained_model:
             self.logger.info(
-                f"--load {self.args.load} holds a Hugging Face model, not a rapidlite checkpoint: the model provider "
+                f"--load {ckpt.load} holds a Hugging Face model, not a rapidlite checkpoint: the model provider "
                 "loads it (from_pretrained(args.load)); nothing is resumed"
             )
         if self.resuming:
-            self.engine.strategy.prepare_resume(self.args.load)
+            self.engine.strategy.prepare_resume(self.ckpt.load)
 
     def clear_earlier_run(self) -> None:
         """``--overwrite`` (rank 0): the earlier run's checkpoints and outputs in --save go first."""
-        if getattr(self.args, "overwrite_save", False):
-            removed = layout.clear_run(self.args.save)
-            self.logger.info(f"--overwrite: removed the earlier run in {self.args.save} ({removed})")
+        if self.ckpt.overwrite_save:
+            removed = layout.clear_run(self.ckpt.save)
+            self.logger.info(f"--overwrite: removed the earlier run in {self.ckpt.save} ({removed})")
 
     def keep_settings(self) -> None:
         """Rank 0, with --save: the run's settings, written into every checkpoint as ``config.yaml``."""
-        if self.args.save is not None:
+        if self.ckpt.save is not None:
             parser = build_parser(self.engine.extra_args_provider)
             header = "this run's settings: 'rapidlite --config config.yaml' repeats them (flags given with it win)"
-            self._saved_config = config_file.dump(self.args, parser, header)
+            self._saved_config = config_file.dump(self.trainer.args, parser, header)
 
     # ------------------------------------------------------------------ save
     def save(self) -> None:
         """Every rank writes its shards (a collective); rank 0 the trainer, schedule and scaler state."""
-        trainer, args = self.trainer, self.args
-        if args.save is None or self.last_saved == trainer.iteration:
+        trainer, ckpt = self.trainer, self.settings.checkpoint
+        if ckpt.save is None or self.last_saved == trainer.iteration:
             return
         if not self._weights_finite():
             raise TrainingDiverged(
@@ -82,13 +84,19 @@ class Checkpointing:
             state["loss_scaler"] = optimizer.loss_scaler.state_dict()
         files = {config_file.FILE_NAME: self._saved_config} if self._saved_config is not None else None
         path = self.engine.strategy.save_checkpoint(
-            args.save, trainer.iteration, trainer.model, optimizer, state, not args.no_save_optim, files
+            ckpt.save,
+            trainer.iteration,
+            trainer.model,
+            optimizer,
+            state,
+            not ckpt.no_save_optim,
+            files,
         )
         self.logger.info(f"saved checkpoint {path}")
         self.last_saved = trainer.iteration
-        if args.keep_last:
-            for old in selection.prune_checkpoints(args.save, args.keep_last, trainer.iteration):
-                self.logger.info(f"--keep-last {args.keep_last}: deleted {old}")
+        if ckpt.keep_last:
+            for old in selection.prune_checkpoints(ckpt.save, ckpt.keep_last, trainer.iteration):
+                self.logger.info(f"--keep-last {ckpt.keep_last}: deleted {old}")
 
     def _weights_finite(self) -> bool:
         """Whether every rank's weights are finite (checked before each save: a cheap pass next to the write)."""
@@ -102,27 +110,27 @@ class Checkpointing:
 
     def last_good(self) -> str:
         """Where the run's last good checkpoint is, for the line that stops a diverged run."""
-        if self.args.save is None:
+        if self.ckpt.save is None:
             return "no --save directory"
         if self.last_saved >= 0:
-            return f"the last checkpoint is iteration {self.last_saved} in {self.args.save}"
-        return f"no checkpoint was written to {self.args.save}"
+            return f"the last checkpoint is iteration {self.last_saved} in {self.ckpt.save}"
+        return f"no checkpoint was written to {self.ckpt.save}"
 
     # ------------------------------------------------------------------ resume
     def load(self) -> None:
         """--load's checkpoint into the composed model and optimizer; the trainer, schedule, scaler and monitor
         continue where it was (with --finetune, only the weights load)."""
-        trainer, args = self.trainer, self.args
+        trainer, ckpt = self.trainer, self.settings.checkpoint
         optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
         iteration, state = self.engine.strategy.load_checkpoint(
-            args.load,
+            ckpt.load,
             trainer.model,
             optimizer,
-            with_optimizer=not (args.finetune or args.no_load_optim),
-            weights_only=args.finetune,
+            with_optimizer=not (ckpt.finetune or ckpt.no_load_optim),
+            weights_only=ckpt.finetune,
         )
-        if args.finetune:
-            self.logger.info(f"loaded weights of iteration {iteration} from {args.load}; starting at iteration 0")
+        if ckpt.finetune:
+            self.logger.info(f"loaded weights of iteration {iteration} from {ckpt.load}; starting at iteration 0")
             return
         trainer.monitor.load_state_dict(state)
         trainer.load_state_dict(state["trainer"])
@@ -136,9 +144,9 @@ class Checkpointing:
         elif scheduler is not None and hasattr(scheduler, "num_steps"):
             scheduler.num_steps = trainer.iteration  # keep the schedule where the run was
             scheduler.step(0)
-        if not args.no_load_rng:
+        if not ckpt.no_load_rng:
             self._resume_rng = state["rng"]
-        self.logger.info(f"resumed from {args.load} at iteration {trainer.iteration}")
+        self.logger.info(f"resumed from {ckpt.load} at iteration {trainer.iteration}")
 
     def restore_rng(self) -> None:
         """Right before the first step: the resumed RNG streams, restored last, so nothing built after loading

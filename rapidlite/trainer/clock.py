@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rapidlite import preemption, time_budget
+from rapidlite.config.settings import Sections
 from rapidlite.errors import TrainingDiverged
 
 
@@ -25,7 +26,7 @@ class RunClock:
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.args = trainer.args
+        self.settings = trainer.settings
         self.engine = trainer.engine
         self.logger = trainer.logger
         self.signals = preemption.StopSignals()
@@ -41,7 +42,7 @@ class RunClock:
         trainer = self.trainer
         self._first_iteration = trainer.iteration
         self.signals.install()
-        budget = getattr(self.args, "time_budget", None)
+        budget = self.settings.training.time_budget
         if budget is not None and trainer.iteration < trainer.total_iters:
             self._step_clock = time.perf_counter()
             elapsed = time.time() - time_budget.command_start()
@@ -78,20 +79,19 @@ class RunClock:
     def _size_to_budget(self) -> None:
         """Set the run's length to the iterations that fit the rest of --time-budget (``rapidlite.time_budget``).
         Every rank decides from the slowest rank's numbers, so all agree."""
-        args, trainer = self.args, self.trainer
+        settings, trainer = self.settings, self.trainer
         step_s = sorted(self._timed_steps)[len(self._timed_steps) // 2]
         elapsed = time.time() - time_budget.command_start()
         measured = torch.tensor([step_s, elapsed], dtype=torch.float64, device=self.engine.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         step_s, elapsed = (float(x) for x in measured.cpu())
-        given = getattr(args, "explicit_flags", None)  # None: settings built by hand, every value counts as given
-        demo = getattr(args, "demo_defaults", frozenset())
-        user_given = set(vars(args)) if given is None else given - demo
+        given = settings.explicit_flags  # None: settings built by hand, every value counts as given
+        user_given = Sections.field_names() if given is None else given - settings.task.demo_defaults
         sized_evaluations = trainer.evaluations_left() is None and "eval_interval" not in user_given
         eval_s = self._eval_seconds if self._eval_seconds is not None else trainer.estimated_eval_seconds(step_s)
         plan = time_budget.fit(
-            budget_s=args.time_budget * 60,
+            budget_s=settings.training.time_budget * 60,
             elapsed_s=elapsed,
             done_iters=trainer.iteration,
             step_s=step_s,
@@ -107,28 +107,30 @@ class RunClock:
         self._apply_plan(plan, user_given)
         ends = time.strftime("%H:%M:%S", time.localtime(time.time() + plan.seconds_left))
         bound = " (the upper bound: it fits with time to spare)" if plan.capped else ""
-        if elapsed + plan.seconds_left > args.time_budget * 60 * 1.05:
+        if elapsed + plan.seconds_left > settings.training.time_budget * 60 * 1.05:
             bound = " (the budget is spent: this machine is slower than it allows; raise --time-budget)"
         self.logger.info(
-            f"--time-budget {args.time_budget:g} min: {timed} steps timed at "
+            f"--time-budget {settings.training.time_budget:g} min: {timed} steps timed at "
             f"{step_s:.2f} s, {time_budget.describe(elapsed / 60)} used: training {plan.total_iters} iterations"
             f"{bound}, about {time_budget.describe(plan.seconds_left / 60)} more (until {ends})"
         )
 
     def _apply_plan(self, plan: Any, user_given: set[str]) -> None:
         """The sized length, intervals and LR schedule on the trainer, and the progress bar's new total."""
-        args, trainer = self.args, self.trainer
+        settings, trainer = self.settings, self.trainer
         trainer.total_iters = plan.total_iters
         if plan.eval_interval is not None:
             trainer.eval_every = plan.eval_interval
         if plan.log_interval is not None:
             trainer.log_every = plan.log_interval
         resize = getattr(trainer.lr_scheduler, "resize", None)
-        if resize is not None and args.lr_decay_iters is None:
+        if resize is not None and settings.optim.lr_decay_iters is None:
             warmup = None
-            if "lr_warmup_iters" not in user_given and args.lr_warmup_iters:
-                warmup = min(args.lr_warmup_iters, max(plan.total_iters // 4, 1))  # a demo's warmup fits its length
-            resize(plan.total_iters, warmup_steps=warmup, warmup_fraction=args.lr_warmup_fraction)
+            if "lr_warmup_iters" not in user_given and settings.optim.lr_warmup_iters:
+                warmup = min(
+                    settings.optim.lr_warmup_iters, max(plan.total_iters // 4, 1)
+                )  # a demo's warmup fits its length
+            resize(plan.total_iters, warmup_steps=warmup, warmup_fraction=settings.optim.lr_warmup_fraction)
         progress = trainer.monitor.progress
         if progress is not None:
             progress.total = plan.total_iters
@@ -139,9 +141,8 @@ class RunClock:
         """Megatron's ``--exit-interval N`` (after an iteration divisible by N) and ``--exit-duration-in-mins M``
         (after the first step ending M minutes after the command's start; every rank agrees on the same one): the
         flag that ends the run here, or None. The run's own last iteration is never cut short."""
-        args, trainer = self.args, self.trainer
-        interval = getattr(args, "exit_interval", None)
-        minutes = getattr(args, "exit_duration_in_mins", None)
+        settings, trainer = self.settings, self.trainer
+        interval, minutes = settings.training.exit_interval, settings.training.exit_duration_in_mins
         if (interval is None and minutes is None) or trainer.iteration >= trainer.total_iters:
             return None
         reason = None
@@ -171,7 +172,7 @@ class RunClock:
             self.skip_streak = 0
             return
         self.skip_streak += 1
-        limit, iteration = self.args.max_skipped_steps, trainer.iteration
+        limit, iteration = self.settings.training.max_skipped_steps, trainer.iteration
         if self.skip_streak == 1 and self.engine.is_main_process:
             what = "non-finite loss or gradients" if nonfinite else "fp16 overflow at the minimum loss scale"
             self.logger.warning(

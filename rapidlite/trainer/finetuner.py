@@ -60,7 +60,7 @@ class Finetuner(BaseTrainer):
 
     def estimated_eval_seconds(self, step_s: float) -> float:
         batches = len(self.valid_dataloader) if self.valid_dataloader is not None else 0
-        return batches * step_s / max(self.args.gradient_accumulation_steps, 1) / 3  # forward only
+        return batches * step_s / max(self.settings.training.gradient_accumulation_steps, 1) / 3  # forward only
 
     def evaluations_left(self) -> int | None:
         """One evaluation at each epoch's end, the last at the run's."""
@@ -84,7 +84,7 @@ class Finetuner(BaseTrainer):
             if bar is not None:
                 bar.close()
         self.model.train(was_training)
-        if self.args.eval_only:
+        if self.settings.training.eval_only:
             return self.log_evaluation(split, {} if metrics is None else metrics, eval_only=True)
         epoch = self.iteration / max(self.steps_per_epoch, 1)
         return self.log_evaluation(split, {} if metrics is None else metrics, epoch=round(epoch, 4))
@@ -99,19 +99,19 @@ class Finetuner(BaseTrainer):
             return self._train()
 
     def _train(self) -> dict[str, Any]:
-        args = self.args
-        if args.pipeline_model_parallel_size > 1:
+        settings = self.settings
+        if settings.parallel.pipeline_model_parallel_size > 1:
             raise ConfigError(
                 "--pipeline-model-parallel-size runs PreTrainer jobs (fixed-length samples, --task pretraining or a "
                 "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
             )
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
-        if args.eval_only:
+        if settings.training.eval_only:
             return self.evaluate_only(train_ds, valid_ds, test_ds, collate_fn)
         if not _has_rows(train_ds):
             raise DataError("the training dataset is empty")
-        lengths = self._train_lengths(train_ds) if args.group_by_length else None
-        if args.padding_free:  # flattens what the task's collation makes; the model's head sets shift_labels
+        lengths = self._train_lengths(train_ds) if settings.data.group_by_length else None
+        if settings.data.padding_free:  # flattens what the task's collation makes; the model's head sets shift_labels
             self._flattener = FlatteningCollator(collate_fn if collate_fn is not None else self.default_collate())
             collate_fn_train = self._flattener
         else:
@@ -121,20 +121,20 @@ class Finetuner(BaseTrainer):
         )
         self._build_eval_loaders(valid_ds, test_ds, collate_fn)
         if self.valid_dataloader is None:
-            split = f" (--split {args.split} gives it none)" if args.split else ""
+            split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
             self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
-        accumulation = args.gradient_accumulation_steps
+        accumulation = settings.training.gradient_accumulation_steps
         micro_per_epoch = len(self.train_dataloader)
         self.steps_per_epoch = math.ceil(micro_per_epoch / accumulation)
-        total = args.epochs * self.steps_per_epoch
-        if args.train_iters is not None:
-            total = min(total, args.train_iters)
+        total = settings.training.epochs * self.steps_per_epoch
+        if settings.training.train_iters is not None:
+            total = min(total, settings.training.train_iters)
         self.setup_model(total)
 
         self.begin_training()
         start_epoch, start_step = divmod(self.iteration, self.steps_per_epoch)
-        for epoch in range(start_epoch, args.epochs):
+        for epoch in range(start_epoch, settings.training.epochs):
             total = self.total_iters  # --time-budget may shorten the run after its first steps
             if self.iteration >= total:
                 break
@@ -167,7 +167,7 @@ class Finetuner(BaseTrainer):
                 "--group-by-length (or give the samples input_ids)"
             )
         if self.engine.is_main_process:
-            m, g = self.args.micro_batch_size, self.args.global_batch_size
+            m, g = self.settings.training.micro_batch_size, self.settings.training.global_batch_size
             plain, grouped = padded_share(lengths, m, g, grouped=False), padded_share(lengths, m, g, grouped=True)
             self.logger.info(
                 f"--group-by-length: {len(lengths)} samples of {min(lengths)}-{max(lengths)} tokens; padding in "
@@ -177,7 +177,7 @@ class Finetuner(BaseTrainer):
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """``--padding-free``: the hooks that run a packed row on the model exactly, or one line refusing it."""
-        if not self.args.padding_free or self.args.eval_only:
+        if not self.settings.data.padding_free or self.settings.training.eval_only:
             return model
         self.padding_free = fit_padding_free(model)
         if self._flattener is not None:

@@ -30,7 +30,7 @@ class Monitor:
 
     def __init__(self, engine: RapidliteEngine) -> None:
         self.engine = engine
-        self.args = engine.args
+        self.settings = engine.settings
         self.logger = engine.logger
         # On every line of metrics.jsonl, so records of two runs in one file stay apart.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
@@ -55,15 +55,20 @@ class Monitor:
     # ------------------------------------------------------------------ outputs
     def open(self) -> None:
         """On rank 0: ``metrics.jsonl`` under --save, TensorBoard, and the W&B run."""
-        self.writer = MetricsWriter(self.args.save, self.args.tensorboard_dir, run_id=self.run_id, wandb=self._wandb())
+        self.writer = MetricsWriter(
+            self.settings.checkpoint.save,
+            self.settings.logging.tensorboard_dir,
+            run_id=self.run_id,
+            wandb=self._wandb(),
+        )
 
     def _wandb(self) -> WandbRun | None:
         """``--wandb-project``: the W&B run of this training (the resumed checkpoint's, if it kept one)."""
-        if self.args.wandb_project is None:
+        if self.settings.logging.wandb_project is None:
             return None
-        run = WandbRun.start(self.args.sections.logging, config_file.plain_settings(self.args), self._wandb_resume_id)
+        run = WandbRun.start(self.settings.logging, config_file.plain_settings(self.engine.args), self._wandb_resume_id)
         continued = " (continued: the checkpoint's run)" if self._wandb_resume_id == run.id else ""
-        self.logger.info(f"Weights & Biases: run {run.id} in project {self.args.wandb_project}{continued}")
+        self.logger.info(f"Weights & Biases: run {run.id} in project {self.settings.logging.wandb_project}{continued}")
         return run
 
     def close(self, exit_code: int = 0, preempted: bool = False, plot: bool = False) -> None:
@@ -89,14 +94,14 @@ class Monitor:
     def plot_curves(self) -> None:
         """``--save DIR/curves.png`` from ``DIR/metrics.jsonl`` (rank 0, at the end of a run). A finished run
         never fails here: without matplotlib, or when drawing fails, one line says so."""
-        if self.args.save is None or not self.engine.is_main_process:
+        if self.settings.checkpoint.save is None or not self.engine.is_main_process:
             return
         try:
-            path = write_curves(self.args.save)
+            path = write_curves(self.settings.checkpoint.save)
         except PlotUnavailable as e:
-            self.logger.info(f"no {self.args.save}/curves.png: {e}")
+            self.logger.info(f"no {self.settings.checkpoint.save}/curves.png: {e}")
         except Exception as e:  # a plotting problem is not the run's
-            self.logger.warning(f"could not draw {self.args.save}/curves.png: {first_line(e)}")
+            self.logger.warning(f"could not draw {self.settings.checkpoint.save}/curves.png: {first_line(e)}")
         else:
             self.logger.info(f"loss, learning rate and throughput curves: {path}")
 
@@ -131,12 +136,12 @@ class Monitor:
         main = self.engine.is_main_process
         if self._first_step_start is not None:
             # The first step compiles (--torch-compile): its time is reported on its own line.
-            if self.args.torch_compile and main:
+            if self.settings.model.torch_compile and main:
                 seconds = time.perf_counter() - self._first_step_start
                 self.logger.info(f"torch.compile: the first step took {seconds:.1f} s including compilation")
                 self._graphs = compiled_graphs()
             self._first_step_start = None
-        elif self.args.torch_compile and main:
+        elif self.settings.model.torch_compile and main:
             self._log_recompiles(iteration)
         if not self._state_bytes_logged:
             self.log_model_state_bytes(iteration, model, optimizer)

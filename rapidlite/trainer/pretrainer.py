@@ -91,7 +91,7 @@ class PreTrainer(BaseTrainer):
         sampler = PretrainingBatchSampler(
             len(dataset),
             consumed_samples,
-            self.args.micro_batch_size,
+            self.settings.training.micro_batch_size,
             rank=self.engine.dp_rank,
             world_size=self.engine.dp_size,
         )
@@ -99,9 +99,9 @@ class PreTrainer(BaseTrainer):
             dataset,
             batch_sampler=sampler,
             collate_fn=collate_fn,
-            num_workers=self.args.num_workers,
+            num_workers=self.settings.data.num_workers,
             pin_memory=self.engine.device.type == "cuda",
-            generator=torch.Generator().manual_seed(self.args.seed),
+            generator=torch.Generator().manual_seed(self.settings.training.seed),
         )
         return CountingIterator(iter(DeviceDataLoader(loader, self.engine.device)))
 
@@ -111,7 +111,7 @@ class PreTrainer(BaseTrainer):
         return iterator.replayable(step) if self.engine.pipeline is not None else step
 
     def estimated_eval_seconds(self, step_s: float) -> float:
-        return self.args.eval_iters * step_s / 3  # --eval-iters global batches, forward only
+        return self.settings.training.eval_iters * step_s / 3  # --eval-iters global batches, forward only
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
         iterator = self.valid_data_iterator if split == "validation" else self.test_data_iterator
@@ -120,10 +120,10 @@ class PreTrainer(BaseTrainer):
         was_training = self.model.training
         self.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        accumulation, pipeline = self.args.gradient_accumulation_steps, self.engine.pipeline
-        bar = self.progress_bar(self.args.eval_iters, split, unit="batch", leave=False)
+        accumulation, pipeline = self.settings.training.gradient_accumulation_steps, self.engine.pipeline
+        bar = self.progress_bar(self.settings.training.eval_iters, split, unit="batch", leave=False)
         with torch.no_grad():
-            for _ in range(self.args.eval_iters):
+            for _ in range(self.settings.training.eval_iters):
                 if pipeline is not None:  # a global batch at a time through the pipeline (forward only)
                     results = pipeline.run([self._micro_step(iterator) for _ in range(accumulation)], train=False)
                 else:
@@ -149,39 +149,42 @@ class PreTrainer(BaseTrainer):
             return self._train()
 
     def _train(self) -> dict[str, Any]:
-        args = self.args
-        if args.eval_only:
+        settings = self.settings
+        if settings.training.eval_only:
             raise ConfigError(
                 "--eval-only runs Finetuner jobs; a PreTrainer evaluates every --eval-interval while it trains: drop "
                 "--eval-only"
             )
-        for flag in ("group_by_length", "padding_free"):
-            if getattr(args, flag, False):
-                name = "--" + flag.replace("_", "-")
+        for name, on in (
+            ("--group-by-length", settings.data.group_by_length),
+            ("--padding-free", settings.data.padding_free),
+        ):
+            if on:
                 raise ConfigError(
                     f"{name} batches a Finetuner's map-style data; a PreTrainer draws consecutive samples: drop {name}"
                 )
-        if args.train_iters is None:
+        if settings.training.train_iters is None:
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
-        eval_interval = args.eval_interval or args.train_iters
-        global_batch = args.global_batch_size
-        evaluations = args.train_iters // eval_interval + 1
-        if getattr(args, "time_budget", None) is not None:  # a sized run may space its evaluations anew
+        eval_interval = settings.training.eval_interval or settings.training.train_iters
+        global_batch = settings.training.global_batch_size
+        evaluations = settings.training.train_iters // eval_interval + 1
+        if settings.training.time_budget is not None:  # a sized run may space its evaluations anew
             evaluations = max(evaluations, time_budget.EVALUATIONS + 1)
         num_samples = [
-            args.train_iters * global_batch,
-            evaluations * args.eval_iters * global_batch,
-            args.eval_iters * global_batch,
+            settings.training.train_iters * global_batch,
+            evaluations * settings.training.eval_iters * global_batch,
+            settings.training.eval_iters * global_batch,
         ]
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider(num_samples))
         if train_ds is None or len(train_ds) == 0:
             raise DataError("the training dataset is empty")
-        self.setup_model(args.train_iters)
+        self.setup_model(settings.training.train_iters)
 
         self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
         # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
         # the uninterrupted run would be.
-        valid_consumed = (self.iteration // eval_interval) * args.eval_iters * global_batch if args.eval_interval else 0
+        run = settings.training
+        valid_consumed = (self.iteration // eval_interval) * run.eval_iters * global_batch if run.eval_interval else 0
         self.valid_data_iterator = (
             self._loader(valid_ds, collate_fn, valid_consumed) if valid_ds is not None and len(valid_ds) > 0 else None
         )
@@ -189,13 +192,13 @@ class PreTrainer(BaseTrainer):
             self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
         )
         if self.valid_data_iterator is None:
-            split = f" (--split {args.split} gives it none)" if getattr(args, "split", None) else ""
+            split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
             self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
         self.begin_training()
         iterator = self.train_data_iterator
         while self.iteration < self.total_iters:  # --time-budget may shorten it after the first steps
-            self.train_step(self._micro_step(iterator) for _ in range(args.gradient_accumulation_steps))
+            self.train_step(self._micro_step(iterator) for _ in range(settings.training.gradient_accumulation_steps))
             samples, tokens = iterator.take_counts()
             self.monitor.count_batch(samples, tokens)
             self.after_step(samples)
