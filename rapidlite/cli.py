@@ -55,7 +55,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
 
     from rapidlite.engine import RapidliteEngine
 
-    trainer_class = task.trainer_class(config)
+    trainer_class = task.trainer_class(config.sections)
     trainer = trainer_class(engine=RapidliteEngine(args=config))
     metrics = trainer.train()
     if metrics:
@@ -71,7 +71,7 @@ def dry_run(config: RunConfig) -> int:
     """``--dry-run``: the plan and memory prediction, printed in this process; no worker starts."""
     from rapidlite.planning import format_plan, plan
 
-    print(format_plan(plan(config)), flush=True)
+    print(format_plan(plan(config.sections)), flush=True)
     return 0
 
 

@@ -206,12 +206,12 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def plain_settings(args: Any) -> dict[str, Any]:
+def plain_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Every resolved setting (flags and derived values) as plain values, for a tracker's run config."""
     return {k: _plain(v) for k, v in sorted(vars(args).items()) if not k.startswith("_") and k != "explicit_flags"}
 
 
-def saved_flags(args: Any, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def saved_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The flags ``dump`` writes, by their first long name, with their resolved values: every flag given
     (``explicit_flags``: on the command line or in a config file) and every other one that differs from its
     default (a task's defaults, the global batch the number of processes gave), except ``PER_LAUNCH`` and
@@ -245,7 +245,7 @@ def saved_flags(args: Any, parser: argparse.ArgumentParser) -> dict[str, Any]:
     return dict(sorted(flags.items()))
 
 
-def dump(args: Any, parser: argparse.ArgumentParser, header: str = "") -> str:
+def dump(args: argparse.Namespace, parser: argparse.ArgumentParser, header: str = "") -> str:
     """``saved_flags`` as YAML text (``header`` becomes comment lines above it)."""
     import yaml
 

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.sections import LoraConfig
+from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import TASKS, TaskSpec
 from rapidlite.errors import ConfigError
 
@@ -50,9 +52,9 @@ MiB = 2**20
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def _task_spec(args: Any) -> TaskSpec | None:
+def _task_spec(settings: Sections) -> TaskSpec | None:
     """The black-box task the plan is for: None for a user script (whose model the plan reads from its config)."""
-    return TASKS.get(args.task) if args.user_script is None else None
+    return TASKS.get(settings.task.task) if settings.task.user_script is None else None
 
 
 def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
@@ -69,12 +71,12 @@ def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
     return transformers.AutoModel
 
 
-def meta_model(args: Any) -> torch.nn.Module:
+def meta_model(settings: Sections) -> torch.nn.Module:
     """The run's model on the ``meta`` device: from ``--pretrained-model-name-or-path``'s config (sizes overridden
     by the flags as the tasks do), or the built-in GPT from the flags for pretraining."""
-    name, spec = args.pretrained_model_name_or_path, _task_spec(args)
-    if name is None and args.load is not None and args.load_is_pretrained_model:
-        name = args.load
+    name, spec = settings.model.pretrained_model_name_or_path, _task_spec(settings)
+    if name is None and settings.checkpoint.load is not None and settings.checkpoint.load_is_pretrained_model:
+        name = settings.checkpoint.load
     if name is None:
         if spec is None or not spec.from_config:
             raise ConfigError(
@@ -84,9 +86,9 @@ def meta_model(args: Any) -> torch.nn.Module:
         from rapidlite.data.tokenizers import tokenizer_of
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        vocab_size = tokenizer_of(args.sections).vocab_size
+        vocab_size = tokenizer_of(settings).vocab_size
         with torch.device("meta"):
-            return GPTModel(GPTConfig.of(args.sections, vocab_size))
+            return GPTModel(GPTConfig.of(settings, vocab_size))
     from transformers import AutoConfig
 
     from rapidlite.models.hf import override_sizes
@@ -96,7 +98,7 @@ def meta_model(args: Any) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
     if spec is not None and spec.from_config:
-        override_sizes(config, args.sections.model, args.seq_length)
+        override_sizes(config, settings.model, settings.data.seq_length)
     auto = _auto_class(spec, config)
     # Auto classes build from a config with from_config; a model class named by the config's architectures
     # (the fallback for a task not listed above) with _from_config.
@@ -280,31 +282,33 @@ def _fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def _strategy_for(args: Any, rank: int, world_size: int, precision: Any) -> Any:
+def _strategy_for(settings: Sections, rank: int, world_size: int, precision: Any) -> Any:
     from rapidlite.distributed import DistributedContext, ParallelDims, device_mesh
     from rapidlite.parallel.data_parallel import DataParallelConfig
     from rapidlite.strategies import StrategyContext, select
 
-    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
     ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
     if world_size > 1:
         ctx.mesh = device_mesh("cpu", dims)
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    return select(StrategyContext(args.sections, ctx, DataParallelConfig.of(args.sections.parallel), precision, quiet))
+    return select(StrategyContext(settings, ctx, DataParallelConfig.of(settings.parallel), precision, quiet))
 
 
-def _optimizer_bytes_per_element(args: Any) -> int:
-    if args.optimizer == "sgd":
-        return 4 if args.sgd_momentum else 0
+def _optimizer_bytes_per_element(settings: Sections) -> int:
+    if settings.optim.optimizer == "sgd":
+        return 4 if settings.optim.sgd_momentum else 0
     return 8  # AdamW: exp_avg and exp_avg_sq in fp32
 
 
 # ------------------------------------------------------------------------------------------------ the plan
 @dataclass
 class Plan:
-    args: Any
+    settings: Sections
     world_size: int
     strategy: str
     precision: str
@@ -319,52 +323,54 @@ def _stage_rank(stage: int, dims: Any) -> int:
     return stage * dims.dp * dims.tp
 
 
-def _in_flight(args: Any, stage: int, pp: int) -> int:
-    m = args.gradient_accumulation_steps
+def _in_flight(settings: Sections, stage: int, pp: int) -> int:
+    m = settings.training.gradient_accumulation_steps
     if pp == 1:
         return 1
-    if args.pipeline_schedule == "gpipe":
+    if settings.parallel.pipeline_schedule == "gpipe":
         return m
     return min(pp - stage, m)
 
 
-def plan(args: Any) -> Plan:
-    """The plan and memory prediction of the run ``args`` describes (see the module docstring)."""
+def plan(settings: Sections) -> Plan:
+    """The plan and memory prediction of the run ``settings`` describe (see the module docstring)."""
     from rapidlite.distributed import ParallelDims
     from rapidlite.models import lora
     from rapidlite.models.spec import spec_of
     from rapidlite.precision import resolve_precision
     from rapidlite.resolve import target_world_size
 
-    world_size = target_world_size(args.sections.parallel)
-    dims = ParallelDims(world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    world_size = target_world_size(settings.parallel)
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    precision, _ = resolve_precision(args.precision, device)
-    settings = args.sections.lora
+    precision, _ = resolve_precision(settings.precision.precision, device)
+    adapters = settings.lora
     notes: list[str] = []
 
     # Activations: one meta forward of the whole model, in the compute dtype.
-    model = meta_model(args)
+    model = meta_model(settings)
     total = sum(p.numel() for p in model.parameters())
     spec = spec_of(model)
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
-    seq = sequence_length(args, getattr(model, "config", None))
+    seq = sequence_length(settings, getattr(model, "config", None))
     probe = model.to(precision.dtype) if precision.dtype is not None else model
-    per_sample = spec.inputs_per_sample if (spec := _task_spec(args)) is not None else 1
-    profile = profile_activations(probe, args.micro_batch_size, seq, hidden, per_sample)
-    profile_next = profile_activations(probe, args.micro_batch_size + 1, seq, hidden, per_sample)
+    per_sample = task.inputs_per_sample if (task := _task_spec(settings)) is not None else 1
+    profile = profile_activations(probe, settings.training.micro_batch_size, seq, hidden, per_sample)
+    profile_next = profile_activations(probe, settings.training.micro_batch_size + 1, seq, hidden, per_sample)
     n_blocks = len(profile.blocks_split) or 1
 
-    deepspeed = bool(getattr(args, "deepspeed", False))
+    deepspeed = settings.parallel.deepspeed
     ranks: list[RankPlan] = []
     strategy_name = "DeepSpeed"
     trainable_total = None
     for stage in range(dims.pp):
         rank = _stage_rank(stage, dims)
-        model = meta_model(args)
+        model = meta_model(settings)
         # Quantisation needs real weights: the plan adapts the full-precision base and counts the quantised
         # bytes afterwards (_quantised_bytes).
-        unquantised = dataclasses.replace(settings, load_in_4bit=False, load_in_8bit=False)
+        unquantised = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
         model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
         trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer = None
@@ -373,24 +379,26 @@ def plan(args: Any) -> Plan:
         else:
             ctx = _fake_world(rank, world_size) if world_size > 1 else contextlib.nullcontext()
             with ctx:
-                strategy = _strategy_for(args, rank, world_size, precision)
+                strategy = _strategy_for(settings, rank, world_size, precision)
                 model.to = lambda *a, _m=model, **k: _m  # the meta model stays on meta
                 composed, optimizer = strategy.setup(model, None, None)
                 strategy_name = strategy.name
                 module = strategy.module(composed)
-        ranks.append(_rank_plan(args, dims, rank, stage, module, optimizer, profile, profile_next, n_blocks, deepspeed))
-        if settings.load_in_4bit or settings.load_in_8bit:
-            ranks[-1].params -= _quantisable_bytes(module, settings) - _quantised_bytes(module, settings)
+        ranks.append(
+            _rank_plan(settings, dims, rank, stage, module, optimizer, profile, profile_next, n_blocks, deepspeed)
+        )
+        if adapters.quantized:
+            ranks[-1].params -= _quantisable_bytes(module, adapters) - _quantised_bytes(module, adapters)
     if deepspeed:
         notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
-    if settings.load_in_4bit or settings.load_in_8bit:
+    if adapters.quantized:
         notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
     runtime = _resident_bytes() if device.type == "cpu" else 0
     for r in ranks:
         r.runtime = runtime
     return Plan(
         seq_length=seq,
-        args=args,
+        settings=settings,
         world_size=world_size,
         strategy=strategy_name,
         precision=precision.name,
@@ -401,7 +409,7 @@ def plan(args: Any) -> Plan:
     )
 
 
-def _quantisable(module: torch.nn.Module, settings: Any) -> list[torch.nn.Linear]:
+def _quantisable(module: torch.nn.Module, settings: LoraConfig) -> list[torch.nn.Linear]:
     """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
     from rapidlite.models.lora import SKIP_ON_LOAD, split_names
 
@@ -415,11 +423,11 @@ def _quantisable(module: torch.nn.Module, settings: Any) -> list[torch.nn.Linear
     ]
 
 
-def _quantisable_bytes(module: torch.nn.Module, settings: Any) -> int:
+def _quantisable_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
     return sum(_bytes(m.weight) for m in _quantisable(module, settings))
 
 
-def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
+def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
     """bitsandbytes' sizes: 4-bit packs two weights a byte plus an fp32 scale per block of 64 (double
     quantisation: an 8-bit scale plus an fp32 one per 256 blocks); 8-bit is a byte a weight plus an fp32 scale
     per output row."""
@@ -435,18 +443,18 @@ def _quantised_bytes(module: torch.nn.Module, settings: Any) -> int:
     return total
 
 
-def sequence_length(args: Any, config: Any = None) -> int:
+def sequence_length(settings: Sections, config: Any = None) -> int:
     """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum; a default (none
     given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
     lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
     from rapidlite.models.hf import position_limit, within_positions
 
-    spec = _task_spec(args)
+    spec = _task_spec(settings)
     # A task that trains its config from scratch grows the table to the length; a script's own data without
     # --seq-length is planned at SCRIPT_SEQ_LENGTH.
     limit = position_limit(config) if config is not None and not (spec and spec.from_config) else None
-    if args.seq_length:
-        seq_length, explicit = args.seq_length, args.given("seq_length")
+    if settings.data.seq_length:
+        seq_length, explicit = settings.data.seq_length, settings.given("seq_length")
     else:
         seq_length, explicit = SCRIPT_SEQ_LENGTH, False
     refusal = "the model has learned position embeddings for {limit} positions; use --seq-length {limit} or less"
@@ -464,17 +472,17 @@ def _resident_bytes() -> int:
 
 
 def _activations(
-    args: Any, dims: Any, stage: int, mine: int, profile: ActivationProfile, in_flight: int
+    settings: Sections, dims: Any, stage: int, mine: int, profile: ActivationProfile, in_flight: int
 ) -> tuple[int, float]:
     """This stage's saved bytes for ``in_flight`` micro-batches, and the largest saved tensor."""
-    tp, sp = dims.tp, bool(getattr(args, "sequence_parallel", False))
+    tp, sp = dims.tp, settings.parallel.sequence_parallel
     first, last = stage == 0, stage == dims.pp - 1
     avg = lambda xs: sum(xs) / max(len(xs), 1)
     split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
     per_block = split + whole
-    checkpointing = args.checkpoint_activations
-    checkpointed = min(args.recompute_num_layers or mine, mine) if checkpointing else 0
-    if checkpointing and args.recompute_granularity == "selective":
+    checkpointing = settings.model.checkpoint_activations
+    checkpointed = min(settings.model.recompute_num_layers or mine, mine) if checkpointing else 0
+    if checkpointing and settings.model.recompute_granularity == "selective":
         kept = avg(profile.blocks_kept_selective) / tp
         stack = checkpointed * kept + (mine - checkpointed) * per_block + per_block  # + one block recomputed
     elif checkpointing:
@@ -490,7 +498,7 @@ def _activations(
 
 
 def _rank_plan(
-    args: Any,
+    settings: Sections,
     dims: Any,
     rank: int,
     stage: int,
@@ -504,7 +512,7 @@ def _rank_plan(
     from rapidlite.models.spec import find_blocks
     from rapidlite.parallel.data_parallel import DataParallelConfig
 
-    dp_cfg = DataParallelConfig.of(args.sections.parallel)
+    dp_cfg = DataParallelConfig.of(settings.parallel)
     zero, dp = dp_cfg.zero_stage, dims.dp
     params = list(module.parameters())
     param_bytes = sum(_bytes(p) for p in params)
@@ -519,7 +527,7 @@ def _rank_plan(
         local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
         opt_elems = sum(_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad)
     grads = grad_elems * 4
-    optimizer = opt_elems * _optimizer_bytes_per_element(args)
+    optimizer = opt_elems * _optimizer_bytes_per_element(settings)
     host = 0
     if dp_cfg.cpu_offload:
         host, optimizer = optimizer, 0
@@ -529,13 +537,13 @@ def _rank_plan(
     # This stage's activations for the micro-batches in flight.
     blocks = find_blocks(module)
     mine = len(blocks) if blocks is not None else n_blocks
-    in_flight = _in_flight(args, stage, dims.pp)
-    activations, largest = _activations(args, dims, stage, mine, profile, in_flight)
+    in_flight = _in_flight(settings, stage, dims.pp)
+    activations, largest = _activations(settings, dims, stage, mine, profile, in_flight)
     # How the peak grows with the micro-batch: the difference to a profile one sample larger (some saved
     # tensors, a causal mask or a transposed weight, do not grow with it).
-    grown, grown_largest = _activations(args, dims, stage, mine, profile_next, in_flight)
+    grown, grown_largest = _activations(settings, dims, stage, mine, profile_next, in_flight)
     last = stage == dims.pp - 1
-    held = 2 + (args.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
+    held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
     per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
 
     # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward, DDP's
@@ -543,7 +551,7 @@ def _rank_plan(
     transient = int(2 * largest)
     if last and dims.pp > 1:
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
-        transient += int((args.gradient_accumulation_steps - 1) * largest)
+        transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
     ddp = zero == 1 or (zero == 0 and dims.tp == 1 and dims.pp == 1)
     if not deepspeed and ddp and dp > 1:
         transient += grads  # DDP's buckets: a second copy of the gradients
@@ -597,13 +605,14 @@ def format_plan(p: Plan) -> str:
     from rapidlite.distributed import ParallelDims
     from rapidlite.resolve import num_nodes
 
-    a = p.args
-    dims = ParallelDims(p.world_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
-    nodes = num_nodes(a.sections.parallel)
+    s = p.settings
+    model, run, parallel = s.model, s.training, s.parallel
+    dims = ParallelDims(p.world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    nodes = num_nodes(parallel)
     checkpointing = (
-        f"{a.recompute_granularity}"
-        + (f", first {a.recompute_num_layers} blocks" if a.recompute_num_layers else ", every block")
-        if a.checkpoint_activations
+        f"{model.recompute_granularity}"
+        + (f", first {model.recompute_num_layers} blocks" if model.recompute_num_layers else ", every block")
+        if model.checkpoint_activations
         else "off"
     )
     lines = [
@@ -612,9 +621,9 @@ def format_plan(p: Plan) -> str:
         f"= data parallel {dims.dp} x "
         f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
         *describe_mesh(dims),
-        f"batch: micro {a.micro_batch_size} x accumulation {a.gradient_accumulation_steps} x data parallel "
-        f"{dims.dp} = global {a.global_batch_size}; sequence length {p.seq_length or sequence_length(a)}"
-        + ("" if a.given("seq_length") else " (the task's default; the longest a batch is padded to)"),
+        f"batch: micro {run.micro_batch_size} x accumulation {run.gradient_accumulation_steps} x data parallel "
+        f"{dims.dp} = global {run.global_batch_size}; sequence length {p.seq_length or sequence_length(s)}"
+        + ("" if s.given("seq_length") else " (the task's default; the longest a batch is padded to)"),
         f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
         "predicted memory per rank (peak of a training step):",
@@ -637,10 +646,10 @@ def format_plan(p: Plan) -> str:
         lines.append(row + f" {_mib(r.peak):>11}")
     if any(r.runtime for r in p.ranks):
         lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
-    budget = getattr(a, "memory_budget", None)
+    budget = run.memory_budget
     if budget:
         worst = max(p.ranks, key=lambda r: r.peak)
-        fits = largest_micro_batch(worst, budget * GiB, a.micro_batch_size)
+        fits = largest_micro_batch(worst, budget * GiB, run.micro_batch_size)
         verdict = "fits" if worst.peak <= budget * GiB else "does NOT fit"
         lines.append(
             f"--memory-budget {budget:g} GiB: this layout {verdict} (peak {_mib(worst.peak)} on rank {worst.rank}); "

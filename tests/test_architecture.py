@@ -12,8 +12,8 @@ import re
 from helpers import REPO
 
 PACKAGE = REPO / "rapidlite"
-# Names under which code holds the run's settings.
-SETTINGS_NAMES = {"args", "config", "cfg", "settings", "namespace"}
+# Names under which code holds the run's settings (``config`` is a model's Hugging Face config here).
+SETTINGS_NAMES = {"args", "cfg", "settings", "namespace"}
 # What the resolved settings offer besides the flat flag view: reading these is not reading the Namespace.
 NOT_FLAGS = {"sections", "given", "notices", "deepspeed_notices"}
 # Separate programs with their own small parsers (rapidlite-preprocess, rapidlite-eval, rapidlite-bench peak,

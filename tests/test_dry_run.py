@@ -114,7 +114,7 @@ from rapidlite.arguments import parse_args
 from rapidlite.planning import largest_micro_batch, plan
 
 budget, argv = float(sys.argv[1]) * 2**30, sys.argv[2:]
-sized = lambda mb: parse_args([*argv, "--micro-batch-size", str(mb), "--global-batch-size", str(2 * mb)])
+sized = lambda mb: parse_args([*argv, "--micro-batch-size", str(mb), "--global-batch-size", str(2 * mb)]).sections
 worst = lambda p: max(p.ranks, key=lambda r: r.peak)
 base = worst(plan(sized(2)))
 fits = largest_micro_batch(base, budget, 2)
@@ -155,18 +155,16 @@ def test_bad_input_is_one_line(corpus, argv, message):
 def test_a_model_class_named_by_the_config_is_built_on_meta(tmp_path):
     """A task the planner has no auto class for falls back to the class the config's ``architectures`` names; model
     classes build with ``_from_config`` (only the auto classes have ``from_config``)."""
-    from argparse import Namespace
 
     from transformers import BertConfig
 
+    from rapidlite.config.settings import Sections
     from rapidlite.planning import meta_model
 
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     config.architectures = ["BertForMaskedLM"]
     config.save_pretrained(tmp_path)
-    model = meta_model(
-        Namespace(pretrained_model_name_or_path=str(tmp_path), load=None, task="other", user_script=None)
-    )
+    model = meta_model(Sections.of({"pretrained_model_name_or_path": str(tmp_path), "task": "other"}))
     assert type(model).__name__ == "BertForMaskedLM"
     assert next(model.parameters()).device.type == "meta"
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import BertConfig, GPT2Config, LlamaConfig, OpenAIGPTConfig
 
+from rapidlite.config.settings import Sections
 from rapidlite.errors import ConfigError
 from rapidlite.models.hf import load_hf_model
 from rapidlite.tasks.pretraining import hf_bert_pretraining, hf_causal_lm
@@ -50,7 +49,7 @@ def task_args(directory, **overrides):
         "binary_head": True,
         "seq_length": 16,
     }
-    return SimpleNamespace(**{**values, **overrides})
+    return Sections.of({**values, **overrides})
 
 
 def saved_config(tmp_path, name):

@@ -18,7 +18,7 @@ def gpt2(positions: int = 64):
 
 
 def pretraining_args(*argv: str):
-    return parse_args(["--micro-batch-size", "1", "--train-iters", "1", *argv], require_task=False)
+    return parse_args(["--micro-batch-size", "1", "--train-iters", "1", *argv], require_task=False).sections
 
 
 def test_decoder_position_tables():

@@ -10,6 +10,7 @@ module: trainers and demos are named by ``"module:attribute"`` and imported only
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class TaskSpec:
     demo_without_data: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     load_model_dir: bool = False
-    check: Callable[[Any], None] | None = None
+    check: Callable[[argparse.Namespace], None] | None = None
     eval_only: bool = False
     auto_class: str | None = None
     auto_class_by_model_type: Mapping[str, str] = field(default_factory=dict)
@@ -77,8 +78,9 @@ class TaskSpec:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
         return self.auto_class_by_model_type.get(model_type or "", self.auto_class)
 
-    def trainer_class(self, args: Any) -> type:
-        return _import(self.trainer)(args)
+    def trainer_class(self, settings: Any) -> type:
+        """The trainer class for the resolved settings (``Sections``; the table imports nothing above it)."""
+        return _import(self.trainer)(settings)
 
     def demo_run(self) -> Demo:
         """The embedded offline run (torch-free: nothing is built until ``prepare``)."""
@@ -109,7 +111,7 @@ def model_family(name: str | None) -> str:
     )
 
 
-def _pretraining_seq_length(args: Any) -> int:
+def _pretraining_seq_length(args: argparse.Namespace) -> int:
     """Megatron's defaults: 1024 tokens for GPT-style models, 512 for BERT."""
     return 512 if model_family(args.pretrained_model_name_or_path) == "bert" else 1024
 
@@ -127,7 +129,7 @@ _BUILT_IN_GPT_FLAGS = (
 )
 
 
-def _check_pretraining(args: Any) -> None:
+def _check_pretraining(args: argparse.Namespace) -> None:
     if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
         raise ConfigError(
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
@@ -148,7 +150,7 @@ def _check_pretraining(args: Any) -> None:
 QUESTION_ANSWERING_SEQ_LENGTH = 384  # run_qa's --max_seq_length
 
 
-def _check_question_answering(args: Any) -> None:
+def _check_question_answering(args: argparse.Namespace) -> None:
     if args.padding_free:
         raise ConfigError(
             "--padding-free: question answering picks each window's answer span by a softmax over the whole window, "
@@ -165,7 +167,7 @@ def _check_question_answering(args: Any) -> None:
         )
 
 
-def _check_masked_lm(args: Any) -> None:
+def _check_masked_lm(args: argparse.Namespace) -> None:
     if not 0 < args.mask_prob < 1:
         raise ConfigError(f"--mlm-probability {args.mask_prob:g}: must be in (0, 1); 0.15 is usual")
     if args.padding_free:
@@ -175,7 +177,7 @@ def _check_masked_lm(args: Any) -> None:
         )
 
 
-def _check_multiple_choice(args: Any) -> None:
+def _check_multiple_choice(args: argparse.Namespace) -> None:
     if args.padding_free:
         raise ConfigError(
             "--padding-free: --task multiple_choice scores each question's choices as rows of one [choices, length] "
@@ -183,7 +185,7 @@ def _check_multiple_choice(args: Any) -> None:
         )
 
 
-def _check_seq2seq(args: Any) -> None:
+def _check_seq2seq(args: argparse.Namespace) -> None:
     for flag, value in (("--max-target-length", args.max_target_length), ("--num-beams", args.num_beams)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: must be at least 1")

@@ -24,6 +24,7 @@ DeepSpeed key                          flag
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
@@ -71,7 +72,7 @@ def _positive_int(value: Any, where: str, path: str) -> int:
     return value
 
 
-def _stage_of(args: Any) -> int:
+def _stage_of(args: argparse.Namespace) -> int:
     if args.zero_3_memory_optimization:
         return 3
     if args.zero_2_memory_optimization:
@@ -79,7 +80,7 @@ def _stage_of(args: Any) -> int:
     return 1 if args.zero_1_memory_optimization else 0
 
 
-def adopt_user_config(args: Any, config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def adopt_user_config(args: argparse.Namespace, config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """What ``config`` supplies for the flags the command line left open, as ``{dest: value}`` (``args`` is
     only read; ``deepspeed_accumulation`` is the file's accumulation when no batch size decides it), and the
     notices of the file's values the command line overrides."""

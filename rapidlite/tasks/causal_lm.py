@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
 from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
 from rapidlite.data.tabular import load_raw_datasets
@@ -107,42 +108,50 @@ class CausalLMFinetuner(Finetuner):
     """Supervised fine-tuning of a causal language model; the loss trains the labelled (response) tokens."""
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
+        settings = self.settings
         # A LoRA adapter (rapidlite's DIR/hf/adapter, or DIR/hf of a run without --merge-lora) runs on its base.
-        self.adapter = lora.adapter_directory(args.pretrained_model_name_or_path)
-        self.base_name = lora.adapter_base(self.adapter) if self.adapter else args.pretrained_model_name_or_path
+        self.adapter = lora.adapter_directory(settings.model.pretrained_model_name_or_path)
+        self.base_name = (
+            lora.adapter_base(self.adapter) if self.adapter else settings.model.pretrained_model_name_or_path
+        )
         has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
         config = model_config(self.base_name)
         pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
-        set_chat_template(self.tokenizer, args.chat_template)
+        set_chat_template(self.tokenizer, settings.task.chat_template)
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
-        seq_length = causal_seq_length(args.seq_length, config, explicit=args.given("seq_length"))
+            raw = load_raw_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
+        seq_length = causal_seq_length(settings.data.seq_length, config, explicit=settings.given("seq_length"))
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
             seq_length,
-            prompt_key=args.prompt_key,
-            response_key=args.response_key,
-            template=args.prompt_template,
-            train_on_prompt=args.train_on_prompt,
-            packing=args.packing,
+            prompt_key=settings.task.prompt_key,
+            response_key=settings.task.response_key,
+            template=settings.task.prompt_template,
+            train_on_prompt=settings.task.train_on_prompt,
+            packing=settings.task.packing,
             progress=self.show_progress,
         )
         d = self.data
         valid = len(d.validation) if d.validation is not None else 0
         self.logger.info(
-            f"data: {d.rows} rows, format {d.fmt.kind}, template {args.prompt_template}"
-            f"{', chat template ' + args.chat_template if args.chat_template else ''}, "
+            f"data: {d.rows} rows, format {d.fmt.kind}, template {settings.task.prompt_template}"
+            f"{', chat template ' + settings.task.chat_template if settings.task.chat_template else ''}, "
             f"{d.truncated} truncated to --seq-length {seq_length}"
             f"{f', {d.windowed} texts split into windows of it' if d.windowed else ''}"
             f"{f', {d.dropped} dropped with no response token left' if d.dropped else ''}"
             f"{''.join(f', {n} skipped with no {field}' for field, n in sorted(d.skipped.items()))}, "
             f"{d.trained_tokens / max(d.tokens, 1):.1%} of tokens trained | "
-            f"{len(d.train)} train / {valid} validation {'packed sequences' if args.packing else 'samples'}"
+            f"{len(d.train)} train / {valid} validation {'packed sequences' if settings.task.packing else 'samples'}"
         )
-        if args.eval_generate and not d.prompts:
+        if settings.task.eval_generate and not d.prompts:
             self.logger.info("--eval-generate: the validation data has no prompts to complete; nothing is generated")
         self.max_token_id = max(
             (max(row["input_ids"], default=-1) for split in (d.train, d.validation, d.test) for row in split or ()),
@@ -152,8 +161,8 @@ class CausalLMFinetuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         # A subclass may provide its own data: the adapter and base then follow from the flag alone.
-        adapter = getattr(self, "adapter", lora.adapter_directory(self.args.pretrained_model_name_or_path))
-        base_name = lora.adapter_base(adapter) if adapter else self.args.pretrained_model_name_or_path
+        adapter = getattr(self, "adapter", lora.adapter_directory(self.settings.model.pretrained_model_name_or_path))
+        base_name = lora.adapter_base(adapter) if adapter else self.settings.model.pretrained_model_name_or_path
         model = load_causal_lm(base_name, **self.pretrained_load_kwargs())
         if adapter is not None:
             model = lora.load_adapter(model, adapter)
@@ -161,7 +170,7 @@ class CausalLMFinetuner(Finetuner):
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
-        if self.args.packing and not honours_packed_positions(model):
+        if self.settings.task.packing and not honours_packed_positions(model):
             raise ConfigError(
                 f"--packing: {type(model).__name__} does not keep attention inside packed samples (it ignores "
                 "restarting position ids); drop --packing"
@@ -181,7 +190,7 @@ class CausalLMFinetuner(Finetuner):
         if rows is None or max_token_id < rows:
             return
         size = len(self.tokenizer)
-        if self.args.lora_rank or lora.is_peft_model(model):
+        if self.settings.lora.lora_rank or lora.is_peft_model(model):
             raise ConfigError(
                 f"--lora-rank: the data has token id {max_token_id} but the model's embeddings end at {rows - 1} "
                 f"(the tokenizer has {size} tokens); adapters cannot grow them: save the model resized with "
@@ -194,7 +203,7 @@ class CausalLMFinetuner(Finetuner):
         )
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
         super().begin_training()  # after it, so the first interval's rates count training only
 
@@ -215,8 +224,10 @@ class CausalLMFinetuner(Finetuner):
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         metrics = super().run_compute_metrics(model, eval_dataloader)
         metrics["ppl"] = perplexity(metrics["loss"])
-        if self.args.eval_generate and self.data.prompts:
-            metrics["exact_match"] = self.generate_and_score(model[0], self.data.prompts[: self.args.eval_generate])
+        if self.settings.task.eval_generate and self.data.prompts:
+            metrics["exact_match"] = self.generate_and_score(
+                model[0], self.data.prompts[: self.settings.task.eval_generate]
+            )
         return metrics
 
     def generate(self, model: torch.nn.Module, prompt: str, max_new_tokens: int) -> str:
@@ -252,6 +263,6 @@ class CausalLMFinetuner(Finetuner):
         return hits / len(prompts)
 
 
-def trainer_for(args: Any) -> type[CausalLMFinetuner]:
+def trainer_for(settings: Sections) -> type[CausalLMFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return CausalLMFinetuner

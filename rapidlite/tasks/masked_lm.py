@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
 from rapidlite.data.masked_lm import (
     EVAL_STREAM,
@@ -58,45 +59,53 @@ class MaskedLMFinetuner(Finetuner):
     seq_length = get_task("masked_lm").defaults["seq_length"]  # until the data sets it
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        config = load_config(args.pretrained_model_name_or_path)
-        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+        settings = self.settings
+        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
+        config = load_config(settings.model.pretrained_model_name_or_path)
+        if (
+            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
+        ) is not None:
             self.logger.info(f"data: {padding}")
         self.seq_length = sequence_length(
-            args.seq_length, self.tokenizer, args.seq_length, config, args.given("seq_length")
+            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, settings.given("seq_length")
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_text_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_text_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
             self.data = build_masked_lm_data(
                 raw,
                 self.tokenizer,
                 self.seq_length,
-                text_keys=args.text_keys,
-                line_by_line=args.line_by_line,
-                whole_word_masking=args.whole_word_masking,
+                text_keys=settings.data.text_keys,
+                line_by_line=settings.task.line_by_line,
+                whole_word_masking=settings.task.whole_word_masking,
             )
         d = self.data
         shape = (
             f"one sample per document ({d.truncated} cut at --seq-length {self.seq_length})"
-            if args.line_by_line
+            if settings.task.line_by_line
             else f"grouped into blocks of --seq-length {self.seq_length}"
         )
         valid = len(d.validation) if d.validation is not None else 0
         self.logger.info(
             f"data: {d.documents} documents from column {d.text_key}"
             f"{f' ({d.empty} empty rows skipped)' if d.empty else ''}, {d.tokens} tokens {shape} | "
-            f"{len(d.train)} train / {valid} validation samples; masking {args.mask_prob:g} of the tokens"
-            f"{' by whole words' if args.whole_word_masking else ''}"
+            f"{len(d.train)} train / {valid} validation samples; masking {settings.data.mask_prob:g} of the tokens"
+            f"{' by whole words' if settings.task.whole_word_masking else ''}"
         )
         return d.train, d.validation, d.test, MaskedLMCollator(self.tokenizer.pad_token_id or 0)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_masked_lm(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        model = load_masked_lm(self.settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
         return model, None, None
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's perplexity: what the demo's learning is judged by
         super().begin_training()
 
@@ -107,14 +116,19 @@ class MaskedLMFinetuner(Finetuner):
         (padding that evens out the ranks' last evaluation batches) are run but not scored."""
         input_ids = batch["input_ids"]
         draws = draw_masks(
-            batch["index"], input_ids.shape[1], self.seq_length, len(self.tokenizer), self.args.seed, stream
+            batch["index"],
+            input_ids.shape[1],
+            self.seq_length,
+            len(self.tokenizer),
+            self.settings.training.seed,
+            stream,
         ).to(input_ids.device)
         inputs, labels = mask_tokens(
             input_ids,
             batch["maskable"],
             draws,
             self.tokenizer.mask_token_id,
-            self.args.mask_prob,
+            self.settings.data.mask_prob,
             batch.get("word_ids"),
         )
         if rows is not None:
@@ -148,6 +162,6 @@ class MaskedLMFinetuner(Finetuner):
         return {"loss": loss, "ppl": perplexity(loss), "masked_tokens": int(count)}
 
 
-def trainer_for(args: Any) -> type[MaskedLMFinetuner]:
+def trainer_for(settings: Sections) -> type[MaskedLMFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return MaskedLMFinetuner

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.data.multiple_choice import MultipleChoiceCollator, build_multiple_choice_data
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import multiple_choice_accuracy
@@ -44,21 +45,31 @@ class MultipleChoiceFinetuner(Finetuner):
     """Multiple choice: one score per (context, choice) sequence, a softmax over a row's choices."""
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        config = load_config(args.pretrained_model_name_or_path)
-        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+        settings = self.settings
+        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
+        config = load_config(settings.model.pretrained_model_name_or_path)
+        if (
+            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
+        ) is not None:
             self.logger.info(f"data: {padding}")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, args.given("seq_length"))
+        seq_length = sequence_length(
+            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, settings.given("seq_length")
+        )
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_raw_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
             self.data = build_multiple_choice_data(
                 raw,
                 self.tokenizer,
                 seq_length,
-                text_keys=args.text_keys,
-                choices_key=args.choices_key,
-                label_key=args.label_key,
+                text_keys=settings.data.text_keys,
+                choices_key=settings.task.choices_key,
+                label_key=settings.data.label_key,
             )
         d = self.data
         valid = len(d.validation) if d.validation is not None else 0
@@ -73,11 +84,13 @@ class MultipleChoiceFinetuner(Finetuner):
         return d.train, d.validation, test, MultipleChoiceCollator(self.tokenizer.pad_token_id or 0)
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_multiple_choice_model(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        model = load_multiple_choice_model(
+            self.settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs()
+        )
         return model, None, None
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's accuracy: chance, what the demo is measured against
         super().begin_training()
 
@@ -107,6 +120,6 @@ class MultipleChoiceFinetuner(Finetuner):
         return metrics
 
 
-def trainer_for(args: Any) -> type[MultipleChoiceFinetuner]:
+def trainer_for(settings: Sections) -> type[MultipleChoiceFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return MultipleChoiceFinetuner

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import model_family
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.data.tokenizers import tokenizer_of
@@ -32,18 +33,18 @@ from rapidlite.models.hf import check_positions, load_config, load_hf_model, ove
 from rapidlite.trainer.pretrainer import PreTrainer
 
 
-def hf_causal_lm(args: Any, vocab_size: int) -> torch.nn.Module:
+def hf_causal_lm(settings: Sections, vocab_size: int) -> torch.nn.Module:
     """A Hugging Face causal LM built from the named config (layer sizes overridable), weights on request;
     attention through SDPA where the model class has it."""
     from transformers import AutoModelForCausalLM
 
-    name = args.pretrained_model_name_or_path
-    if args.load_pretrained_weights:
+    name = settings.model.pretrained_model_name_or_path
+    if settings.model.load_pretrained_weights:
         model = _load_weights(AutoModelForCausalLM.from_pretrained, name, "causal language model")
-        check_positions(model, args.seq_length, name)
+        check_positions(model, settings.data.seq_length, name)
         return model
     config = load_config(name)
-    override_sizes(config, args.sections.model, args.seq_length)
+    override_sizes(config, settings.model, settings.data.seq_length)
     if getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
     return load_hf_model(AutoModelForCausalLM.from_config, config)
@@ -62,7 +63,7 @@ def _load_weights(load: Any, name: str, what: str) -> torch.nn.Module:
         ) from None
 
 
-def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
+def hf_bert_pretraining(settings: Sections, vocab_size: int) -> torch.nn.Module:
     """``BertForPreTraining`` (``BertForMaskedLM`` with ``--no-binary-head``) built from the named config
     (layer sizes overridable, vocabulary and positions grown to the data's), weights on request; attention
     through SDPA."""
@@ -73,24 +74,24 @@ def hf_bert_pretraining(args: Any, vocab_size: int) -> torch.nn.Module:
         BertForPreTraining,
     )
 
-    name = args.pretrained_model_name_or_path
-    if args.load_pretrained_weights:
-        cls = BertForPreTraining if args.binary_head else BertForMaskedLM
+    name = settings.model.pretrained_model_name_or_path
+    if settings.model.load_pretrained_weights:
+        cls = BertForPreTraining if settings.data.binary_head else BertForMaskedLM
         model = _load_weights(cls.from_pretrained, name, "BERT model")
-        check_positions(model, args.seq_length, name)
+        check_positions(model, settings.data.seq_length, name)
         return model
     config = load_config(name)
-    override_sizes(config, args.sections.model, args.seq_length)
+    override_sizes(config, settings.model, settings.data.seq_length)
     config.vocab_size = max(config.vocab_size, vocab_size)
     # The auto classes map a BERT config to BertForPreTraining / BertForMaskedLM; unlike the classes' own
     # constructors, their from_config takes the attention implementation.
-    auto = AutoModelForPreTraining if args.binary_head else AutoModelForMaskedLM
+    auto = AutoModelForPreTraining if settings.data.binary_head else AutoModelForMaskedLM
     return load_hf_model(auto.from_config, config)
 
 
-def _need_seq_length(args: Any) -> None:
+def _need_seq_length(settings: Sections) -> None:
     # --task pretraining fills it in (its TaskSpec's default); a user script using these trainers gives it.
-    if args.seq_length is None:
+    if settings.data.seq_length is None:
         raise ConfigError("pretraining needs --seq-length N (--task pretraining defaults it to 1024, 512 for BERT)")
 
 
@@ -99,42 +100,42 @@ class GPTPretrainer(PreTrainer):
 
     def __init__(self, engine: Any = None) -> None:
         super().__init__(engine)
-        args = self.args
-        self.hf = args.pretrained_model_name_or_path is not None
-        self.data_tokenizer = tokenizer_of(args.sections)
+        settings = self.settings
+        self.hf = settings.model.pretrained_model_name_or_path is not None
+        self.data_tokenizer = tokenizer_of(settings)
         self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
-        _need_seq_length(args)
+        _need_seq_length(settings)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        args = self.args
+        settings = self.settings
         return build_train_valid_test_datasets(
-            data_prefix=args.data_path,
-            splits_string=args.split,
+            data_prefix=settings.data.data_path,
+            splits_string=settings.data.split,
             train_valid_test_num_samples=train_val_test_num_samples,
-            seq_length=args.seq_length,
-            seed=args.seed,
-            data_impl=args.data_impl,
-            skip_warmup=not args.mmap_warmup,
+            seq_length=settings.data.seq_length,
+            seed=settings.training.seed,
+            data_impl=settings.data.data_impl,
+            skip_warmup=not settings.data.mmap_warmup,
             vocab_size=self.data_tokenizer.vocab_size,
         )
 
     def model_optimizer_lr_scheduler_provider(self):
-        args = self.args
+        settings = self.settings
         vocab_size = self.data_tokenizer.vocab_size
         if self.hf:
-            return hf_causal_lm(args, vocab_size), None, None
+            return hf_causal_lm(settings, vocab_size), None, None
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        return GPTModel(GPTConfig.of(args.sections, vocab_size)), None, None
+        return GPTModel(GPTConfig.of(settings, vocab_size)), None, None
 
     def run_forward_step(self, data_iterator, model):
-        args = self.args
+        settings = self.settings
         batch = gpt_batch(
             next(data_iterator)["text"],
             self.data_tokenizer.eod,
-            eod_mask_loss=args.eod_mask_loss,
-            reset_position_ids=args.reset_position_ids,
-            reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=settings.data.eod_mask_loss,
+            reset_position_ids=settings.data.reset_position_ids,
+            reset_attention_mask=settings.data.reset_attention_mask,
         )
         if not self.hf:
             return model(
@@ -165,42 +166,42 @@ class BertPretrainer(PreTrainer):
 
     def __init__(self, engine: Any = None) -> None:
         super().__init__(engine)
-        args = self.args
-        self.data_tokenizer = tokenizer_of(args.sections)
+        settings = self.settings
+        self.data_tokenizer = tokenizer_of(settings)
         self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
         if getattr(self.data_tokenizer, "mask", None) is None or getattr(self.data_tokenizer, "cls", None) is None:
             raise ConfigError(
                 "BERT pretraining needs a WordPiece tokenizer with [CLS]/[SEP]/[MASK]: --tokenizer-type "
                 "BertWordPieceLowerCase (or BertWordPieceCase) --vocab-file vocab.txt"
             )
-        _need_seq_length(args)
+        _need_seq_length(settings)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         from rapidlite.data.bert_dataset import build_bert_train_valid_test_datasets
 
-        args = self.args
+        settings = self.settings
         return build_bert_train_valid_test_datasets(
-            data_prefix=args.data_path,
-            splits_string=args.split,
+            data_prefix=settings.data.data_path,
+            splits_string=settings.data.split,
             train_valid_test_num_samples=train_val_test_num_samples,
-            seq_length=args.seq_length,
-            seed=args.seed,
+            seq_length=settings.data.seq_length,
+            seed=settings.training.seed,
             tokenizer=self.data_tokenizer,
-            mask_prob=args.mask_prob,
-            short_seq_prob=args.short_seq_prob,
-            binary_head=args.binary_head,
+            mask_prob=settings.data.mask_prob,
+            short_seq_prob=settings.data.short_seq_prob,
+            binary_head=settings.data.binary_head,
         )
 
     def model_optimizer_lr_scheduler_provider(self):
-        return hf_bert_pretraining(self.args, self.data_tokenizer.vocab_size), None, None
+        return hf_bert_pretraining(self.settings, self.data_tokenizer.vocab_size), None, None
 
     def run_forward_step(self, data_iterator, model):
         batch = dict(next(data_iterator))
-        if not self.args.binary_head:
+        if not self.settings.data.binary_head:
             batch.pop("next_sentence_label", None)
         return model(**batch).loss
 
 
-def pretrainer_for(args: Any) -> type[PreTrainer]:
+def pretrainer_for(settings: Sections) -> type[PreTrainer]:
     """The trainer of ``--task pretraining`` for this model family."""
-    return BertPretrainer if model_family(args.pretrained_model_name_or_path) == "bert" else GPTPretrainer
+    return BertPretrainer if model_family(settings.model.pretrained_model_name_or_path) == "bert" else GPTPretrainer

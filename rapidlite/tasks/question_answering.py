@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.data.question_answering import (
     FEATURE_INDEX,
     POSITION_KEYS,
@@ -65,41 +66,54 @@ class QuestionAnsweringFinetuner(Finetuner):
     """Extractive question answering: the model scores each token as the answer's start and end."""
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        config = load_config(args.pretrained_model_name_or_path)
-        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+        settings = self.settings
+        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
+        config = load_config(settings.model.pretrained_model_name_or_path)
+        if (
+            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
+        ) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = args.given("seq_length")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, explicit)
+        explicit = settings.given("seq_length")
+        seq_length = sequence_length(
+            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
+        )
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_raw_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
             # --eval-only of data without a validation split scores its train split: it needs the windows' metadata.
-            evaluated = ("validation", "test", "train") if args.eval_only else ("validation", "test")
+            evaluated = ("validation", "test", "train") if settings.training.eval_only else ("validation", "test")
             self.data = build_question_answering_data(
                 raw,
                 self.tokenizer,
                 seq_length=seq_length,
-                doc_stride=args.doc_stride,
-                text_keys=args.text_keys,
-                label_key=args.label_key,
-                version_2_with_negative=args.version_2_with_negative,
+                doc_stride=settings.task.doc_stride,
+                text_keys=settings.data.text_keys,
+                label_key=settings.data.label_key,
+                version_2_with_negative=settings.task.version_2_with_negative,
                 eval_splits=evaluated,
             )
         d = self.data
         counts = ", ".join(f"{name} {d.rows[name]} questions in {d.windows[name]} windows" for name in d.rows)
+        task = settings.task
         self.logger.info(
-            f"data: {d.columns.describe()}; {counts} (--seq-length {d.seq_length}, --doc-stride {args.doc_stride}"
-            f"{', SQuAD v2: unanswerable questions' if args.version_2_with_negative else ''})"
+            f"data: {d.columns.describe()}; {counts} (--seq-length {d.seq_length}, --doc-stride {task.doc_stride}"
+            f"{', SQuAD v2: unanswerable questions' if task.version_2_with_negative else ''})"
         )
         return d.train, d.validation, d.test, d.collate_fn
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = load_question_answering_model(self.args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        model = load_question_answering_model(
+            self.settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs()
+        )
         return model, None, None
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
         super().begin_training()  # after it, so the first interval's rates count training only
 
@@ -151,23 +165,23 @@ class QuestionAnsweringFinetuner(Finetuner):
             n = len(meta[i].offsets)
             starts[i], ends[i] = start_logits[row, :n], end_logits[row, :n]
         examples = d.examples[split]
-        args = self.args
+        settings = self.settings
         predictions, _ = postprocess_predictions(
             examples,
             meta,
             starts,
             ends,
-            n_best_size=args.n_best_size,
-            max_answer_length=args.max_answer_length,
-            version_2_with_negative=args.version_2_with_negative,
-            null_score_diff_threshold=args.null_score_diff_threshold,
+            n_best_size=settings.task.n_best_size,
+            max_answer_length=settings.task.max_answer_length,
+            version_2_with_negative=settings.task.version_2_with_negative,
+            null_score_diff_threshold=settings.task.null_score_diff_threshold,
         )
         references = [e.answers for e in examples]
-        if args.version_2_with_negative:
+        if settings.task.version_2_with_negative:
             return squad_v2_metrics(predictions, references)
         return squad_v1_metrics(predictions, references)
 
 
-def trainer_for(args: Any) -> type[QuestionAnsweringFinetuner]:
+def trainer_for(settings: Sections) -> type[QuestionAnsweringFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return QuestionAnsweringFinetuner

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.seq2seq import build_seq2seq_data
 from rapidlite.data.tabular import load_raw_datasets
@@ -142,24 +143,30 @@ class Seq2SeqFinetuner(Finetuner):
     _told_splitter = False
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        name = args.pretrained_model_name_or_path
+        settings = self.settings
+        name = settings.model.pretrained_model_name_or_path
         seq_length, target_length = self._lengths(name)
         self.tokenizer = load_tokenizer(name)
         if self.tokenizer.pad_token_id is None:
             raise ConfigError(f"--pretrained-model-name-or-path {name}: the tokenizer has no padding token")
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_raw_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
             self.data = build_seq2seq_data(
                 raw,
                 self.tokenizer,
                 seq_length,
                 target_length,
-                text_keys=args.text_keys,
-                label_key=args.label_key,
-                source_lang=args.source_lang,
-                target_lang=args.target_lang,
-                source_prefix=args.source_prefix,
+                text_keys=settings.data.text_keys,
+                label_key=settings.data.label_key,
+                source_lang=settings.task.source_lang,
+                target_lang=settings.task.target_lang,
+                source_prefix=settings.task.source_prefix,
             )
         d = self.data
         # Translations are scored by BLEU (run_translation); summaries by ROUGE too (run_summarization).
@@ -167,9 +174,10 @@ class Seq2SeqFinetuner(Finetuner):
         if self.with_rouge:
             require_rouge()
         valid = len(d.validation) if d.validation is not None else 0
+        prefix = settings.task.source_prefix
         self.logger.info(
             f"data: {d.columns.describe()}"
-            f"{f', source prefix {args.source_prefix!r}' if args.source_prefix else ''} | {len(d.train)} train / "
+            f"{f', source prefix {prefix!r}' if prefix else ''} | {len(d.train)} train / "
             f"{valid} validation pairs | {d.truncated_sources} sources cut to --seq-length {seq_length}, "
             f"{d.truncated_targets} targets cut to --max-target-length {target_length}"
         )
@@ -183,7 +191,7 @@ class Seq2SeqFinetuner(Finetuner):
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
-        args = self.args
+        settings = self.settings
         try:
             config = AutoConfig.from_pretrained(name)
         except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
@@ -196,15 +204,15 @@ class Seq2SeqFinetuner(Finetuner):
             )
         limit = position_limit(config)  # None for T5's relative position buckets: no table to run past
         refusal = "the model has {limit} positions (max_position_embeddings); use at most {limit}"
-        source = within_positions(args.seq_length, limit, args.given("seq_length"), refusal)
-        target_given = args.max_target_length is not None
-        target = args.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
+        source = within_positions(settings.data.seq_length, limit, settings.given("seq_length"), refusal)
+        target_given = settings.task.max_target_length is not None
+        target = settings.task.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
         return source, within_positions(target, limit, target_given, refusal, flag="--max-target-length")
 
     def model_optimizer_lr_scheduler_provider(self):
-        args = self.args
-        model = load_seq2seq_lm(args.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
-        if model.config.model_type in ("t5", "mt5", "umt5") and not args.source_prefix:
+        settings = self.settings
+        model = load_seq2seq_lm(settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
+        if model.config.model_type in ("t5", "mt5", "umt5") and not settings.task.source_prefix:
             self.logger.warning(
                 "T5 checkpoints were trained with a task prefix: pass --source-prefix 'summarize: ' (or "
                 "'translate English to German: ', ...) unless this model was fine-tuned without one"
@@ -214,12 +222,12 @@ class Seq2SeqFinetuner(Finetuner):
         generation = model.generation_config
         generation.max_new_tokens = self.target_length
         generation.max_length = None
-        if args.num_beams is not None:
-            generation.num_beams = args.num_beams
+        if settings.task.num_beams is not None:
+            generation.num_beams = settings.task.num_beams
         return model, None, None
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
         super().begin_training()  # after it, so the first interval's rates count training only
 
@@ -302,6 +310,6 @@ class Seq2SeqFinetuner(Finetuner):
             self.logger.info(notice)
 
 
-def trainer_for(args: Any) -> type[Seq2SeqFinetuner]:
+def trainer_for(settings: Sections) -> type[Seq2SeqFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return Seq2SeqFinetuner

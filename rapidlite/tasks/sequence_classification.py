@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rapidlite.config.settings import Sections
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
@@ -49,21 +50,31 @@ class SequenceClassificationFinetuner(Finetuner):
     """Text (or text pair) classification; labels may be ints or strings (mapped and saved in the config)."""
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        self.tokenizer = load_tokenizer(args.pretrained_model_name_or_path)
-        config = load_config(args.pretrained_model_name_or_path)
-        if (padding := ensure_pad_token(self.tokenizer, config, args.pretrained_model_name_or_path)) is not None:
+        settings = self.settings
+        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
+        config = load_config(settings.model.pretrained_model_name_or_path)
+        if (
+            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
+        ) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = args.given("seq_length")
-        seq_length = sequence_length(args.seq_length, self.tokenizer, args.seq_length, config, explicit)
+        explicit = settings.given("seq_length")
+        seq_length = sequence_length(
+            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
+        )
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
-            raw = load_raw_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_raw_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,
                 seq_length=seq_length,
-                text_keys=args.text_keys,
-                label_key=args.label_key,
+                text_keys=settings.data.text_keys,
+                label_key=settings.data.label_key,
                 label_order=head_labels(config),
                 # A regression model (STS-B's) scores whole-number labels too, rather than a fresh class head.
                 scores=getattr(config, "problem_type", None) == "regression",
@@ -99,7 +110,9 @@ class SequenceClassificationFinetuner(Finetuner):
         kwargs = self.pretrained_load_kwargs()
         if self.data.regression:
             kwargs["problem_type"] = "regression"  # one output and MSE, as run_glue trains STS-B
-        model = load_classifier(self.args.pretrained_model_name_or_path, self.data.num_labels, id2label, **kwargs)
+        model = load_classifier(
+            self.settings.model.pretrained_model_name_or_path, self.data.num_labels, id2label, **kwargs
+        )
         if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id  # GPT-style models need it to pool
         return model, None, None
@@ -137,6 +150,6 @@ class SequenceClassificationFinetuner(Finetuner):
         return regression_metrics(scores_t[keep], labels_t[keep])
 
 
-def trainer_for(args: Any) -> type[SequenceClassificationFinetuner]:
+def trainer_for(settings: Sections) -> type[SequenceClassificationFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return SequenceClassificationFinetuner

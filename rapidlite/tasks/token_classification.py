@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rapidlite.config.settings import Sections
 from rapidlite.data.token_classification import (
     IGNORE,
     build_token_classification_data,
@@ -76,25 +77,31 @@ class TokenClassificationFinetuner(Finetuner):
     ``--label-all-tokens`` the loss on every sub-token)."""
 
     def train_valid_test_datasets_provider(self):
-        args = self.args
-        name = args.pretrained_model_name_or_path
+        settings = self.settings
+        name = settings.model.pretrained_model_name_or_path
         config = load_config(name)
         self.tokenizer = load_word_tokenizer(name, config)
         if (padding := ensure_pad_token(self.tokenizer, config, name)) is not None:
             self.logger.info(f"data: {padding}")
-        explicit = args.given("seq_length")
+        explicit = settings.given("seq_length")
         self.seq_length = seq_length = sequence_length(
-            args.seq_length, self.tokenizer, args.seq_length, config, explicit
+            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_token_datasets(args.data_path[0], args.data_name, args.data_dir, args.split, args.seed)
+            raw = load_token_datasets(
+                settings.data.data_path[0],
+                settings.data.data_name,
+                settings.data.data_dir,
+                settings.data.split,
+                settings.training.seed,
+            )
         self.data = d = build_token_classification_data(
             raw,
             self.tokenizer,
             seq_length,
-            text_keys=args.text_keys,
-            label_key=args.label_key,
-            label_all_tokens=args.label_all_tokens,
+            text_keys=settings.data.text_keys,
+            label_key=settings.data.label_key,
+            label_all_tokens=settings.task.label_all_tokens,
             label_order=head_labels(config),
         )
         self.entity_scores = is_entity_tagset(list(d.id2label.values()))
@@ -138,14 +145,14 @@ class TokenClassificationFinetuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         model = load_token_classifier(
-            self.args.pretrained_model_name_or_path, self.data.id2label, **self.pretrained_load_kwargs()
+            self.settings.model.pretrained_model_name_or_path, self.data.id2label, **self.pretrained_load_kwargs()
         )
         if getattr(model.config, "pad_token_id", None) is None and self.tokenizer.pad_token_id is not None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         return model, None, None
 
     def begin_training(self) -> None:
-        if self.args.demo and self.iteration == 0:
+        if self.settings.task.demo and self.iteration == 0:
             self.evaluate("validation")  # the untrained model's scores: what the demo's learning is measured against
         super().begin_training()
 
@@ -188,6 +195,6 @@ class TokenClassificationFinetuner(Finetuner):
         return metrics
 
 
-def trainer_for(args: Any) -> type[TokenClassificationFinetuner]:
+def trainer_for(settings: Sections) -> type[TokenClassificationFinetuner]:
     """The task registry's entry point: the trainer class for these flags."""
     return TokenClassificationFinetuner

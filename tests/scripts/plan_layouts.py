@@ -10,5 +10,5 @@ from rapidlite.planning import plan, plan_records
 out = {}
 for line in sys.stdin.read().splitlines():
     name, _, argv = line.partition(" ")
-    out[name] = plan_records(plan(parse_args(shlex.split(argv))))
+    out[name] = plan_records(plan(parse_args(shlex.split(argv)).sections))
 print(json.dumps(out))
