@@ -69,7 +69,8 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
 
 def dry_run(config: RunConfig) -> int:
     """``--dry-run``: the plan and memory prediction, printed in this process; no worker starts."""
-    from rapidlite.planning import format_plan, plan
+    from rapidlite.planning import plan
+    from rapidlite.planning.report import format_plan
 
     print(format_plan(plan(config.sections)), flush=True)
     return 0

@@ -159,7 +159,7 @@ def test_a_model_class_named_by_the_config_is_built_on_meta(tmp_path):
     from transformers import BertConfig
 
     from rapidlite.config.settings import Sections
-    from rapidlite.planning import meta_model
+    from rapidlite.planning.model import meta_model
 
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     config.architectures = ["BertForMaskedLM"]

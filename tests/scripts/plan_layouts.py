@@ -5,7 +5,8 @@ import shlex
 import sys
 
 from rapidlite.arguments import parse_args
-from rapidlite.planning import plan, plan_records
+from rapidlite.planning import plan
+from rapidlite.planning.report import plan_records
 
 out = {}
 for line in sys.stdin.read().splitlines():

@@ -1,0 +1,352 @@
+"""``--dry-run``: the plan of a run and a per-rank memory prediction, printed without training.
+
+The plan resolves every flag as a real launch would, then measures instead of guessing where it can:
+
+- **Model states** come from the real code: the model is built on the ``meta`` device (no memory), and each
+  distinct rank of the layout (one per pipeline stage) sets it up with the run's own strategy under a fake
+  process group of the target world size (``torch.testing``'s ``FakeStore`` backend, the one torchtitan's
+  memory estimator uses). Tensor-parallel shards, pipeline pruning, FSDP shards and LoRA adapters are
+  therefore exactly what the run will hold. Gradients and optimizer state follow from the trainable local
+  parameters (AdamW: two fp32 moments; ZeRO-1: sharded over data parallelism; ``--cpu-offload``: on the
+  host).
+- **Activations** come from one forward pass of the model on ``meta`` tensors of the run's micro-batch and
+  sequence length: every tensor autograd saves for the backward is counted (``saved_tensors_hooks``),
+  attributed to the transformer block that saved it. The layout then scales them the way it changes them:
+  tensors whose last dimension is not the hidden size (heads, MLP intermediates, vocabulary logits) are split
+  by tensor parallelism, hidden-size tensors by sequence parallelism only; a pipeline stage holds its own
+  blocks for the micro-batches its schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all);
+  ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
+  (``selective``) and recomputes one block at a time in the backward pass.
+- **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
+  logits), DDP's gradient buckets, and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
+  whole model between forward and backward for ZeRO-2).
+- On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
+  the plan adds this process's own resident size (it has imported the same libraries) as "runtime".
+
+DeepSpeed configs get the same accounting with ZeRO's sharding rules (its engine cannot be built on meta).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rapidlite.config.sections import LoraConfig
+from rapidlite.config.settings import Sections
+from rapidlite.planning.activations import ActivationProfile, profile_activations, stage_activations
+from rapidlite.planning.model import meta_model, sequence_length, task_spec
+
+GiB = 2**30
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------------------ model states
+@dataclass
+class RankPlan:
+    """One rank's predicted bytes. ``host``: what ``--cpu-offload`` keeps in host memory instead."""
+
+    rank: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    host: int = 0
+    runtime: int = 0
+    activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """The device's peak; on a CPU (``runtime`` set) the process's, host memory included."""
+        device = self.model_states + self.activations + self.transient
+        return device + self.runtime + self.host if self.runtime else device
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world_size: int):
+    """A process group that exists for planning only: collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _strategy_for(settings: Sections, rank: int, world_size: int, precision: Any) -> Any:
+    from rapidlite.distributed import DistributedContext, ParallelDims, device_mesh
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+    from rapidlite.strategies import StrategyContext, select
+
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
+    ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
+    if world_size > 1:
+        ctx.mesh = device_mesh("cpu", dims)
+    quiet = logging.getLogger("rapidlite.planning")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    return select(StrategyContext(settings, ctx, DataParallelConfig.of(settings.parallel), precision, quiet))
+
+
+def _optimizer_bytes_per_element(settings: Sections) -> int:
+    if settings.optim.optimizer == "sgd":
+        return 4 if settings.optim.sgd_momentum else 0
+    return 8  # AdamW: exp_avg and exp_avg_sq in fp32
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    settings: Sections
+    world_size: int
+    strategy: str
+    precision: str
+    total_params: int
+    trainable_params: int
+    ranks: list[RankPlan]
+    notes: list[str] = field(default_factory=list)
+    seq_length: int | None = None  # the length the activations were measured at
+
+
+def _stage_rank(stage: int, dims: Any) -> int:
+    return stage * dims.dp * dims.tp
+
+
+def _in_flight(settings: Sections, stage: int, pp: int) -> int:
+    m = settings.training.gradient_accumulation_steps
+    if pp == 1:
+        return 1
+    if settings.parallel.pipeline_schedule == "gpipe":
+        return m
+    return min(pp - stage, m)
+
+
+def plan(settings: Sections) -> Plan:
+    """The plan and memory prediction of the run ``settings`` describe (see the module docstring)."""
+    from rapidlite.distributed import ParallelDims
+    from rapidlite.models import lora
+    from rapidlite.models.spec import spec_of
+    from rapidlite.precision import resolve_precision
+    from rapidlite.resolve import target_world_size
+
+    world_size = target_world_size(settings.parallel)
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    precision, _ = resolve_precision(settings.precision.precision, device)
+    adapters = settings.lora
+    notes: list[str] = []
+
+    # Activations: one meta forward of the whole model, in the compute dtype.
+    model = meta_model(settings)
+    total = sum(p.numel() for p in model.parameters())
+    spec = spec_of(model)
+    layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
+    seq = sequence_length(settings, getattr(model, "config", None))
+    probe = model.to(precision.dtype) if precision.dtype is not None else model
+    per_sample = task.inputs_per_sample if (task := task_spec(settings)) is not None else 1
+    profile = profile_activations(probe, settings.training.micro_batch_size, seq, hidden, per_sample)
+    profile_next = profile_activations(probe, settings.training.micro_batch_size + 1, seq, hidden, per_sample)
+    n_blocks = len(profile.blocks_split) or 1
+
+    deepspeed = settings.parallel.deepspeed
+    ranks: list[RankPlan] = []
+    strategy_name = "DeepSpeed"
+    trainable_total = None
+    for stage in range(dims.pp):
+        rank = _stage_rank(stage, dims)
+        model = meta_model(settings)
+        # Quantisation needs real weights: the plan adapts the full-precision base and counts the quantised
+        # bytes afterwards (_quantised_bytes).
+        unquantised = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
+        model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
+        trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        optimizer = None
+        if deepspeed:
+            module, strategy_name = model, "DeepSpeed"
+        else:
+            ctx = _fake_world(rank, world_size) if world_size > 1 else contextlib.nullcontext()
+            with ctx:
+                strategy = _strategy_for(settings, rank, world_size, precision)
+                model.to = lambda *a, _m=model, **k: _m  # the meta model stays on meta
+                composed, optimizer = strategy.setup(model, None, None)
+                strategy_name = strategy.name
+                module = strategy.module(composed)
+        ranks.append(
+            _rank_plan(settings, dims, rank, stage, module, optimizer, profile, profile_next, n_blocks, deepspeed)
+        )
+        if adapters.quantized:
+            ranks[-1].params -= _quantisable_bytes(module, adapters) - _quantised_bytes(module, adapters)
+    if deepspeed:
+        notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
+    if adapters.quantized:
+        notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
+    runtime = _resident_bytes() if device.type == "cpu" else 0
+    for r in ranks:
+        r.runtime = runtime
+    return Plan(
+        seq_length=seq,
+        settings=settings,
+        world_size=world_size,
+        strategy=strategy_name,
+        precision=precision.name,
+        total_params=total,
+        trainable_params=trainable_total or 0,
+        ranks=ranks,
+        notes=notes,
+    )
+
+
+def _quantisable(module: torch.nn.Module, settings: LoraConfig) -> list[torch.nn.Linear]:
+    """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
+    from rapidlite.models.lora import SKIP_ON_LOAD, split_names
+
+    keep = {*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)}
+    return [
+        m
+        for name, m in module.named_modules()
+        if type(m) is torch.nn.Linear
+        and not m.weight.requires_grad
+        and not any(part in keep for part in name.split("."))
+    ]
+
+
+def _quantisable_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
+    return sum(_bytes(m.weight) for m in _quantisable(module, settings))
+
+
+def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
+    """bitsandbytes' sizes: 4-bit packs two weights a byte plus an fp32 scale per block of 64 (double
+    quantisation: an 8-bit scale plus an fp32 one per 256 blocks); 8-bit is a byte a weight plus an fp32 scale
+    per output row."""
+    total = 0
+    for m in _quantisable(module, settings):
+        n = m.weight.numel()
+        if settings.load_in_4bit:
+            blocks = math.ceil(n / 64)
+            scales = blocks + 4 * math.ceil(blocks / 256) if settings.bnb_4bit_use_double_quant else 4 * blocks
+            total += math.ceil(n / 2) + scales
+        else:
+            total += n + 4 * m.out_features
+    return total
+
+
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux: /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _rank_plan(
+    settings: Sections,
+    dims: Any,
+    rank: int,
+    stage: int,
+    module: torch.nn.Module,
+    optimizer: Any,
+    profile: ActivationProfile,
+    profile_next: ActivationProfile,
+    n_blocks: int,
+    deepspeed: bool,
+) -> RankPlan:
+    from rapidlite.models.spec import find_blocks
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    dp_cfg = DataParallelConfig.of(settings.parallel)
+    zero, dp = dp_cfg.zero_stage, dims.dp
+    params = list(module.parameters())
+    param_bytes = sum(_bytes(p) for p in params)
+    # Local elements: FSDP's and tensor parallelism's shards are already local here.
+    trainable = sum(_local(p).numel() for p in params if p.requires_grad)
+    grad_elems = opt_elems = trainable
+    if deepspeed:  # ZeRO's partitioning: stage 1 the optimizer state, 2 also gradients, 3 also parameters
+        param_bytes //= dp if zero >= 3 else 1
+        grad_elems //= dp if zero >= 2 else 1
+        opt_elems //= dp if zero >= 1 else 1
+    else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters, FSDP's shards
+        local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
+        opt_elems = sum(_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad)
+    grads = grad_elems * 4
+    optimizer = opt_elems * _optimizer_bytes_per_element(settings)
+    host = 0
+    if dp_cfg.cpu_offload:
+        host, optimizer = optimizer, 0
+        host += param_bytes + grads
+        param_bytes = grads = 0
+
+    # This stage's activations for the micro-batches in flight.
+    blocks = find_blocks(module)
+    mine = len(blocks) if blocks is not None else n_blocks
+    in_flight = _in_flight(settings, stage, dims.pp)
+    activations, largest = stage_activations(settings, dims, stage, mine, profile, in_flight)
+    # How the peak grows with the micro-batch: the difference to a profile one sample larger (some saved
+    # tensors, a causal mask or a transposed weight, do not grow with it).
+    grown, grown_largest = stage_activations(settings, dims, stage, mine, profile_next, in_flight)
+    last = stage == dims.pp - 1
+    held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
+    per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
+
+    # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward, DDP's
+    # gradient buckets, FSDP's gathered parameters.
+    transient = int(2 * largest)
+    if last and dims.pp > 1:
+        # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
+        transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
+    ddp = zero == 1 or (zero == 0 and dims.tp == 1 and dims.pp == 1)
+    if not deepspeed and ddp and dp > 1:
+        transient += grads  # DDP's buckets: a second copy of the gradients
+    if not deepspeed and zero == 2:
+        transient += param_bytes * (dp - 1)  # the unsharded parameters stay between forward and backward
+    elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
+        block_params = sum(_bytes(p) for p in blocks[0].parameters())
+        transient += 2 * block_params * dp  # the gathered block and the next one (prefetch)
+    return RankPlan(
+        rank=rank,
+        stage=stage,
+        params=param_bytes,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+        host=host,
+        activation_per_sample=per_sample,
+    )
+
+
+def largest_micro_batch(rank: RankPlan, budget_bytes: float, micro_batch: int) -> int:
+    """The largest micro-batch whose predicted peak fits ``budget_bytes`` (activations grow linearly with it)."""
+    fixed = rank.peak - rank.activation_per_sample * micro_batch
+    if rank.activation_per_sample <= 0:
+        return 0 if fixed > budget_bytes else sys.maxsize
+    return max(0, math.floor((budget_bytes - fixed) / rank.activation_per_sample))

@@ -1,0 +1,141 @@
+"""Activations for ``--dry-run``: what autograd saves in one meta forward, per transformer block, and how the
+layout scales it (see ``rapidlite.planning``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rapidlite.config.settings import Sections
+from rapidlite.planning.model import forward_loss
+
+
+@dataclass
+class ActivationProfile:
+    """Bytes autograd saves for one micro-batch, by where they were saved (blocks in order)."""
+
+    before_blocks: int = 0  # embeddings
+    after_blocks_split: int = 0  # head tensors split by tensor parallelism (vocabulary logits)
+    after_blocks: int = 0  # final norm and the rest of the head
+    blocks_split: list[int] = field(default_factory=list)  # per block: split by tensor parallelism
+    blocks_whole: list[int] = field(default_factory=list)  # per block: hidden-size tensors
+    blocks_kept_selective: list[int] = field(default_factory=list)  # matmul/attention outputs
+    block_inputs: list[int] = field(default_factory=list)
+    largest: int = 0  # the largest saved tensor (its gradient is a buffer of the same size in the backward)
+    largest_split: bool = False
+
+
+def profile_activations(
+    model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None, inputs_per_sample: int = 1
+) -> Any:
+    """Run one meta forward and count what autograd saves (see the module docstring)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rapidlite.models.spec import find_blocks
+    from rapidlite.parallel.recompute import _SAVE_OPS  # what selective checkpointing keeps
+
+    blocks = list(find_blocks(model) or [])
+    profile = ActivationProfile(
+        blocks_split=[0] * len(blocks),
+        blocks_whole=[0] * len(blocks),
+        blocks_kept_selective=[0] * len(blocks),
+        block_inputs=[0] * len(blocks),
+    )
+    state = {"block": None, "done_blocks": False}
+    seen: set[int] = set()
+    kept_by_selective: set[int] = set()
+    vocab_dims: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            vocab_dims.add(m.num_embeddings)
+
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    class Producers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in _SAVE_OPS:
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        kept_by_selective.add(key(t))
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        k = key(t)
+        if k in seen:
+            return t
+        seen.add(k)
+        nbytes = t.untyped_storage().nbytes()
+        last = t.shape[-1] if t.dim() else 0
+        split = t.dim() > 0 and last != hidden and (state["block"] is not None or last in vocab_dims)
+        i = state["block"]
+        if i is None:
+            if not state["done_blocks"]:
+                profile.before_blocks += nbytes
+            elif split:
+                profile.after_blocks_split += nbytes
+            else:
+                profile.after_blocks += nbytes
+        else:
+            (profile.blocks_split if split else profile.blocks_whole)[i] += nbytes
+            if k in kept_by_selective:
+                profile.blocks_kept_selective[i] += nbytes
+        if nbytes > profile.largest:
+            profile.largest, profile.largest_split = nbytes, split
+        return t
+
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def pre(module, args, kwargs, i=i):
+            state["block"] = i
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                profile.block_inputs[i] = first.untyped_storage().nbytes()
+
+        def post(module, args, output, i=i):
+            state["block"] = None
+            state["done_blocks"] = i == len(blocks) - 1
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post))
+    with torch.device("meta"):
+        ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
+    try:
+        with Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward_loss(model, ids, inputs_per_sample)
+    finally:
+        for h in handles:
+            h.remove()
+    return profile
+
+
+def stage_activations(
+    settings: Sections, dims: Any, stage: int, mine: int, profile: ActivationProfile, in_flight: int
+) -> tuple[int, float]:
+    """This stage's saved bytes for ``in_flight`` micro-batches, and the largest saved tensor."""
+    tp, sp = dims.tp, settings.parallel.sequence_parallel
+    first, last = stage == 0, stage == dims.pp - 1
+    avg = lambda xs: sum(xs) / max(len(xs), 1)
+    split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
+    per_block = split + whole
+    checkpointing = settings.model.checkpoint_activations
+    checkpointed = min(settings.model.recompute_num_layers or mine, mine) if checkpointing else 0
+    if checkpointing and settings.model.recompute_granularity == "selective":
+        kept = avg(profile.blocks_kept_selective) / tp
+        stack = checkpointed * kept + (mine - checkpointed) * per_block + per_block  # + one block recomputed
+    elif checkpointing:
+        inputs = avg(profile.block_inputs) / (tp if sp else 1)
+        stack = checkpointed * inputs + (mine - checkpointed) * per_block + per_block
+    else:
+        stack = mine * per_block
+    outside = (profile.before_blocks if first else 0) + (
+        profile.after_blocks + profile.after_blocks_split / tp if last else 0
+    )
+    largest = profile.largest / (tp if profile.largest_split else 1) if last else per_block / 4
+    return int((stack + outside) * in_flight), largest

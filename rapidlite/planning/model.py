@@ -1,0 +1,111 @@
+"""The run's model for ``--dry-run``: built on the ``meta`` device as its task builds it, and the sequence length
+the plan measures it at."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rapidlite.config.settings import Sections
+from rapidlite.config.tasks import TASKS, TaskSpec
+from rapidlite.errors import ConfigError
+
+# A user script's data without --seq-length is planned at this length (a black-box task's default is its own).
+SCRIPT_SEQ_LENGTH = 128
+
+
+def task_spec(settings: Sections) -> TaskSpec | None:
+    """The black-box task the plan is for: None for a user script (whose model the plan reads from its config)."""
+    return TASKS.get(settings.task.task) if settings.task.user_script is None else None
+
+
+def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
+    """The class the task builds from ``config`` (its ``TaskSpec``), else the config's own architecture."""
+    import transformers
+
+    name = spec.model_class_name(getattr(config, "model_type", None)) if spec is not None else None
+    if name is not None:
+        return getattr(transformers, name)
+    architectures = getattr(config, "architectures", None) or []
+    name = architectures[0] if architectures else None
+    if name is not None and hasattr(transformers, name):
+        return getattr(transformers, name)
+    return transformers.AutoModel
+
+
+def meta_model(settings: Sections) -> torch.nn.Module:
+    """The run's model on the ``meta`` device: from ``--pretrained-model-name-or-path``'s config (sizes overridden
+    by the flags as the tasks do), or the built-in GPT from the flags for pretraining."""
+    name, spec = settings.model.pretrained_model_name_or_path, task_spec(settings)
+    if name is None and settings.checkpoint.load is not None and settings.checkpoint.load_is_pretrained_model:
+        name = settings.checkpoint.load
+    if name is None:
+        if spec is None or not spec.from_config:
+            raise ConfigError(
+                "--dry-run builds the model from its config: give --pretrained-model-name-or-path (a hub name or "
+                "a local model directory)"
+            )
+        from rapidlite.data.tokenizers import tokenizer_of
+        from rapidlite.models.gpt import GPTConfig, GPTModel
+
+        vocab_size = tokenizer_of(settings).vocab_size
+        with torch.device("meta"):
+            return GPTModel(GPTConfig.of(settings, vocab_size))
+    from transformers import AutoConfig
+
+    from rapidlite.models.hf import override_sizes
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
+    if spec is not None and spec.from_config:
+        override_sizes(config, settings.model, settings.data.seq_length)
+    auto = _auto_class(spec, config)
+    # Auto classes build from a config with from_config; a model class named by the config's architectures
+    # (the fallback for a task not listed above) with _from_config.
+    build = getattr(auto, "from_config", None) or auto._from_config
+    with torch.device("meta"):
+        return build(config)
+
+
+def forward_loss(model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1) -> torch.Tensor:
+    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it).
+    ``inputs_per_sample`` > 1: each sample is that many sequences (``[questions, choices, tokens]``)."""
+    from rapidlite.models.gpt import GPTModel
+
+    if isinstance(model, GPTModel):
+        logits = model(ids)
+    else:
+        # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
+        seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        if inputs_per_sample > 1:
+            ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
+        out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
+        logits = next(
+            (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None
+        )
+        if logits is None:
+            logits = out[0]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device))
+
+
+def sequence_length(settings: Sections, config: Any = None) -> int:
+    """The run's sequence length: ``--seq-length``, else the fine-tuning task's default maximum; a default (none
+    given, or one a task's defaults set) is lowered to the model's learned position table (``config``) as the tasks
+    lower it. A given length beyond that table is the run's own one-line refusal, not a failed probe."""
+    from rapidlite.models.hf import position_limit, within_positions
+
+    spec = task_spec(settings)
+    # A task that trains its config from scratch grows the table to the length; a script's own data without
+    # --seq-length is planned at SCRIPT_SEQ_LENGTH.
+    limit = position_limit(config) if config is not None and not (spec and spec.from_config) else None
+    if settings.data.seq_length:
+        seq_length, explicit = settings.data.seq_length, settings.given("seq_length")
+    else:
+        seq_length, explicit = SCRIPT_SEQ_LENGTH, False
+    refusal = "the model has learned position embeddings for {limit} positions; use --seq-length {limit} or less"
+    return within_positions(seq_length, limit, explicit, refusal)

@@ -1,0 +1,108 @@
+"""What ``--dry-run`` prints (``format_plan``) and records (``plan_records``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rapidlite.planning import GiB, MiB, Plan, largest_micro_batch
+from rapidlite.planning.model import sequence_length
+
+
+def _mib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def describe_mesh(dims: Any) -> list[str]:
+    """Which ranks do what: rank = (pp_index * dp + dp_index) * tp + tp_index."""
+    lines = []
+    for s in range(dims.pp):
+        for d in range(dims.dp):
+            first = (s * dims.dp + d) * dims.tp
+            ranks = list(range(first, first + dims.tp))
+            where = f"stage {s}, " if dims.pp > 1 else ""
+            shards = f"tensor-parallel shards {ranks}" if dims.tp > 1 else f"rank {ranks[0]}"
+            lines.append(f"  {where}replica {d}: {shards}")
+    if len(lines) > 8:
+        lines = [*lines[:6], f"  ... ({len(lines)} groups in all)"]
+    return lines
+
+
+def format_plan(p: Plan) -> str:
+    from rapidlite.distributed import ParallelDims
+    from rapidlite.resolve import num_nodes
+
+    s = p.settings
+    model, run, parallel = s.model, s.training, s.parallel
+    dims = ParallelDims(p.world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    nodes = num_nodes(parallel)
+    checkpointing = (
+        f"{model.recompute_granularity}"
+        + (f", first {model.recompute_num_layers} blocks" if model.recompute_num_layers else ", every block")
+        if model.checkpoint_activations
+        else "off"
+    )
+    lines = [
+        "rapidlite dry run: nothing is trained",
+        f"world: {p.world_size} process{'es' if p.world_size > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''}) "
+        f"= data parallel {dims.dp} x "
+        f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
+        *describe_mesh(dims),
+        f"batch: micro {run.micro_batch_size} x accumulation {run.gradient_accumulation_steps} x data parallel "
+        f"{dims.dp} = global {run.global_batch_size}; sequence length {p.seq_length or sequence_length(s)}"
+        + ("" if s.given("seq_length") else " (the task's default; the longest a batch is padded to)"),
+        f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
+        f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
+        "predicted memory per rank (peak of a training step):",
+    ]
+    header = f"  {'rank':>6} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'transient':>11}"
+    if any(r.host for r in p.ranks):
+        header += f" {'host':>11}"
+    if any(r.runtime for r in p.ranks):
+        header += f" {'runtime':>11}"
+    lines.append(header + f" {'peak':>11}")
+    for r in p.ranks:
+        row = f"  {r.rank:>6} " + " ".join(
+            f"{_mib(v):>11}" for v in (r.params, r.grads, r.optimizer, r.activations, r.transient)
+        )
+        row = row.replace(f"{_mib(r.activations):>11}", f"{_mib(r.activations):>12}", 1)
+        if any(x.host for x in p.ranks):
+            row += f" {_mib(r.host):>11}"
+        if any(x.runtime for x in p.ranks):
+            row += f" {_mib(r.runtime):>11}"
+        lines.append(row + f" {_mib(r.peak):>11}")
+    if any(r.runtime for r in p.ranks):
+        lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
+    budget = run.memory_budget
+    if budget:
+        worst = max(p.ranks, key=lambda r: r.peak)
+        fits = largest_micro_batch(worst, budget * GiB, run.micro_batch_size)
+        verdict = "fits" if worst.peak <= budget * GiB else "does NOT fit"
+        lines.append(
+            f"--memory-budget {budget:g} GiB: this layout {verdict} (peak {_mib(worst.peak)} on rank {worst.rank}); "
+            + (
+                f"the largest micro-batch that fits is {fits}"
+                if fits
+                else "no micro-batch fits: shard more (ZeRO-3, --cpu-offload, tensor/pipeline parallelism)"
+            )
+        )
+    lines.extend(f"note: {n}" for n in p.notes)
+    return "\n".join(lines)
+
+
+def plan_records(p: Plan) -> list[dict[str, Any]]:
+    """The per-rank prediction as plain numbers (bytes), for scripts and tests."""
+    return [
+        {
+            "rank": r.rank,
+            "stage": r.stage,
+            "param_bytes": r.params,
+            "grad_bytes": r.grads,
+            "optimizer_bytes": r.optimizer,
+            "activation_bytes": r.activations,
+            "transient_bytes": r.transient,
+            "host_bytes": r.host,
+            "runtime_bytes": r.runtime,
+            "peak_bytes": r.peak,
+        }
+        for r in p.ranks
+    ]
