@@ -32,7 +32,7 @@ from typing import Any
 from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int, launch_int, launch_value
 from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
-from rapidlite.resolve import nproc_per_node, num_nodes, target_world_size
+from rapidlite.resolve.world import nproc_per_node, num_nodes, target_world_size
 
 
 def needs_launch(cfg: ParallelConfig) -> bool:

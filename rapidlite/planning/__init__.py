@@ -153,7 +153,7 @@ def plan(settings: Sections) -> Plan:
     from rapidlite.models import lora
     from rapidlite.models.spec import spec_of
     from rapidlite.precision import resolve_precision
-    from rapidlite.resolve import target_world_size
+    from rapidlite.resolve.world import target_world_size
 
     world_size = target_world_size(settings.parallel)
     dims = ParallelDims(

@@ -29,7 +29,7 @@ def describe_mesh(dims: Any) -> list[str]:
 
 def format_plan(p: Plan) -> str:
     from rapidlite.distributed import ParallelDims
-    from rapidlite.resolve import num_nodes
+    from rapidlite.resolve.world import num_nodes
 
     s = p.settings
     model, run, parallel = s.model, s.training, s.parallel

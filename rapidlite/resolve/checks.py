@@ -1,0 +1,355 @@
+"""The rules ``resolve`` checks the parsed flags against: each contradiction is a ``ConfigError`` of one line
+naming the flag and the fix (ranges, LoRA, the task's needs, the schedule, precision, the parallel layout)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rapidlite.config.sections import LR_DECAY_STYLES
+from rapidlite.config.settings import Sections
+from rapidlite.config.tasks import TaskSpec, get_task
+from rapidlite.environ import env_int, launch_value
+from rapidlite.errors import ConfigError
+from rapidlite.resolve.world import num_nodes
+from rapidlite.tracking import check_wandb_flags
+
+
+def section_of(args: argparse.Namespace, name: str) -> Any:
+    """One section of the flags being resolved (for the rules that live with a section's reader)."""
+    return getattr(Sections.of(vars(args)), name)
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    for name in (
+        "micro_batch_size",
+        "global_batch_size",
+        "epochs",
+        "train_iters",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "seq_length",
+        "max_position_embeddings",
+        "log_interval",
+        "eval_interval",
+        "eval_iters",
+        "save_interval",
+        "keep_last",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "loss_scale_window",
+        "hysteresis",
+        "recompute_num_layers",
+        "make_vocab_size_divisible_by",
+        "vocab_size",
+        "nproc_per_node",
+        "nnodes",
+        "distributed_timeout_minutes",
+    ):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+    budget = args.time_budget
+    if budget is not None and not budget > 0:
+        raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
+    for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
+    for name in ("min_lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be in [0, 1)")
+
+
+def check_rest(args: argparse.Namespace) -> None:
+    for name in ("mask_prob", "short_seq_prob"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")
+    if args.init_method_std <= 0:
+        raise ConfigError(f"--init-method-std {args.init_method_std}: must be positive")
+    if args.finetune and args.load is None:
+        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.keep_last is not None and args.save is None:
+        raise ConfigError("--keep-last needs --save DIR")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.padding_free and args.packing:
+        raise ConfigError(
+            "--padding-free and --packing both remove padding: --packing packs rows into --seq-length sequences "
+            "before training, --padding-free packs each micro-batch into one row; choose one"
+        )
+    if args.memory_budget is not None and not args.dry_run:
+        raise ConfigError("--memory-budget is read by the plan: add --dry-run")
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
+    check_wandb_flags(section_of(args, "logging"))
+
+
+def check_lora(args: argparse.Namespace) -> None:
+    """The LoRA and quantisation flags: consistent, installed, and on a layout that can take them."""
+    rank = args.lora_rank
+    if rank < 0:
+        raise ConfigError(f"--lora-rank {rank}: must be a positive integer (0 or absent: full fine-tuning)")
+    quant = "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit" if args.load_in_8bit else None
+    if rank == 0:
+        given = [
+            flag
+            for flag, on in (
+                ("--lora-alpha", args.lora_alpha is not None),
+                ("--lora-dropout", args.lora_dropout != 0.0),
+                ("--lora-target-modules", args.lora_target_modules is not None),
+                ("--lora-modules-to-save", args.lora_modules_to_save is not None),
+                ("--merge-lora", args.merge_lora),
+            )
+            if on
+        ]
+        if given:
+            raise ConfigError(f"{given[0]} configures LoRA adapters: add --lora-rank R (for example 8)")
+        if quant:
+            raise ConfigError(f"{quant} freezes the base weights: add --lora-rank R to train LoRA adapters on them")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise ConfigError(f"--lora-alpha {args.lora_alpha}: must be positive")
+    if not 0 <= args.lora_dropout < 1:
+        raise ConfigError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
+    if args.load_in_4bit and args.load_in_8bit:
+        raise ConfigError("--load-in-4bit and --load-in-8bit are exclusive: choose one")
+    if args.bnb_4bit_use_double_quant and not args.load_in_4bit:
+        raise ConfigError("--bnb-4bit-use-double-quant quantises 4-bit scales: add --load-in-4bit")
+    if rank == 0:
+        return
+    from rapidlite.models.lora import require_bitsandbytes, require_peft
+
+    require_peft()
+    for flag, size in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+    ):
+        if size > 1:
+            raise ConfigError(
+                f"--lora-rank with {flag} {size}: LoRA trains with data parallelism (DDP, ZeRO, FSDP, DeepSpeed); "
+                f"drop {flag}"
+            )
+    if quant:
+        require_bitsandbytes(quant)
+        sharded = (
+            "--deepspeed"
+            if args.deepspeed
+            else next(
+                (
+                    flag
+                    for flag, on in (
+                        ("--zero-2-memory-optimization", args.zero_2_memory_optimization),
+                        ("--zero-3-memory-optimization", args.zero_3_memory_optimization),
+                        ("--fsdp-memory-optimization", args.fsdp_memory_optimization),
+                    )
+                    if on
+                ),
+                None,
+            )
+        )
+        if sharded:
+            raise ConfigError(
+                f"{quant} with {sharded}: quantised base weights are not sharded; train them on one process, with "
+                "DDP or with --zero-1-memory-optimization (drop one of the two)"
+            )
+
+
+def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
+    """What the chosen black-box task needs (``rapidlite.config.tasks``)."""
+    if not args.demo:
+        missing = [flag for flag in task.required if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
+        if missing:
+            hint = " (or --demo for the embedded offline example)" if task.demo else ""
+            raise ConfigError(f"--task {task.name} needs {' and '.join(missing)}{hint}")
+    if task.iteration_based and args.train_iters is None:
+        raise ConfigError(f"--task {task.name} is iteration-based: pass --train-iters N")
+    if task.iteration_based and (args.group_by_length or args.padding_free):
+        flag = "--group-by-length" if args.group_by_length else "--padding-free"
+        raise ConfigError(
+            f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
+            f"drop {flag}"
+        )
+    if task.check is not None:
+        task.check(args)
+
+
+def check_lr(args: argparse.Namespace) -> list[str]:
+    if args.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(
+            f"--lr-decay-style {args.lr_decay_style}: unknown; choose one of {', '.join(LR_DECAY_STYLES)}"
+        )
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-fraction are exclusive: give one of them")
+    if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters}: must be >= 0")
+    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction <= 1:
+        raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1]")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
+        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters}: must be a positive integer")
+    # A warmup longer than the run warms up over the whole run, as the Hugging Face Trainer does, said in one
+    # line before anything loads when the run's length is on the command line (an epoch-based run learns its
+    # length from the data: optim.build_lr_scheduler clamps and says it then).
+    decay = args.lr_decay_iters or args.train_iters
+    warmup = args.lr_warmup_iters
+    if decay and warmup is not None and warmup > decay and args.lr_decay_style != "constant":
+        which = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        args.lr_warmup_iters = decay
+        return [
+            f"--lr-warmup-iters {warmup} is longer than {which} {decay}: warming up over all {decay} iterations "
+            f"(the learning rate reaches --lr only at the end); lower --lr-warmup-iters"
+        ]
+    return []
+
+
+def precision_of_flags(args: argparse.Namespace) -> str:
+    """'fp32', 'bf16', 'fp16' or 'auto' (mixed: the engine picks per device), as the flags ask."""
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive: give one of them (or --mixed-precision)")
+    if args.fp16:
+        return "fp16"
+    if args.bf16:
+        return "bf16"
+    return "auto" if args.mixed_precision else "fp32"
+
+
+def check_precision(args: argparse.Namespace) -> None:
+    """The loss-scaling flags against the precision the run ends up with (after a DeepSpeed file)."""
+    if args.loss_scale is not None and args.precision in ("fp32", "bf16"):
+        raise ConfigError("--loss-scale only applies to fp16: add --fp16 or drop --loss-scale")
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ConfigError("--min-loss-scale is larger than --initial-loss-scale")
+
+
+def resolve_recompute(args: argparse.Namespace) -> None:
+    if args.recompute_granularity is not None or args.recompute_num_layers is not None:
+        args.checkpoint_activations = True
+    if args.checkpoint_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "full"
+
+
+def check_data_parallel(args: argparse.Namespace) -> None:
+    stages = [
+        flag
+        for flag, on in (
+            ("--zero-1-memory-optimization", args.zero_1_memory_optimization),
+            ("--zero-2-memory-optimization", args.zero_2_memory_optimization),
+            ("--zero-3-memory-optimization", args.zero_3_memory_optimization),
+        )
+        if on
+    ]
+    if len(stages) > 1:
+        raise ConfigError(f"{' and '.join(stages)} are exclusive: give one ZeRO stage")
+    if args.fsdp_memory_optimization and (args.zero_1_memory_optimization or args.zero_2_memory_optimization):
+        raise ConfigError(f"--fsdp-memory-optimization is ZeRO-3 already: drop {stages[0]}")
+    if args.cpu_offload and not (
+        args.zero_2_memory_optimization or args.zero_3_memory_optimization or args.fsdp_memory_optimization
+    ):
+        raise ConfigError(
+            "--cpu-offload keeps sharded state in host memory: add --zero-2-memory-optimization, "
+            "--zero-3-memory-optimization or --fsdp-memory-optimization"
+        )
+    if args.deepspeed and args.fsdp_memory_optimization:
+        raise ConfigError(
+            "--fsdp-memory-optimization is PyTorch's FSDP; with --deepspeed use --zero-3-memory-optimization"
+        )
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits tensor-parallel regions: add --tensor-model-parallel-size N > 1")
+    if tp > 1:
+        for on, flag, why in (
+            (args.deepspeed, "--deepspeed", "rapidlite's tensor parallelism runs on PyTorch's DTensor"),
+            (args.zero_1_memory_optimization, "--zero-1-memory-optimization", "use --zero-2 or --zero-3 (FSDP2)"),
+            (args.cpu_offload, "--cpu-offload", "offload is not tested with tensor parallelism yet"),
+        ):
+            if on:
+                raise ConfigError(f"{flag} does not combine with --tensor-model-parallel-size {tp}: {why}")
+    check_pipeline(args)
+    if args.deepspeed and args.no_save_optim:
+        raise ConfigError(
+            "--no-save-optim: DeepSpeed's checkpoints always hold the optimizer state (its fp32 weights live "
+            "there); drop the flag under --deepspeed"
+        )
+    nnodes = num_nodes(section_of(args, "parallel"))
+    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or launch_value("MASTER_ADDR")):
+        raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
+    if args.per_rank_logs and args.save is None:
+        raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
+
+
+def check_pipeline(args: argparse.Namespace) -> None:
+    pp = args.pipeline_model_parallel_size
+    virtual_layers = args.num_layers_per_virtual_pipeline_stage
+    if virtual_layers is not None and virtual_layers <= 0:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {virtual_layers}: must be a positive integer")
+    if args.pipeline_schedule is None:
+        args.pipeline_schedule = "interleaved-1f1b" if virtual_layers else "1f1b"
+    if pp == 1:
+        for on, flag in (
+            (args.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"),
+            (args.pipeline_split, "--pipeline-split"),
+        ):
+            if on:
+                raise ConfigError(f"{flag} splits a pipeline: add --pipeline-model-parallel-size N > 1")
+        return
+    if args.pipeline_schedule == "interleaved-1f1b" and not virtual_layers:
+        raise ConfigError(
+            "--pipeline-schedule interleaved-1f1b runs several stages per rank: add "
+            "--num-layers-per-virtual-pipeline-stage N"
+        )
+    if virtual_layers and args.pipeline_schedule != "interleaved-1f1b":
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage runs the interleaved schedule, not {args.pipeline_schedule}: "
+            "use --pipeline-schedule interleaved-1f1b"
+        )
+    if args.task is not None and args.user_script is None and not get_task(args.task).pipeline:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} runs pretraining (fixed-length samples); fine-tune "
+            f"--task {args.task} with data, tensor or ZeRO parallelism instead"
+        )
+    for on, flag, why in (
+        (args.deepspeed, "--deepspeed", "rapidlite's pipeline runs on torch.distributed.pipelining"),
+        (args.cpu_offload, "--cpu-offload", "offload is not tested with pipeline parallelism yet"),
+    ):
+        if on:
+            raise ConfigError(f"{flag} does not combine with --pipeline-model-parallel-size {pp}: {why}")
+    if args.num_layers is not None and args.user_script is None:
+        stages = pp * (args.num_layers // virtual_layers // pp if virtual_layers else 1)
+        if virtual_layers and args.num_layers % (virtual_layers * pp):
+            raise ConfigError(
+                f"--num-layers {args.num_layers} is not divisible by --num-layers-per-virtual-pipeline-stage "
+                f"{virtual_layers} x --pipeline-model-parallel-size {pp}"
+            )
+        if args.num_layers < stages:
+            raise ConfigError(
+                f"--num-layers {args.num_layers} is fewer than the {stages} pipeline stages: lower "
+                "--pipeline-model-parallel-size or add layers"
+            )
+
+
+def check_pipeline_micro_batches(args: argparse.Namespace) -> None:
+    """The schedules' constraints on the micro-batches of a global batch (the accumulation steps)."""
+    pp, m = args.pipeline_model_parallel_size, args.gradient_accumulation_steps
+    if pp == 1:
+        return
+    if args.pipeline_schedule == "1f1b" and m < pp:
+        raise ConfigError(
+            f"--pipeline-schedule 1f1b needs at least as many micro-batches per global batch ({m}) as pipeline "
+            f"stages ({pp}): raise --global-batch-size to {args.global_batch_size // m * pp} or more"
+        )
+    if args.pipeline_schedule == "interleaved-1f1b" and m % max(1, m // pp):
+        raise ConfigError(
+            f"--pipeline-schedule interleaved-1f1b needs the micro-batches per global batch ({m}) to be a multiple "
+            f"of {max(1, m // pp)}: use a multiple of --pipeline-model-parallel-size {pp}"
+        )
