@@ -4,7 +4,7 @@ The domain is clinic notes ("the patient reports palpitations and chest pain for
 confirms a murmur ."): documents of 4-8 sentences from shared templates, each note in one of eight specialties
 whose symptoms, findings, tests, treatments and body parts it draws from, written one document per line as
 ``train.txt`` and ``validation.txt``. The tokenizer is a WordPiece vocabulary of every generated word
-(``rapidlite.tasks.demo.build_wordpiece_tokenizer``); the model a randomly initialised 2-layer BERT with a
+(``rapidlite.tasks.demo_build.build_wordpiece_tokenizer``); the model a randomly initialised 2-layer BERT with a
 masked-LM head, all in Hugging Face format in the rapidlite cache. The untrained model's perplexity is about the
 vocabulary's size (about 250); a minute of masked-LM training on a CPU brings it to a fraction of that, first by
 learning which words a note's specialty goes with.
@@ -12,18 +12,18 @@ learning which words a note's specialty goes with.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import random
+from collections.abc import Mapping
+from typing import Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.tasks.registry import Demo
+from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
+from rapidlite.tasks.demo_build import DemoSpec, wordpiece_tokenizer
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 4
 MAX_POSITIONS = 128
 MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PUNCTUATION = (".", ",")
 # specialty -> (symptoms, findings, tests, treatments, body parts)
 # fmt: off
@@ -70,20 +70,6 @@ SPECIALTIES = {
                       ("thyroid", "pancreas", "glands", "neck")),
 }
 # fmt: on
-# A tiny BERT learns a masked word from its context only after a plateau at the words' frequencies (600-800
-# steps here, longer with dropout): short blocks and small batches pass it in the first of three epochs.
-DEMO_FLAGS = {
-    "micro_batch_size": 16,
-    "hidden_dropout": 0.0,
-    "attention_dropout": 0.0,
-    "lr": 3e-3,
-    "epochs": 3,
-    "seq_length": 32,
-    "log_interval": 100,
-    "weight_decay": 0.01,
-    "clip_grad": 1.0,
-    "lr_warmup_iters": 20,
-}
 
 
 def _sentence(rng: random.Random, specialty: str) -> str:
@@ -111,55 +97,44 @@ def generate_document(rng: random.Random) -> str:
 
 def demo_vocabulary(documents: list[str]) -> list[str]:
     words = {w for doc in documents for w in doc.split()} - set(PUNCTUATION)
-    return list(SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
+    return list(BERT_SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 6000, num_validation: int = 300
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny BERT masked LM) and ``out_dir/data`` (train.txt,
-    validation.txt: one document per line). Returns (model_dir, data_dir). Deterministic for a seed."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation))
-    return final / "model", final / "data"
-
-
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForMaskedLM
-
-    from rapidlite.tasks.demo import build_wordpiece_tokenizer
-
+def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
+    """The splits as ``{split}.txt``, one document per line; returns every document, for the vocabulary."""
     rng = random.Random(seed)
-    splits = {
-        "train": [generate_document(rng) for _ in range(num_train)],
-        "validation": [generate_document(rng) for _ in range(num_validation)],
-    }
-    (out / "data").mkdir()
+    splits = {name: [generate_document(rng) for _ in range(count)] for name, count in sizes.items()}
     for name, documents in splits.items():
-        (out / "data" / f"{name}.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
-    model_dir = out / "model"
-    model_dir.mkdir()
-    vocab = demo_vocabulary(splits["train"] + splits["validation"])
-    (model_dir / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = build_wordpiece_tokenizer(model_dir / "vocab.txt", model_max_length=MAX_POSITIONS)
-    tokenizer.save_pretrained(model_dir)
-    config = BertConfig(vocab_size=len(vocab), max_position_embeddings=MAX_POSITIONS, pad_token_id=0, **MODEL_SIZES)
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        BertForMaskedLM(config).save_pretrained(model_dir)
+        (data_dir / f"{name}.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
+    return [doc for documents in splits.values() for doc in documents]
 
 
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-masked-lm-v{GENERATOR_VERSION}"
+def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, documents: list[str]) -> Any:
+    """The WordPiece tokenizer over every word of the documents."""
+    return wordpiece_tokenizer(model_dir, demo_vocabulary(documents), MAX_POSITIONS)
 
 
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT masked LM, its tokenizer and the clinic notes in the cache."""
-    write_demo_assets(_demo_root())
-
-
-def demo() -> Demo:
-    """``--task masked_lm --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# A tiny BERT learns a masked word from its context only after a plateau at the words' frequencies (600-800
+# steps here, longer with dropout): short blocks and small batches pass it in the first of three epochs.
+demo = DemoSpec(
+    name="masked-lm",
+    version=GENERATOR_VERSION,
+    write_data=write_data,
+    tokenizer=build_tokenizer,
+    model="BertForMaskedLM",
+    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
+    splits={"train": 6000, "validation": 300},
+    flags={
+        "micro_batch_size": 16,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "lr": 3e-3,
+        "epochs": 3,
+        "seq_length": 32,
+        "log_interval": 100,
+        "weight_decay": 0.01,
+        "clip_grad": 1.0,
+        "lr_warmup_iters": 20,
+    },
+)
+write_demo_assets = demo.write_assets

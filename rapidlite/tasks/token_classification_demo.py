@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import pathlib
 import random
-import shutil
+from collections.abc import Mapping
+from typing import Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.tasks.registry import Demo
+from rapidlite.tasks.demo_build import DemoSpec, build_wordpiece_tokenizer
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
@@ -147,72 +147,41 @@ def write_conll(path: str | os.PathLike, sentences: list[list[tuple[str, str]]])
             f.write("\n")
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 3000, num_validation: int = 400, num_test: int = 400
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny BERT) and ``out_dir/data`` (train/validation/test.conll).
-    Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation, num_test))
-    return final / "model", final / "data"
-
-
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int, num_test: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForTokenClassification
-
-    from rapidlite.data.tokenizers import write_wordpiece_vocab
-    from rapidlite.tasks.demo import build_wordpiece_tokenizer
-
+def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
+    """The splits as ``{split}.conll``; returns the training sentences' texts, for the vocabulary."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    sizes = {"train": num_train, "validation": num_validation, "test": num_test}
     splits = {name: generate_sentences(rng, count, seen) for name, count in sizes.items()}
-    (out / "data").mkdir()
     for name, sentences in splits.items():
-        write_conll(out / "data" / f"{name}.conll", sentences)
-    texts = [" ".join(w for w, _ in s) for s in splits["train"]]
-    vocab = write_wordpiece_vocab(texts, VOCAB_SIZE, out / "vocab")
-    tokenizer = build_wordpiece_tokenizer(vocab, MAX_POSITIONS)
-    model_dir = out / "model"
-    tokenizer.save_pretrained(model_dir)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=len(TAGS),
-        id2label=dict(enumerate(TAGS)),
-        label2id={tag: i for i, tag in enumerate(TAGS)},
-        **MODEL_SIZES,
-    )
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        BertForTokenClassification(config).save_pretrained(model_dir)
-    shutil.rmtree(out / "vocab")
+        write_conll(data_dir / f"{name}.conll", sentences)
+    return [" ".join(w for w, _ in s) for s in splits["train"]]
 
 
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-token-classification-v{GENERATOR_VERSION}"
+def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, texts: list[str]) -> Any:
+    """Lowercasing WordPiece with a vocabulary of ``VOCAB_SIZE`` trained on the training texts."""
+    from rapidlite.data.tokenizers import write_wordpiece_vocab
 
-
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT, its tokenizer and the generated entity data in the cache."""
-    write_demo_assets(_demo_root())
+    return build_wordpiece_tokenizer(write_wordpiece_vocab(texts, VOCAB_SIZE, scratch), MAX_POSITIONS)
 
 
 # Flag values the demo starts from; any flag given on the command line wins.
-DEMO_FLAGS = {
-    "micro_batch_size": 32,
-    "lr": 2e-3,
-    "epochs": 3,
-    "seq_length": 64,
-    "log_interval": 20,
-    "weight_decay": 0.01,
-    "clip_grad": 1.0,
-}
-
-
-def demo() -> Demo:
-    """``--task token_classification --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+demo = DemoSpec(
+    name="token-classification",
+    version=GENERATOR_VERSION,
+    write_data=write_data,
+    tokenizer=build_tokenizer,
+    model="BertForTokenClassification",
+    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
+    labels=TAGS,
+    splits={"train": 3000, "validation": 400, "test": 400},
+    flags={
+        "micro_batch_size": 32,
+        "lr": 2e-3,
+        "epochs": 3,
+        "seq_length": 64,
+        "log_interval": 20,
+        "weight_decay": 0.01,
+        "clip_grad": 1.0,
+    },
+)
+write_demo_assets = demo.write_assets
