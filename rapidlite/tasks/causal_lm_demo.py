@@ -10,12 +10,11 @@ fine-tuning on a CPU get most completions right.
 
 from __future__ import annotations
 
-import pathlib
 import random
 from collections.abc import Mapping
 from typing import Any
 
-from rapidlite.tasks.demo_build import DemoSpec, write_jsonl
+from rapidlite.tasks.demo_build import DemoBuild, DemoSpec, write_jsonl
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
@@ -42,25 +41,23 @@ def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[dict[s
     return rows
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
-    """The splits as ``{split}.jsonl`` (``prompt``, ``completion``); returns the training texts for the BPE."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {name: generate_rows(rng, count, seen) for name, count in sizes.items()}
-    for name, rows in splits.items():
-        write_jsonl(data_dir / f"{name}.jsonl", rows)
-    return [r["prompt"] + r["completion"] for r in splits["train"]]
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict[str, str]]]:
+    """The prompt/completion rows of each split; no word sequence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, count, seen) for name, count in sizes.items()}
 
 
-def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, texts: list[str]) -> Any:
+def build_tokenizer(build: DemoBuild) -> Any:
     """A byte-level BPE trained on the training texts (every word one token)."""
     from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
 
-    vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, scratch)
+    texts = [r["prompt"] + r["completion"] for r in build.splits["train"]]
+    vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, build.scratch)
     return GPT2BPETokenizer(vocab, merges).hf_tokenizer()
 
 
-def _token_config(tokenizer: Any) -> dict[str, int]:
+def token_config(tokenizer: Any) -> dict[str, int]:
+    """LLaMA's token ids; padding is the end-of-text token."""
     eos = tokenizer.eos_token_id
     return {
         "vocab_size": len(tokenizer),
@@ -70,32 +67,19 @@ def _token_config(tokenizer: Any) -> dict[str, int]:
     }
 
 
-# ``--task causal_lm --demo``: a tiny LLaMA (tied embeddings) and the word-reversal data.
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 16, "lr": 2e-3, "epochs": 3, "seq_length": 64, "log_interval": 25, "weight_decay": 0.0,
+    "clip_grad": 1.0, "eval_generate": 40,
+}
+
+# ``--task causal_lm --demo``: a tiny LLaMA with tied embeddings, and the word-reversal data as jsonl.
 demo = DemoSpec(
-    name="causal-lm",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=build_tokenizer,
-    model="LlamaForCausalLM",
-    token_config=_token_config,
-    config={
-        "tie_word_embeddings": True,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "max_position_embeddings": 128,
-    },
-    splits={"train": 3000, "validation": 200},
-    flags={
-        "micro_batch_size": 16,
-        "lr": 2e-3,
-        "epochs": 3,
-        "seq_length": 64,
-        "log_interval": 25,
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "eval_generate": 40,
-    },
+    "causal-lm", GENERATOR_VERSION, splits={"train": 3000, "validation": 200},
+    generate=generate, write_split=write_jsonl, suffix=".jsonl", tokenizer=build_tokenizer,
+    model="LlamaForCausalLM", token_config=token_config, flags=DEMO_FLAGS,
+    config={"tie_word_embeddings": True, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "max_position_embeddings": 128},
 )
+# fmt: on
 write_demo_assets = demo.write_assets

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
-from rapidlite.tasks.demo_build import DemoSpec, wordpiece_tokenizer, write_csv
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, wordpiece_tokenizer, write_csv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -25,7 +25,6 @@ LABELS: tuple[str, str] = ("negative", "positive")  # sorted, so ids match rapid
 PUNCTUATION: tuple[str, ...] = (".", ",", "!", "?", "'")
 MAX_POSITIONS = 128
 NEGATION_RATE = 0.15  # per clause; negations are what makes the task more than counting words
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 
 # Word lists read better packed than one item per line.
 # fmt: off
@@ -168,19 +167,20 @@ def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[tuple[
     return rows
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
-    """The splits as ``{split}.csv`` (columns ``sentence,label``); returns every sentence, for the tokenizer check."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    for name, count in sizes.items():
-        write_csv(data_dir / f"{name}.csv", ["sentence", "label"], generate_rows(rng, count, seen))
-    return sorted(seen)
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple[str, str]]]:
+    """The labelled sentences of each split; no sentence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, count, seen) for name, count in sizes.items()}
 
 
-def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, sentences: list[str]) -> PreTrainedTokenizerFast:
+def write_split(path: pathlib.Path, rows: list[tuple[str, str]]) -> None:
+    write_csv(path, ["sentence", "label"], rows)
+
+
+def build_tokenizer(build: DemoBuild) -> PreTrainedTokenizerFast:
     """The WordPiece tokenizer over ``demo_vocabulary``, checked on every generated sentence."""
-    tokenizer = wordpiece_tokenizer(model_dir, demo_vocabulary(), MAX_POSITIONS)
-    _check_tokenizer(tokenizer, sentences)
+    tokenizer = wordpiece_tokenizer(build.model_dir, demo_vocabulary(), MAX_POSITIONS)
+    _check_tokenizer(tokenizer, sorted(sentence for rows in build.splits.values() for sentence, _ in rows))
     return tokenizer
 
 
@@ -188,27 +188,19 @@ def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, sentences: l
 # The run ends within TIME_BUDGET minutes of the command's start on any machine (--time-budget: on a machine
 # slow enough, fewer steps than the epochs); --epochs or --train-iters given runs that length.
 TIME_BUDGET = 3.0
+# fmt: off
+DEMO_FLAGS = {
+    "time_budget": TIME_BUDGET, "micro_batch_size": 32, "lr": 1e-3, "epochs": 3, "seq_length": 64, "log_interval": 20,
+    "weight_decay": 0.01, "clip_grad": 1.0,
+}
 
-# ``--task sequence_classification --demo``: the model is a BERT classifier; ``model/`` loads with
-# ``AutoTokenizer``/``AutoModelForSequenceClassification``, ``data/`` holds train/validation/test.csv.
+# ``--task sequence_classification --demo``: ``model/`` loads with ``AutoTokenizer`` and
+# ``AutoModelForSequenceClassification``, ``data/`` holds train/validation/test.csv (columns ``sentence,label``).
 demo = DemoSpec(
-    name="sequence-classification",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=build_tokenizer,
-    model="BertForSequenceClassification",
-    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
-    labels=LABELS,
-    splits={"train": 4000, "validation": 500, "test": 500},
-    flags={
-        "time_budget": TIME_BUDGET,
-        "micro_batch_size": 32,
-        "lr": 1e-3,
-        "epochs": 3,
-        "seq_length": 64,
-        "log_interval": 20,
-        "weight_decay": 0.01,
-        "clip_grad": 1.0,
-    },
+    "sequence-classification", GENERATOR_VERSION, splits={"train": 4000, "validation": 500, "test": 500},
+    generate=generate, write_split=write_split, suffix=".csv", tokenizer=build_tokenizer, labels=LABELS,
+    model="BertForSequenceClassification", config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
+    flags=DEMO_FLAGS,
 )
+# fmt: on
 write_demo_assets = demo.write_assets

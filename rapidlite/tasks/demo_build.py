@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 MANIFEST = "demo_manifest.json"  # what a demo directory was built from: other parameters build it again
 DEFAULT_SEED = 1234
+# The BERT demos' model: 2 layers of width 64, enough to learn each demo's task within minutes on a CPU.
+TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 
 
 def vocab_and_padding(tokenizer: Any) -> dict[str, int]:
@@ -35,28 +37,41 @@ def vocab_and_padding(tokenizer: Any) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class DemoBuild:
+    """What a demo's tokenizer hook works from: the seed, the generated splits (split name -> rows), the model
+    directory (files written there stay beside the model) and a scratch directory (removed afterwards)."""
+
+    seed: int
+    splits: Mapping[str, list]
+    model_dir: pathlib.Path
+    scratch: pathlib.Path
+
+
+@dataclass(frozen=True)
 class DemoSpec:
     """One embedded demo: a tokenizer and a tiny randomly initialised model (``model/``) beside generated data
     (``data/``), built once into ``demo-{name}-v{version}`` in the rapidlite cache.
 
-    ``write_data(data_dir, seed, sizes)`` writes the splits (``sizes``: split name -> row count, in ``splits``'
-    order) and returns what ``tokenizer(model_dir, scratch, data)`` needs to build the tokenizer (files it writes
-    in ``model_dir`` are kept, in ``scratch`` removed). ``model``: the ``transformers`` class, built from its
-    config class with ``config`` (sizes), ``token_config(tokenizer)`` and, with ``labels``, the label maps;
-    ``init(model)`` adjusts the initial weights. ``flags``: the flag values the run starts from. Bump ``version``
-    when the generator, tokenizer or model changes, so cached assets are rebuilt.
+    ``generate(seed, sizes)`` makes the splits (``sizes``: split name -> row count, in ``splits``' order) and
+    ``write_split(path, rows)`` writes each as ``data/{split}{suffix}``; ``tokenizer(DemoBuild)`` builds the
+    tokenizer. ``model``: the ``transformers`` class, made from its config class with ``config`` (sizes),
+    ``token_config(tokenizer)`` and, with ``labels``, the label maps; ``init(model)`` adjusts the initial weights.
+    ``flags``: the flag values the run starts from (flags given on the command line win). Bump ``version`` when
+    the generator, tokenizer or model changes, so cached assets are rebuilt.
 
     Calling the spec gives the registry's ``Demo`` (``TaskSpec.demo`` names ``"module:demo"``).
     """
 
     name: str
     version: int
-    write_data: Callable[[pathlib.Path, int, Mapping[str, int]], Any]
-    tokenizer: Callable[[pathlib.Path, pathlib.Path, Any], Any]
+    splits: Mapping[str, int]
+    generate: Callable[[int, Mapping[str, int]], Mapping[str, list]]
+    write_split: Callable[[pathlib.Path, list], None]
+    suffix: str
+    tokenizer: Callable[[DemoBuild], Any]
     model: str
     config: Mapping[str, Any]
     flags: Mapping[str, Any]
-    splits: Mapping[str, int]
     token_config: Callable[[Any], Mapping[str, Any]] = vocab_and_padding
     labels: tuple[str, ...] = ()
     init: Callable[[Any], None] | None = None
@@ -83,15 +98,17 @@ class DemoSpec:
         return final / "model", final / "data"
 
     def _build(self, out: pathlib.Path, seed: int, sizes: Mapping[str, int], manifest: str) -> None:
+        splits = self.generate(seed, sizes)
         (out / "data").mkdir()
-        data = self.write_data(out / "data", seed, sizes)
-        model_dir, scratch = out / "model", out / "scratch"
-        model_dir.mkdir()
-        scratch.mkdir()
-        tokenizer = self.tokenizer(model_dir, scratch, data)
-        shutil.rmtree(scratch)
-        tokenizer.save_pretrained(model_dir)
-        self._write_model(model_dir, tokenizer, seed)
+        for name, rows in splits.items():
+            self.write_split(out / "data" / f"{name}{self.suffix}", rows)
+        build = DemoBuild(seed, splits, out / "model", out / "scratch")
+        build.model_dir.mkdir()
+        build.scratch.mkdir()
+        tokenizer = self.tokenizer(build)
+        shutil.rmtree(build.scratch)
+        tokenizer.save_pretrained(build.model_dir)
+        self._write_model(build.model_dir, tokenizer, seed)
         (out / MANIFEST).write_text(manifest, encoding="utf-8")
 
     def _write_model(self, model_dir: pathlib.Path, tokenizer: Any, seed: int) -> None:
@@ -133,6 +150,27 @@ def write_jsonl(path: pathlib.Path, rows: Iterable[Mapping[str, Any]]) -> None:
     """One JSON object per line."""
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def parse_table(text: str) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """A word table kept as text, which reads better than nested tuples: each name on a line of its own, then its
+    groups indented, one per line, a group's phrases separated by commas (a line ending in a comma goes on)."""
+    table: dict[str, list[tuple[str, ...]]] = {}
+    pending = ""
+    for line in text.strip("\n").splitlines():
+        if not line.startswith(" "):
+            groups = table[line.strip()] = []
+        elif (pending := pending + " " + line.strip()).endswith(","):
+            continue
+        else:
+            groups.append(tuple(phrase.strip() for phrase in pending.split(",")))
+            pending = ""
+    return {name: tuple(groups) for name, groups in table.items()}
+
+
+def write_lines(path: pathlib.Path, lines: Sequence[str]) -> None:
+    """One text per line (a document, in a language-model corpus)."""
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def write_csv(path: pathlib.Path, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:

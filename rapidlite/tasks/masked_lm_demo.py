@@ -12,63 +12,69 @@ learning which words a note's specialty goes with.
 
 from __future__ import annotations
 
-import pathlib
 import random
 from collections.abc import Mapping
 from typing import Any
 
 from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
-from rapidlite.tasks.demo_build import DemoSpec, wordpiece_tokenizer
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, parse_table, wordpiece_tokenizer, write_lines
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 4
 MAX_POSITIONS = 128
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 PUNCTUATION = (".", ",")
-# specialty -> (symptoms, findings, tests, treatments, body parts)
+# specialty, then its symptoms, findings, tests, treatments and body parts
 # fmt: off
-SPECIALTIES = {
-    "cardiology": (("palpitations", "chest pain", "breathlessness", "fainting", "swollen ankles", "fatigue"),
-                   ("a murmur", "an arrhythmia", "high pressure", "a weak pulse", "fluid", "an enlarged heart"),
-                   ("echocardiogram", "ecg", "stress test", "angiogram"),
-                   ("beta blockers", "aspirin", "statins", "diuretics", "a pacemaker"),
-                   ("heart", "chest", "ankles", "arteries")),
-    "dermatology": (("itching", "a rash", "dry skin", "blisters", "redness", "scaling"),
-                    ("eczema", "psoriasis", "a mole", "dermatitis", "acne", "hives"),
-                    ("biopsy", "patch test", "skin scraping", "dermoscopy"),
-                    ("steroid cream", "emollients", "antihistamines", "phototherapy", "retinoids"),
-                    ("skin", "scalp", "elbows", "face")),
-    "neurology": (("headaches", "numbness", "dizziness", "tremor", "seizures", "weakness"),
-                  ("a migraine", "neuropathy", "a lesion", "epilepsy", "a stroke", "slow reflexes"),
-                  ("mri", "eeg", "lumbar puncture", "nerve study"),
-                  ("triptans", "anticonvulsants", "physiotherapy", "gabapentin", "rest"),
-                  ("brain", "spine", "nerves", "hands")),
-    "orthopedics": (("knee pain", "stiffness", "a limp", "back pain", "swelling", "clicking"),
-                    ("a fracture", "arthritis", "a torn ligament", "a sprain", "bursitis", "a dislocation"),
-                    ("x ray", "ct scan", "ultrasound", "bone scan"),
-                    ("a cast", "a brace", "surgery", "ice", "crutches"),
-                    ("knee", "hip", "wrist", "shoulder")),
-    "gastroenterology": (("nausea", "heartburn", "bloating", "abdominal pain", "diarrhoea", "vomiting"),
-                         ("reflux", "gastritis", "an ulcer", "colitis", "gallstones", "a polyp"),
-                         ("endoscopy", "colonoscopy", "stool test", "breath test"),
-                         ("antacids", "omeprazole", "a bland diet", "probiotics", "fluids"),
-                         ("stomach", "bowel", "liver", "oesophagus")),
-    "pulmonology": (("coughing", "wheezing", "shortness of breath", "sputum", "night sweats", "chest tightness"),
-                    ("asthma", "bronchitis", "pneumonia", "a nodule", "emphysema", "crackles"),
-                    ("spirometry", "chest x ray", "oximetry", "sputum culture"),
-                    ("inhalers", "antibiotics", "oxygen", "nebulisers", "prednisolone"),
-                    ("lungs", "airways", "throat", "ribs")),
-    "ophthalmology": (("blurred vision", "eye pain", "floaters", "watery eyes", "light sensitivity", "halos"),
-                      ("cataracts", "glaucoma", "conjunctivitis", "a detached retina", "dry eye", "myopia"),
-                      ("eye exam", "tonometry", "retinal scan", "field test"),
-                      ("eye drops", "glasses", "laser treatment", "lubricants", "an eye patch"),
-                      ("eyes", "retina", "cornea", "eyelids")),
-    "endocrinology": (("thirst", "weight gain", "weight loss", "tiredness", "frequent urination", "sweating"),
-                      ("diabetes", "hypothyroidism", "a goitre", "low sugar", "high sugar", "an overactive thyroid"),
-                      ("blood test", "glucose test", "thyroid scan", "hba1c"),
-                      ("insulin", "metformin", "levothyroxine", "a diet plan", "carbimazole"),
-                      ("thyroid", "pancreas", "glands", "neck")),
-}
+SPECIALTIES = parse_table("""
+cardiology
+    palpitations, chest pain, breathlessness, fainting, swollen ankles, fatigue
+    a murmur, an arrhythmia, high pressure, a weak pulse, fluid, an enlarged heart
+    echocardiogram, ecg, stress test, angiogram
+    beta blockers, aspirin, statins, diuretics, a pacemaker
+    heart, chest, ankles, arteries
+dermatology
+    itching, a rash, dry skin, blisters, redness, scaling
+    eczema, psoriasis, a mole, dermatitis, acne, hives
+    biopsy, patch test, skin scraping, dermoscopy
+    steroid cream, emollients, antihistamines, phototherapy, retinoids
+    skin, scalp, elbows, face
+neurology
+    headaches, numbness, dizziness, tremor, seizures, weakness
+    a migraine, neuropathy, a lesion, epilepsy, a stroke, slow reflexes
+    mri, eeg, lumbar puncture, nerve study
+    triptans, anticonvulsants, physiotherapy, gabapentin, rest
+    brain, spine, nerves, hands
+orthopedics
+    knee pain, stiffness, a limp, back pain, swelling, clicking
+    a fracture, arthritis, a torn ligament, a sprain, bursitis, a dislocation
+    x ray, ct scan, ultrasound, bone scan
+    a cast, a brace, surgery, ice, crutches
+    knee, hip, wrist, shoulder
+gastroenterology
+    nausea, heartburn, bloating, abdominal pain, diarrhoea, vomiting
+    reflux, gastritis, an ulcer, colitis, gallstones, a polyp
+    endoscopy, colonoscopy, stool test, breath test
+    antacids, omeprazole, a bland diet, probiotics, fluids
+    stomach, bowel, liver, oesophagus
+pulmonology
+    coughing, wheezing, shortness of breath, sputum, night sweats, chest tightness
+    asthma, bronchitis, pneumonia, a nodule, emphysema, crackles
+    spirometry, chest x ray, oximetry, sputum culture
+    inhalers, antibiotics, oxygen, nebulisers, prednisolone
+    lungs, airways, throat, ribs
+ophthalmology
+    blurred vision, eye pain, floaters, watery eyes, light sensitivity, halos
+    cataracts, glaucoma, conjunctivitis, a detached retina, dry eye, myopia
+    eye exam, tonometry, retinal scan, field test
+    eye drops, glasses, laser treatment, lubricants, an eye patch
+    eyes, retina, cornea, eyelids
+endocrinology
+    thirst, weight gain, weight loss, tiredness, frequent urination, sweating
+    diabetes, hypothyroidism, a goitre, low sugar, high sugar, an overactive thyroid
+    blood test, glucose test, thyroid scan, hba1c
+    insulin, metformin, levothyroxine, a diet plan, carbimazole
+    thyroid, pancreas, glands, neck
+""")
 # fmt: on
 
 
@@ -100,41 +106,31 @@ def demo_vocabulary(documents: list[str]) -> list[str]:
     return list(BERT_SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
-    """The splits as ``{split}.txt``, one document per line; returns every document, for the vocabulary."""
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[str]]:
+    """The clinic notes of each split."""
     rng = random.Random(seed)
-    splits = {name: [generate_document(rng) for _ in range(count)] for name, count in sizes.items()}
-    for name, documents in splits.items():
-        (data_dir / f"{name}.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
-    return [doc for documents in splits.values() for doc in documents]
+    return {name: [generate_document(rng) for _ in range(count)] for name, count in sizes.items()}
 
 
-def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, documents: list[str]) -> Any:
+def build_tokenizer(build: DemoBuild) -> Any:
     """The WordPiece tokenizer over every word of the documents."""
-    return wordpiece_tokenizer(model_dir, demo_vocabulary(documents), MAX_POSITIONS)
+    documents = [document for documents in build.splits.values() for document in documents]
+    return wordpiece_tokenizer(build.model_dir, demo_vocabulary(documents), MAX_POSITIONS)
 
 
 # A tiny BERT learns a masked word from its context only after a plateau at the words' frequencies (600-800
 # steps here, longer with dropout): short blocks and small batches pass it in the first of three epochs.
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 16, "hidden_dropout": 0.0, "attention_dropout": 0.0, "lr": 3e-3, "epochs": 3, "seq_length": 32,
+    "log_interval": 100, "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_iters": 20,
+}
+
+# ``--task masked_lm --demo``: a tiny BERT masked LM, and the notes one document per line (train.txt, validation.txt).
 demo = DemoSpec(
-    name="masked-lm",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=build_tokenizer,
-    model="BertForMaskedLM",
-    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
-    splits={"train": 6000, "validation": 300},
-    flags={
-        "micro_batch_size": 16,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "lr": 3e-3,
-        "epochs": 3,
-        "seq_length": 32,
-        "log_interval": 100,
-        "weight_decay": 0.01,
-        "clip_grad": 1.0,
-        "lr_warmup_iters": 20,
-    },
+    "masked-lm", GENERATOR_VERSION, splits={"train": 6000, "validation": 300}, flags=DEMO_FLAGS,
+    generate=generate, write_split=write_lines, suffix=".txt", tokenizer=build_tokenizer,
+    model="BertForMaskedLM", config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
 )
+# fmt: on
 write_demo_assets = demo.write_assets

@@ -13,13 +13,12 @@ initialised tiny BERT, all in Hugging Face format in the rapidlite cache.
 from __future__ import annotations
 
 import math
-import pathlib
 import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
-from rapidlite.tasks.demo_build import DemoSpec, wordpiece_tokenizer, write_jsonl
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, wordpiece_tokenizer, write_jsonl
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
 MAX_POSITIONS = 128
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 # Random weights, but sinusoidal position embeddings (Vaswani et al.) at this scale: an answer is found by the
 # word before it ("moved to X"), and a learned table takes a tiny BERT minutes to relate neighbours.
 POSITION_SCALE = 0.3
@@ -123,20 +121,16 @@ def demo_vocabulary() -> list[str]:
     return list(BERT_SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[dict]:
-    """The splits as ``{split}.jsonl`` (ids ``train-N``, ``val-N``); returns the training rows, for the tokenizer
-    check."""
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict]]:
+    """The questions of each split, ids ``train-N`` and ``val-N``."""
     rng = random.Random(seed)
-    splits = {name: generate_rows(rng, count, "val" if name == "validation" else name) for name, count in sizes.items()}
-    for name, rows in splits.items():
-        write_jsonl(data_dir / f"{name}.jsonl", rows)
-    return splits["train"]
+    return {name: generate_rows(rng, count, "val" if name == "validation" else name) for name, count in sizes.items()}
 
 
-def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, train: list[dict]) -> Any:
+def build_tokenizer(build: DemoBuild) -> Any:
     """The WordPiece tokenizer over the generator's words, checked on the first training rows."""
-    tokenizer = wordpiece_tokenizer(model_dir, demo_vocabulary(), MAX_POSITIONS)
-    for row in train[:60]:  # the vocabulary must cover every generated word
+    tokenizer = wordpiece_tokenizer(build.model_dir, demo_vocabulary(), MAX_POSITIONS)
+    for row in build.splits["train"][:60]:  # the vocabulary must cover every generated word
         ids = tokenizer(row["question"], row["context"])["input_ids"]
         if tokenizer.unk_token_id in ids or len(ids) < 10:
             raise RuntimeError(f"demo tokenizer is broken: {row} -> {ids}")
@@ -153,26 +147,18 @@ def sinusoidal_positions(model: Any) -> None:
         )
 
 
-# ``--task question_answering --demo``: a tiny BERT with sinusoidal positions and the generated questions.
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 16, "lr": 2e-3, "epochs": 8, "seq_length": 64, "doc_stride": 16, "log_interval": 50,
+    "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_iters": 20,
+}
+
+# ``--task question_answering --demo``: a tiny BERT with sinusoidal positions and the questions as jsonl.
 demo = DemoSpec(
-    name="question-answering",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=build_tokenizer,
-    model="BertForQuestionAnswering",
-    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
-    init=sinusoidal_positions,
-    splits={"train": 3000, "validation": 300},
-    flags={
-        "micro_batch_size": 16,
-        "lr": 2e-3,
-        "epochs": 8,
-        "seq_length": 64,
-        "doc_stride": 16,
-        "log_interval": 50,
-        "weight_decay": 0.01,
-        "clip_grad": 1.0,
-        "lr_warmup_iters": 20,
-    },
+    "question-answering", GENERATOR_VERSION, splits={"train": 3000, "validation": 300}, flags=DEMO_FLAGS,
+    generate=generate, write_split=write_jsonl, suffix=".jsonl", tokenizer=build_tokenizer,
+    model="BertForQuestionAnswering", init=sinusoidal_positions,
+    config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
 )
+# fmt: on
 write_demo_assets = demo.write_assets

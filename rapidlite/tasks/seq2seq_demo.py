@@ -13,7 +13,6 @@ untrained model's BLEU is 0; a minute of training on a CPU translates almost eve
 
 from __future__ import annotations
 
-import pathlib
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -119,18 +118,15 @@ def build_tokenizer(vocab: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> dict[str, str]:
-    """The splits as ``{split}.jsonl`` in the WMT layout; returns the lexicon, for the tokenizer."""
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict]]:
+    """The translation pairs of each split (over ``lexicon(seed)``); no English sentence is in two splits."""
     words = lexicon(seed)
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {name: generate_rows(rng, words, count, seen) for name, count in sizes.items()}
-    for name, rows in splits.items():
-        write_jsonl(data_dir / f"{name}.jsonl", rows)
-    return words
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, words, count, seen) for name, count in sizes.items()}
 
 
-def _token_config(tokenizer: Any) -> dict[str, int]:
+def token_config(tokenizer: Any) -> dict[str, int]:
+    """T5's token ids; the decoder starts from padding."""
     pad = tokenizer.pad_token_id
     return {
         "vocab_size": len(tokenizer),
@@ -140,28 +136,18 @@ def _token_config(tokenizer: Any) -> dict[str, int]:
     }
 
 
-# ``--task seq2seq --demo``: a tiny T5 and the translation data.
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 32, "lr": 2e-3, "epochs": 3, "seq_length": 32, "max_target_length": 24, "log_interval": 25,
+    "weight_decay": 0.0, "clip_grad": 1.0, "source_lang": SOURCE_LANG, "target_lang": TARGET_LANG,
+    "source_prefix": PREFIX,
+}
+
+# ``--task seq2seq --demo``: a tiny T5, the word-level tokenizer of both languages and the pairs as jsonl.
 demo = DemoSpec(
-    name="seq2seq",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=lambda model_dir, scratch, words: build_tokenizer(vocabulary(words)),
-    model="T5ForConditionalGeneration",
-    token_config=_token_config,
-    config=MODEL_SIZES,
-    splits={"train": 3000, "validation": 200},
-    flags={
-        "micro_batch_size": 32,
-        "lr": 2e-3,
-        "epochs": 3,
-        "seq_length": 32,
-        "max_target_length": 24,
-        "log_interval": 25,
-        "weight_decay": 0.0,
-        "clip_grad": 1.0,
-        "source_lang": SOURCE_LANG,
-        "target_lang": TARGET_LANG,
-        "source_prefix": PREFIX,
-    },
+    "seq2seq", GENERATOR_VERSION, config=MODEL_SIZES, token_config=token_config, flags=DEMO_FLAGS,
+    splits={"train": 3000, "validation": 200}, generate=generate, write_split=write_jsonl, suffix=".jsonl",
+    tokenizer=lambda build: build_tokenizer(vocabulary(lexicon(build.seed))), model="T5ForConditionalGeneration",
 )
+# fmt: on
 write_demo_assets = demo.write_assets

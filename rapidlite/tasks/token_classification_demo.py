@@ -12,18 +12,16 @@ initialised 2-layer BERT, all in Hugging Face format in the rapidlite cache.
 from __future__ import annotations
 
 import os
-import pathlib
 import random
 from collections.abc import Mapping
 from typing import Any
 
-from rapidlite.tasks.demo_build import DemoSpec, build_wordpiece_tokenizer
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, build_wordpiece_tokenizer
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
 VOCAB_SIZE = 360  # below the 170 distinct words plus pieces: a third of the words are split into pieces
 MAX_POSITIONS = 128
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 TAGS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG")
 
 # fmt: off
@@ -147,41 +145,33 @@ def write_conll(path: str | os.PathLike, sentences: list[list[tuple[str, str]]])
             f.write("\n")
 
 
-def write_data(data_dir: pathlib.Path, seed: int, sizes: Mapping[str, int]) -> list[str]:
-    """The splits as ``{split}.conll``; returns the training sentences' texts, for the vocabulary."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {name: generate_sentences(rng, count, seen) for name, count in sizes.items()}
-    for name, sentences in splits.items():
-        write_conll(data_dir / f"{name}.conll", sentences)
-    return [" ".join(w for w, _ in s) for s in splits["train"]]
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[list[tuple[str, str]]]]:
+    """The tagged sentences of each split; no sentence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_sentences(rng, count, seen) for name, count in sizes.items()}
 
 
-def build_tokenizer(model_dir: pathlib.Path, scratch: pathlib.Path, texts: list[str]) -> Any:
-    """Lowercasing WordPiece with a vocabulary of ``VOCAB_SIZE`` trained on the training texts."""
+def build_tokenizer(build: DemoBuild) -> Any:
+    """Lowercasing WordPiece with a vocabulary of ``VOCAB_SIZE`` trained on the training sentences."""
     from rapidlite.data.tokenizers import write_wordpiece_vocab
 
-    return build_wordpiece_tokenizer(write_wordpiece_vocab(texts, VOCAB_SIZE, scratch), MAX_POSITIONS)
+    texts = [" ".join(w for w, _ in sentence) for sentence in build.splits["train"]]
+    return build_wordpiece_tokenizer(write_wordpiece_vocab(texts, VOCAB_SIZE, build.scratch), MAX_POSITIONS)
 
 
 # Flag values the demo starts from; any flag given on the command line wins.
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 32, "lr": 2e-3, "epochs": 3, "seq_length": 64, "log_interval": 20, "weight_decay": 0.01,
+    "clip_grad": 1.0,
+}
+
+# ``--task token_classification --demo``: a tiny BERT tagger and the sentences as CoNLL files.
 demo = DemoSpec(
-    name="token-classification",
-    version=GENERATOR_VERSION,
-    write_data=write_data,
-    tokenizer=build_tokenizer,
-    model="BertForTokenClassification",
-    config={"max_position_embeddings": MAX_POSITIONS, **MODEL_SIZES},
-    labels=TAGS,
-    splits={"train": 3000, "validation": 400, "test": 400},
-    flags={
-        "micro_batch_size": 32,
-        "lr": 2e-3,
-        "epochs": 3,
-        "seq_length": 64,
-        "log_interval": 20,
-        "weight_decay": 0.01,
-        "clip_grad": 1.0,
-    },
+    "token-classification", GENERATOR_VERSION, model="BertForTokenClassification", labels=TAGS,
+    splits={"train": 3000, "validation": 400, "test": 400}, generate=generate, write_split=write_conll,
+    suffix=".conll", tokenizer=build_tokenizer, flags=DEMO_FLAGS,
+    config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
 )
+# fmt: on
 write_demo_assets = demo.write_assets
