@@ -156,7 +156,7 @@ def write_assets(work: Path, s: Setup, seed: int = 0) -> None:
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertForTokenClassification
 
-    from rapidlite.tasks.demo import build_wordpiece_tokenizer
+    from rapidlite.tasks.demo_build import build_wordpiece_tokenizer
 
     rng = np.random.default_rng(seed)
     (work / "vocab.txt").write_text("\n".join(SPECIAL + WORDS + POSITIVE + NEGATIVE) + "\n")

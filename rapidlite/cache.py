@@ -51,18 +51,19 @@ def cache_scratch(parent: Path) -> Path:
         ) from None
 
 
-def build_once(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+def build_once(final: str | os.PathLike, build: Callable[[Path], None], key: str = "ok\n") -> Path:
     """``final``, built once: ``build(scratch)`` fills a scratch directory beside it, which is marked complete
-    and put in place by one atomic rename. Safe when several ranks build at once (the first rename wins and the
-    others' results are as good); an incomplete directory left by a crash is built again."""
+    (the marker holds ``key``, what the build depends on) and put in place by one atomic rename. Safe when several
+    ranks build at once (the first rename wins and the others' results are as good); an incomplete directory left
+    by a crash, or one built for another ``key``, is built again."""
     final = Path(final)
-    if (final / COMPLETE).is_file():
+    if _built(final, key):
         return final
     scratch = cache_scratch(final.parent)
     try:
         build(scratch)
-        (scratch / COMPLETE).write_text("ok\n")
-        if final.exists() and not (final / COMPLETE).is_file():  # an earlier attempt that did not finish
+        (scratch / COMPLETE).write_text(key)
+        if final.exists() and not _built(final, key):  # an earlier attempt that did not finish, or another key
             shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(scratch, final)
@@ -71,3 +72,10 @@ def build_once(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return final
+
+
+def _built(final: Path, key: str) -> bool:
+    try:
+        return (final / COMPLETE).read_text() == key
+    except OSError:
+        return False

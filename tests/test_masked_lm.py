@@ -18,7 +18,7 @@ from rapidlite.data.masked_lm import (
     draw_masks,
     mask_tokens,
 )
-from rapidlite.tasks.demo import build_wordpiece_tokenizer
+from rapidlite.tasks.demo_build import build_wordpiece_tokenizer
 from rapidlite.tasks.masked_lm_demo import write_demo_assets
 
 

@@ -11,7 +11,7 @@ from transformers import BertConfig, BertForMaskedLM, DebertaV2Config, ModernBer
 from rapidlite.cli import main
 from rapidlite.errors import ConfigError
 from rapidlite.models.hf import position_limit, sequence_length
-from rapidlite.tasks.demo import build_wordpiece_tokenizer
+from rapidlite.tasks.demo_build import build_wordpiece_tokenizer
 
 WORDS = "the movie was good bad john lives in paris where does ?".split()
 POSITIONS = 16

@@ -21,7 +21,8 @@ from rapidlite.data.text_classification import (  # noqa: E402
     parse_split,
 )
 from rapidlite.errors import DataError  # noqa: E402
-from rapidlite.tasks.demo import build_wordpiece_tokenizer, write_demo_assets  # noqa: E402
+from rapidlite.tasks.demo import write_demo_assets  # noqa: E402
+from rapidlite.tasks.demo_build import build_wordpiece_tokenizer  # noqa: E402
 
 WORDS = "the a movie film plot was is good bad great awful not very i liked it hated , . ! ?".split()
 

@@ -24,7 +24,7 @@ from rapidlite.data.token_classification import (
 )
 from rapidlite.errors import DataError
 from rapidlite.metrics import entities, is_entity_tagset, tagging_metrics
-from rapidlite.tasks.demo import build_wordpiece_tokenizer
+from rapidlite.tasks.demo_build import build_wordpiece_tokenizer
 from rapidlite.tasks.token_classification import TokenClassificationFinetuner, load_word_tokenizer
 from rapidlite.tasks.token_classification_demo import write_conll, write_demo_assets
 

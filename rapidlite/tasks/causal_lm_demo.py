@@ -10,25 +10,15 @@ fine-tuning on a CPU get most completions right.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import random
-import shutil
+from collections.abc import Mapping
+from typing import Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.config.tasks import Demo
+from rapidlite.tasks.demo_build import DemoBuild, DemoSpec, write_jsonl
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
 VOCAB_SIZE = 400
-MODEL_SIZES = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 128,
-}
 # fmt: off
 WORDS = (
     "red", "blue", "green", "black", "white", "gold", "fox", "cat", "dog", "bird", "fish", "wolf", "tree", "river",
@@ -36,17 +26,6 @@ WORDS = (
 )
 # fmt: on
 PROMPT = "reverse the words: {words}\n"
-
-DEMO_FLAGS = {
-    "micro_batch_size": 16,
-    "lr": 2e-3,
-    "epochs": 3,
-    "seq_length": 64,
-    "log_interval": 25,
-    "weight_decay": 0.0,
-    "clip_grad": 1.0,
-    "eval_generate": 40,
-}
 
 
 def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[dict[str, str]]:
@@ -62,58 +41,45 @@ def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[dict[s
     return rows
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 3000, num_validation: int = 200
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny LLaMA) and ``out_dir/data`` (train/validation jsonl).
-    Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation))
-    return final / "model", final / "data"
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict[str, str]]]:
+    """The prompt/completion rows of each split; no word sequence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, count, seen) for name, count in sizes.items()}
 
 
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def build_tokenizer(build: DemoBuild) -> Any:
+    """A byte-level BPE trained on the training texts (every word one token)."""
     from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
 
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {"train": generate_rows(rng, num_train, seen), "validation": generate_rows(rng, num_validation, seen)}
-    (out / "data").mkdir()
-    for name, rows in splits.items():
-        with open(out / "data" / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    texts = [r["prompt"] + r["completion"] for r in splits["train"]]
-    vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, out / "bpe")
-    tokenizer = GPT2BPETokenizer(vocab, merges).hf_tokenizer()
-    model_dir = out / "model"
-    tokenizer.save_pretrained(model_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-        **MODEL_SIZES,
-    )
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(model_dir)
-    shutil.rmtree(out / "bpe")
+    texts = [r["prompt"] + r["completion"] for r in build.splits["train"]]
+    vocab, merges = train_byte_level_bpe(texts, VOCAB_SIZE, build.scratch)
+    return GPT2BPETokenizer(vocab, merges).hf_tokenizer()
 
 
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-causal-lm-v{GENERATOR_VERSION}"
+def token_config(tokenizer: Any) -> dict[str, int]:
+    """LLaMA's token ids; padding is the end-of-text token."""
+    eos = tokenizer.eos_token_id
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+    }
 
 
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny LLaMA, its tokenizer and the word-reversal data in the cache."""
-    write_demo_assets(_demo_root())
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 16, "lr": 2e-3, "epochs": 3, "seq_length": 64, "log_interval": 25, "weight_decay": 0.0,
+    "clip_grad": 1.0, "eval_generate": 40,
+}
 
-
-def demo() -> Demo:
-    """``--task causal_lm --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# ``--task causal_lm --demo``: a tiny LLaMA with tied embeddings, and the word-reversal data as jsonl.
+demo = DemoSpec(
+    "causal-lm", GENERATOR_VERSION, splits={"train": 3000, "validation": 200},
+    generate=generate, write_split=write_jsonl, suffix=".jsonl", tokenizer=build_tokenizer,
+    model="LlamaForCausalLM", token_config=token_config, flags=DEMO_FLAGS,
+    config={"tie_word_embeddings": True, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "max_position_embeddings": 128},
+)
+# fmt: on
+write_demo_assets = demo.write_assets

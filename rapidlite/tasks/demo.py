@@ -8,18 +8,13 @@ initialised BERT classifier, all in Hugging Face format.
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import json
-import os
 import pathlib
 import random
-import shutil
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rapidlite.cache import cache_root, cache_scratch, make_cache_dir
-from rapidlite.config.tasks import Demo
+from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, wordpiece_tokenizer, write_csv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -27,11 +22,9 @@ if TYPE_CHECKING:
 # Bump when the generator, vocabulary or model changes, so stale cached assets are rebuilt.
 GENERATOR_VERSION = 2
 LABELS: tuple[str, str] = ("negative", "positive")  # sorted, so ids match rapidlite's string-label mapping
-SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PUNCTUATION: tuple[str, ...] = (".", ",", "!", "?", "'")
 MAX_POSITIONS = 128
 NEGATION_RATE = 0.15  # per clause; negations are what makes the task more than counting words
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 
 # Word lists read better packed than one item per line.
 # fmt: off
@@ -153,47 +146,7 @@ def demo_vocabulary() -> list[str]:
             words.update(phrase.split())
     for past, base in POSITIVE_VERBS + NEGATIVE_VERBS:
         words.update((past, base))
-    return list(SPECIAL_TOKENS) + sorted(w.lower() for w in words) + list(PUNCTUATION)
-
-
-def build_wordpiece_tokenizer(
-    vocab_file: str | os.PathLike, model_max_length: int = MAX_POSITIONS
-) -> PreTrainedTokenizerFast:
-    """A lower-casing BERT WordPiece tokenizer (``PreTrainedTokenizerFast``) from a ``vocab.txt``.
-
-    transformers 5 ignores ``BertTokenizerFast(vocab_file=...)`` (it silently builds a 5-token
-    vocabulary, so every word becomes [UNK]) and takes ``vocab=`` instead, while transformers 4 takes
-    ``vocab_file=``. Building the ``tokenizers`` pipeline ourselves behaves the same on both.
-    """
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordPiece
-    from transformers import PreTrainedTokenizerFast
-
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = {line.rstrip("\n"): i for i, line in enumerate(f) if line.strip()}
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-    if missing:
-        raise ValueError(f"{vocab_file}: vocabulary lacks special tokens {', '.join(missing)}")
-    backend = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS]:0 $A:0 [SEP]:0",
-        pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_max_length=model_max_length,
-        # BERT uses segment ids for sentence pairs; the generic class would drop them.
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
+    return list(BERT_SPECIAL_TOKENS) + sorted(w.lower() for w in words) + list(PUNCTUATION)
 
 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerFast, sentences: list[str]) -> None:
@@ -201,22 +154,6 @@ def _check_tokenizer(tokenizer: PreTrainedTokenizerFast, sentences: list[str]) -
     for sentence, ids in zip(sentences, tokenizer(sentences)["input_ids"], strict=True):
         if len(ids) <= 2 or tokenizer.unk_token_id in ids:
             raise RuntimeError(f"demo tokenizer is broken: {sentence!r} -> {ids}")
-
-
-@contextlib.contextmanager
-def _atomic_dir(final: pathlib.Path) -> Iterator[pathlib.Path]:
-    """Yield a scratch dir; on success its files replace those in ``final`` one atomic rename at a time.
-
-    Several ranks may build the demo at once; readers then never see a half-written file.
-    """
-    make_cache_dir(final)
-    scratch = cache_scratch(final.parent)
-    try:
-        yield scratch
-        for item in scratch.iterdir():
-            os.replace(item, final / item.name)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[tuple[str, str]]:
@@ -230,126 +167,40 @@ def generate_rows(rng: random.Random, count: int, seen: set[str]) -> list[tuple[
     return rows
 
 
-def _write_split(path: pathlib.Path, rows: list[tuple[str, str]]) -> None:
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["sentence", "label"])
-        writer.writerows(rows)
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple[str, str]]]:
+    """The labelled sentences of each split; no sentence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, count, seen) for name, count in sizes.items()}
 
 
-def _write_model(model_dir: pathlib.Path, vocab: list[str], seed: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig(
-        vocab_size=len(vocab),
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=vocab.index("[PAD]"),
-        num_labels=len(LABELS),
-        id2label=dict(enumerate(LABELS)),
-        label2id={name: i for i, name in enumerate(LABELS)},
-        **MODEL_SIZES,
-    )
-    # fork_rng: seeding must not change the caller's torch RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = BertForSequenceClassification(config)
-    model.save_pretrained(model_dir)
+def write_split(path: pathlib.Path, rows: list[tuple[str, str]]) -> None:
+    write_csv(path, ["sentence", "label"], rows)
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike,
-    seed: int = 1234,
-    num_train: int = 4000,
-    num_validation: int = 500,
-    num_test: int = 500,
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (or reuse) the demo model/tokenizer and data under ``out_dir``. Returns (model_dir, data_dir).
-
-    ``model_dir`` loads with ``AutoTokenizer``/``AutoModelForSequenceClassification.from_pretrained``;
-    ``data_dir`` holds train/validation/test.csv with columns ``sentence,label``. Deterministic for a
-    seed; a ``demo_manifest.json`` records the parameters so a second call reuses the files.
-    """
-    out = pathlib.Path(out_dir)
-    model_dir, data_dir = out / "model", out / "data"
-    manifest_path = out / "demo_manifest.json"
-    manifest = {
-        "generator_version": GENERATOR_VERSION,
-        "seed": seed,
-        "num_train": num_train,
-        "num_validation": num_validation,
-        "num_test": num_test,
-        "model": MODEL_SIZES,
-    }
-    data_files = ["train.csv", "validation.csv", "test.csv"]
-    model_files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
-    try:
-        existing = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        existing = None
-    complete = all((data_dir / f).is_file() for f in data_files) and all((model_dir / f).is_file() for f in model_files)
-    if existing == manifest and complete:
-        return model_dir, data_dir
-
-    make_cache_dir(out)
-    manifest_path.unlink(missing_ok=True)  # files are about to change; nobody may trust them meanwhile
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {
-        name: generate_rows(rng, count, seen)
-        for name, count in (("train", num_train), ("validation", num_validation), ("test", num_test))
-    }
-    with _atomic_dir(data_dir) as scratch:
-        for name, rows in splits.items():
-            _write_split(scratch / f"{name}.csv", rows)
-
-    vocab = demo_vocabulary()
-    with _atomic_dir(model_dir) as scratch:
-        (scratch / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-        tokenizer = build_wordpiece_tokenizer(scratch / "vocab.txt")
-        _check_tokenizer(tokenizer, sorted(seen))
-        tokenizer.save_pretrained(scratch)
-        _write_model(scratch, vocab, seed)
-
-    # The manifest goes last: its presence means every file above is complete.
-    tmp = manifest_path.with_name(f".{manifest_path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, manifest_path)
-    return model_dir, data_dir
-
-
-def cache_dir() -> str:
-    """Where embedded demo assets are written once (``rapidlite.cache.cache_root``)."""
-    return cache_root()
-
-
-def _demo_root() -> str:
-    return os.path.join(cache_dir(), "demo-sequence-classification")
-
-
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT and generated data in the cache."""
-    write_demo_assets(_demo_root(), seed=1234)
+def build_tokenizer(build: DemoBuild) -> PreTrainedTokenizerFast:
+    """The WordPiece tokenizer over ``demo_vocabulary``, checked on every generated sentence."""
+    tokenizer = wordpiece_tokenizer(build.model_dir, demo_vocabulary(), MAX_POSITIONS)
+    _check_tokenizer(tokenizer, sorted(sentence for rows in build.splits.values() for sentence, _ in rows))
+    return tokenizer
 
 
 # Flag values the demo starts from; any flag given on the command line wins.
 # The run ends within TIME_BUDGET minutes of the command's start on any machine (--time-budget: on a machine
 # slow enough, fewer steps than the epochs); --epochs or --train-iters given runs that length.
 TIME_BUDGET = 3.0
+# fmt: off
 DEMO_FLAGS = {
-    "time_budget": TIME_BUDGET,
-    "micro_batch_size": 32,
-    "lr": 1e-3,
-    "epochs": 3,
-    "seq_length": 64,
-    "log_interval": 20,
-    "weight_decay": 0.01,
-    "clip_grad": 1.0,
+    "time_budget": TIME_BUDGET, "micro_batch_size": 32, "lr": 1e-3, "epochs": 3, "seq_length": 64, "log_interval": 20,
+    "weight_decay": 0.01, "clip_grad": 1.0,
 }
 
-
-def demo() -> Demo:
-    """``--task sequence_classification --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = pathlib.Path(_demo_root())
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# ``--task sequence_classification --demo``: ``model/`` loads with ``AutoTokenizer`` and
+# ``AutoModelForSequenceClassification``, ``data/`` holds train/validation/test.csv (columns ``sentence,label``).
+demo = DemoSpec(
+    "sequence-classification", GENERATOR_VERSION, splits={"train": 4000, "validation": 500, "test": 500},
+    generate=generate, write_split=write_split, suffix=".csv", tokenizer=build_tokenizer, labels=LABELS,
+    model="BertForSequenceClassification", config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
+    flags=DEMO_FLAGS,
+)
+# fmt: on
+write_demo_assets = demo.write_assets

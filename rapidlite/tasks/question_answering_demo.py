@@ -12,15 +12,13 @@ initialised tiny BERT, all in Hugging Face format in the rapidlite cache.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import pathlib
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.config.tasks import Demo
+from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, wordpiece_tokenizer, write_jsonl
 
 if TYPE_CHECKING:
     import torch
@@ -28,11 +26,9 @@ if TYPE_CHECKING:
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
 MAX_POSITIONS = 128
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 # Random weights, but sinusoidal position embeddings (Vaswani et al.) at this scale: an answer is found by the
 # word before it ("moved to X"), and a learned table takes a tiny BERT minutes to relate neighbours.
 POSITION_SCALE = 0.3
-SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # fmt: off
 NAMES = (
     "Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Irene", "Jonas", "Karin", "Lars",
@@ -58,18 +54,6 @@ TEMPLATE_WORDS = (
     "year", "city", "what", "study", "move", "is", "the", "hobby",
 )  # fmt: skip
 QUESTIONS_PER_CONTEXT = 3
-
-DEMO_FLAGS = {
-    "micro_batch_size": 16,
-    "lr": 2e-3,
-    "epochs": 8,
-    "seq_length": 64,
-    "doc_stride": 16,
-    "log_interval": 50,
-    "weight_decay": 0.01,
-    "clip_grad": 1.0,
-    "lr_warmup_iters": 20,
-}
 
 
 def _facts(rng: random.Random) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -134,62 +118,47 @@ def demo_vocabulary() -> list[str]:
     words: set[str] = set(TEMPLATE_WORDS) | {w.lower() for w in NAMES + CITIES + HOBBIES} | set(YEARS)
     for place in PLACES:
         words.update(place.split())
-    return list(SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
+    return list(BERT_SPECIAL_TOKENS) + sorted(words) + list(PUNCTUATION)
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 3000, num_validation: int = 300
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny BERT) and ``out_dir/data`` (train/validation jsonl).
-    Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation))
-    return final / "model", final / "data"
-
-
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    from rapidlite.tasks.demo import build_wordpiece_tokenizer
-
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict]]:
+    """The questions of each split, ids ``train-N`` and ``val-N``."""
     rng = random.Random(seed)
-    splits = {"train": generate_rows(rng, num_train, "train"), "validation": generate_rows(rng, num_validation, "val")}
-    (out / "data").mkdir()
-    for name, rows in splits.items():
-        with open(out / "data" / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    model_dir = out / "model"
-    model_dir.mkdir()
-    vocab = demo_vocabulary()
-    (model_dir / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = build_wordpiece_tokenizer(model_dir / "vocab.txt", model_max_length=MAX_POSITIONS)
-    for row in splits["train"][:60]:  # the vocabulary must cover every generated word
+    return {name: generate_rows(rng, count, "val" if name == "validation" else name) for name, count in sizes.items()}
+
+
+def build_tokenizer(build: DemoBuild) -> Any:
+    """The WordPiece tokenizer over the generator's words, checked on the first training rows."""
+    tokenizer = wordpiece_tokenizer(build.model_dir, demo_vocabulary(), MAX_POSITIONS)
+    for row in build.splits["train"][:60]:  # the vocabulary must cover every generated word
         ids = tokenizer(row["question"], row["context"])["input_ids"]
         if tokenizer.unk_token_id in ids or len(ids) < 10:
             raise RuntimeError(f"demo tokenizer is broken: {row} -> {ids}")
-    tokenizer.save_pretrained(model_dir)
-    config = BertConfig(vocab_size=len(vocab), max_position_embeddings=MAX_POSITIONS, pad_token_id=0, **MODEL_SIZES)
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        model = BertForQuestionAnswering(config)
-        with torch.no_grad():
-            model.bert.embeddings.position_embeddings.weight.copy_(
-                POSITION_SCALE * sinusoids(MAX_POSITIONS, config.hidden_size)
-            )
-        model.save_pretrained(model_dir)
+    return tokenizer
 
 
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-question-answering-v{GENERATOR_VERSION}"
+def sinusoidal_positions(model: Any) -> None:
+    """The randomly initialised model's position table replaced by the scaled sinusoids (``POSITION_SCALE``)."""
+    import torch
+
+    with torch.no_grad():
+        model.bert.embeddings.position_embeddings.weight.copy_(
+            POSITION_SCALE * sinusoids(MAX_POSITIONS, model.config.hidden_size)
+        )
 
 
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT, its tokenizer and the generated questions in the cache."""
-    write_demo_assets(_demo_root())
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 16, "lr": 2e-3, "epochs": 8, "seq_length": 64, "doc_stride": 16, "log_interval": 50,
+    "weight_decay": 0.01, "clip_grad": 1.0, "lr_warmup_iters": 20,
+}
 
-
-def demo() -> Demo:
-    """``--task question_answering --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# ``--task question_answering --demo``: a tiny BERT with sinusoidal positions and the questions as jsonl.
+demo = DemoSpec(
+    "question-answering", GENERATOR_VERSION, splits={"train": 3000, "validation": 300}, flags=DEMO_FLAGS,
+    generate=generate, write_split=write_jsonl, suffix=".jsonl", tokenizer=build_tokenizer,
+    model="BertForQuestionAnswering", init=sinusoidal_positions,
+    config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
+)
+# fmt: on
+write_demo_assets = demo.write_assets

@@ -13,13 +13,11 @@ untrained model's BLEU is 0; a minute of training on a CPU translates almost eve
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import random
+from collections.abc import Mapping
+from typing import Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.config.tasks import Demo
+from rapidlite.tasks.demo_build import DemoSpec, write_jsonl
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
@@ -41,20 +39,6 @@ SYLLABLES = (
 # fmt: on
 DETERMINER, POSTPOSITION = "ka", "ne"  # "the", "near"
 ENGLISH = (*SUBJECTS, *OBJECTS, *PLACES, *SUBJECT_ADJECTIVES, *OBJECT_ADJECTIVES, *VERBS)  # the lexicon's words
-
-DEMO_FLAGS = {
-    "micro_batch_size": 32,
-    "lr": 2e-3,
-    "epochs": 3,
-    "seq_length": 32,
-    "max_target_length": 24,
-    "log_interval": 25,
-    "weight_decay": 0.0,
-    "clip_grad": 1.0,
-    "source_lang": SOURCE_LANG,
-    "target_lang": TARGET_LANG,
-    "source_prefix": PREFIX,
-}
 
 
 def lexicon(seed: int = 1234) -> dict[str, str]:
@@ -134,56 +118,36 @@ def build_tokenizer(vocab: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 3000, num_validation: int = 200
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny T5) and ``out_dir/data`` (train/validation jsonl).
-    Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation))
-    return final / "model", final / "data"
-
-
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int) -> None:
-    import torch
-    from transformers import T5Config, T5ForConditionalGeneration
-
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[dict]]:
+    """The translation pairs of each split (over ``lexicon(seed)``); no English sentence is in two splits."""
     words = lexicon(seed)
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {
-        "train": generate_rows(rng, words, num_train, seen),
-        "validation": generate_rows(rng, words, num_validation, seen),
+    rng, seen = random.Random(seed), set()
+    return {name: generate_rows(rng, words, count, seen) for name, count in sizes.items()}
+
+
+def token_config(tokenizer: Any) -> dict[str, int]:
+    """T5's token ids; the decoder starts from padding."""
+    pad = tokenizer.pad_token_id
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": pad,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": pad,
     }
-    (out / "data").mkdir()
-    for name, rows in splits.items():
-        with open(out / "data" / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    tokenizer = build_tokenizer(vocabulary(words))
-    model_dir = out / "model"
-    tokenizer.save_pretrained(model_dir)
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-        **MODEL_SIZES,
-    )
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        T5ForConditionalGeneration(config).save_pretrained(model_dir)
 
 
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-seq2seq-v{GENERATOR_VERSION}"
+# fmt: off
+DEMO_FLAGS = {
+    "micro_batch_size": 32, "lr": 2e-3, "epochs": 3, "seq_length": 32, "max_target_length": 24, "log_interval": 25,
+    "weight_decay": 0.0, "clip_grad": 1.0, "source_lang": SOURCE_LANG, "target_lang": TARGET_LANG,
+    "source_prefix": PREFIX,
+}
 
-
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny T5, its tokenizer and the translation data in the cache."""
-    write_demo_assets(_demo_root())
-
-
-def demo() -> Demo:
-    """``--task seq2seq --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# ``--task seq2seq --demo``: a tiny T5, the word-level tokenizer of both languages and the pairs as jsonl.
+demo = DemoSpec(
+    "seq2seq", GENERATOR_VERSION, config=MODEL_SIZES, token_config=token_config, flags=DEMO_FLAGS,
+    splits={"train": 3000, "validation": 200}, generate=generate, write_split=write_jsonl, suffix=".jsonl",
+    tokenizer=lambda build: build_tokenizer(vocabulary(lexicon(build.seed))), model="T5ForConditionalGeneration",
+)
+# fmt: on
+write_demo_assets = demo.write_assets

@@ -12,18 +12,16 @@ initialised 2-layer BERT, all in Hugging Face format in the rapidlite cache.
 from __future__ import annotations
 
 import os
-import pathlib
 import random
-import shutil
+from collections.abc import Mapping
+from typing import Any
 
-from rapidlite.cache import build_once, cache_root
-from rapidlite.config.tasks import Demo
+from rapidlite.tasks.demo_build import TINY_BERT, DemoBuild, DemoSpec, build_wordpiece_tokenizer
 
 # Bump when the generator, tokenizer or model changes, so cached assets are rebuilt.
 GENERATOR_VERSION = 1
 VOCAB_SIZE = 360  # below the 170 distinct words plus pieces: a third of the words are split into pieces
 MAX_POSITIONS = 128
-MODEL_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 TAGS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG")
 
 # fmt: off
@@ -147,72 +145,33 @@ def write_conll(path: str | os.PathLike, sentences: list[list[tuple[str, str]]])
             f.write("\n")
 
 
-def write_demo_assets(
-    out_dir: str | os.PathLike, seed: int = 1234, num_train: int = 3000, num_validation: int = 400, num_test: int = 400
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write (once) ``out_dir/model`` (tokenizer and tiny BERT) and ``out_dir/data`` (train/validation/test.conll).
-    Returns (model_dir, data_dir). Deterministic for a seed; a concurrent builder's result is as good."""
-    final = build_once(out_dir, lambda scratch: _build(scratch, seed, num_train, num_validation, num_test))
-    return final / "model", final / "data"
+def generate(seed: int, sizes: Mapping[str, int]) -> dict[str, list[list[tuple[str, str]]]]:
+    """The tagged sentences of each split; no sentence is in two splits."""
+    rng, seen = random.Random(seed), set()
+    return {name: generate_sentences(rng, count, seen) for name, count in sizes.items()}
 
 
-def _build(out: pathlib.Path, seed: int, num_train: int, num_validation: int, num_test: int) -> None:
-    import torch
-    from transformers import BertConfig, BertForTokenClassification
-
+def build_tokenizer(build: DemoBuild) -> Any:
+    """Lowercasing WordPiece with a vocabulary of ``VOCAB_SIZE`` trained on the training sentences."""
     from rapidlite.data.tokenizers import write_wordpiece_vocab
-    from rapidlite.tasks.demo import build_wordpiece_tokenizer
 
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    sizes = {"train": num_train, "validation": num_validation, "test": num_test}
-    splits = {name: generate_sentences(rng, count, seen) for name, count in sizes.items()}
-    (out / "data").mkdir()
-    for name, sentences in splits.items():
-        write_conll(out / "data" / f"{name}.conll", sentences)
-    texts = [" ".join(w for w, _ in s) for s in splits["train"]]
-    vocab = write_wordpiece_vocab(texts, VOCAB_SIZE, out / "vocab")
-    tokenizer = build_wordpiece_tokenizer(vocab, MAX_POSITIONS)
-    model_dir = out / "model"
-    tokenizer.save_pretrained(model_dir)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=len(TAGS),
-        id2label=dict(enumerate(TAGS)),
-        label2id={tag: i for i, tag in enumerate(TAGS)},
-        **MODEL_SIZES,
-    )
-    with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
-        torch.manual_seed(seed)
-        BertForTokenClassification(config).save_pretrained(model_dir)
-    shutil.rmtree(out / "vocab")
-
-
-def _demo_root() -> pathlib.Path:
-    return pathlib.Path(cache_root()) / f"demo-token-classification-v{GENERATOR_VERSION}"
-
-
-def prepare_demo() -> None:
-    """Write (once) the embedded demo: a tiny BERT, its tokenizer and the generated entity data in the cache."""
-    write_demo_assets(_demo_root())
+    texts = [" ".join(w for w, _ in sentence) for sentence in build.splits["train"]]
+    return build_wordpiece_tokenizer(write_wordpiece_vocab(texts, VOCAB_SIZE, build.scratch), MAX_POSITIONS)
 
 
 # Flag values the demo starts from; any flag given on the command line wins.
+# fmt: off
 DEMO_FLAGS = {
-    "micro_batch_size": 32,
-    "lr": 2e-3,
-    "epochs": 3,
-    "seq_length": 64,
-    "log_interval": 20,
-    "weight_decay": 0.01,
+    "micro_batch_size": 32, "lr": 2e-3, "epochs": 3, "seq_length": 64, "log_interval": 20, "weight_decay": 0.01,
     "clip_grad": 1.0,
 }
 
-
-def demo() -> Demo:
-    """``--task token_classification --demo``: where ``prepare_demo`` writes the model and the data."""
-    root = _demo_root()
-    assets = {"pretrained_model_name_or_path": str(root / "model"), "data_path": [str(root / "data")]}
-    return Demo(defaults=DEMO_FLAGS, assets=assets, prepare=prepare_demo)
+# ``--task token_classification --demo``: a tiny BERT tagger and the sentences as CoNLL files.
+demo = DemoSpec(
+    "token-classification", GENERATOR_VERSION, model="BertForTokenClassification", labels=TAGS,
+    splits={"train": 3000, "validation": 400, "test": 400}, generate=generate, write_split=write_conll,
+    suffix=".conll", tokenizer=build_tokenizer, flags=DEMO_FLAGS,
+    config={"max_position_embeddings": MAX_POSITIONS, **TINY_BERT},
+)
+# fmt: on
+write_demo_assets = demo.write_assets
