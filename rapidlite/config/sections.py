@@ -244,6 +244,12 @@ class DataConfig:
         "restarting at each sample and attention kept inside it",
     )
 
+    @property
+    def source(self) -> tuple[str, str | None, str | None, str]:
+        """A fine-tuning task's one data source as its loaders take it: the path, the hub configuration, the hub
+        data_dir and the split weights."""
+        return self.data_path[0], self.data_name, self.data_dir, self.split
+
 
 @dataclass(frozen=True)
 class TrainingConfig:

@@ -67,16 +67,10 @@ class MaskedLMFinetuner(Finetuner):
         ) is not None:
             self.logger.info(f"data: {padding}")
         self.seq_length = sequence_length(
-            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, settings.given("seq_length")
+            settings.data.seq_length, self.tokenizer, config=config, explicit=settings.given("seq_length")
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_text_datasets(
-                settings.data.data_path[0],
-                settings.data.data_name,
-                settings.data.data_dir,
-                settings.data.split,
-                settings.training.seed,
-            )
+            raw = load_text_datasets(*settings.data.source, settings.training.seed)
             self.data = build_masked_lm_data(
                 raw,
                 self.tokenizer,

@@ -74,17 +74,9 @@ class QuestionAnsweringFinetuner(Finetuner):
         ) is not None:
             self.logger.info(f"data: {padding}")
         explicit = settings.given("seq_length")
-        seq_length = sequence_length(
-            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
-        )
+        seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(
-                settings.data.data_path[0],
-                settings.data.data_name,
-                settings.data.data_dir,
-                settings.data.split,
-                settings.training.seed,
-            )
+            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
             # --eval-only of data without a validation split scores its train split: it needs the windows' metadata.
             evaluated = ("validation", "test", "train") if settings.training.eval_only else ("validation", "test")
             self.data = build_question_answering_data(

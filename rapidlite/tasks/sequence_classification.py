@@ -58,17 +58,9 @@ class SequenceClassificationFinetuner(Finetuner):
         ) is not None:
             self.logger.info(f"data: {padding}")
         explicit = settings.given("seq_length")
-        seq_length = sequence_length(
-            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
-        )
+        seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
-            raw = load_raw_datasets(
-                settings.data.data_path[0],
-                settings.data.data_name,
-                settings.data.data_dir,
-                settings.data.split,
-                settings.training.seed,
-            )
+            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,

@@ -85,16 +85,10 @@ class TokenClassificationFinetuner(Finetuner):
             self.logger.info(f"data: {padding}")
         explicit = settings.given("seq_length")
         self.seq_length = seq_length = sequence_length(
-            settings.data.seq_length, self.tokenizer, settings.data.seq_length, config, explicit
+            settings.data.seq_length, self.tokenizer, config=config, explicit=explicit
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_token_datasets(
-                settings.data.data_path[0],
-                settings.data.data_name,
-                settings.data.data_dir,
-                settings.data.split,
-                settings.training.seed,
-            )
+            raw = load_token_datasets(*settings.data.source, settings.training.seed)
         self.data = d = build_token_classification_data(
             raw,
             self.tokenizer,
