@@ -193,6 +193,16 @@ def ensure_pad_token(tokenizer: Any, config: Any, name: str) -> str | None:
     )
 
 
+def tokenizer_and_config(name: str, logger: Any) -> tuple[Any, Any]:
+    """A fine-tuning task's tokenizer and model config for ``name``, the tokenizer given a padding token where it
+    has none (``ensure_pad_token``, said in one line)."""
+    tokenizer = load_tokenizer(name)
+    config = load_config(name)
+    if (padding := ensure_pad_token(tokenizer, config, name)) is not None:
+        logger.info(f"data: {padding}")
+    return tokenizer, config
+
+
 def sequence_length(
     seq_length: int | None, tokenizer: Any, default_cap: int = 512, config: Any = None, explicit: bool = True
 ) -> int:

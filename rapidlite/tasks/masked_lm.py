@@ -30,12 +30,10 @@ from rapidlite.data.masked_lm import (
 )
 from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models.hf import (
-    ensure_pad_token,
-    load_config,
     load_error,
     load_hf_model,
-    load_tokenizer,
     sequence_length,
+    tokenizer_and_config,
 )
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
@@ -60,12 +58,7 @@ class MaskedLMFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         settings = self.settings
-        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
-        config = load_config(settings.model.pretrained_model_name_or_path)
-        if (
-            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
-        ) is not None:
-            self.logger.info(f"data: {padding}")
+        self.tokenizer, config = tokenizer_and_config(settings.model.pretrained_model_name_or_path, self.logger)
         self.seq_length = sequence_length(
             settings.data.seq_length, self.tokenizer, config=config, explicit=settings.given("seq_length")
         )

@@ -19,12 +19,10 @@ from rapidlite.data.multiple_choice import MultipleChoiceCollator, build_multipl
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import multiple_choice_accuracy
 from rapidlite.models.hf import (
-    ensure_pad_token,
-    load_config,
     load_error,
     load_hf_model,
-    load_tokenizer,
     sequence_length,
+    tokenizer_and_config,
 )
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
@@ -46,12 +44,7 @@ class MultipleChoiceFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         settings = self.settings
-        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
-        config = load_config(settings.model.pretrained_model_name_or_path)
-        if (
-            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
-        ) is not None:
-            self.logger.info(f"data: {padding}")
+        self.tokenizer, config = tokenizer_and_config(settings.model.pretrained_model_name_or_path, self.logger)
         seq_length = sequence_length(
             settings.data.seq_length, self.tokenizer, config=config, explicit=settings.given("seq_length")
         )

@@ -24,12 +24,10 @@ from rapidlite.data.question_answering import (
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.metrics import squad_v1_metrics, squad_v2_metrics
 from rapidlite.models.hf import (
-    ensure_pad_token,
-    load_config,
     load_error,
     load_hf_model,
-    load_tokenizer,
     sequence_length,
+    tokenizer_and_config,
 )
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
@@ -67,12 +65,7 @@ class QuestionAnsweringFinetuner(Finetuner):
 
     def train_valid_test_datasets_provider(self):
         settings = self.settings
-        self.tokenizer = load_tokenizer(settings.model.pretrained_model_name_or_path)
-        config = load_config(settings.model.pretrained_model_name_or_path)
-        if (
-            padding := ensure_pad_token(self.tokenizer, config, settings.model.pretrained_model_name_or_path)
-        ) is not None:
-            self.logger.info(f"data: {padding}")
+        self.tokenizer, config = tokenizer_and_config(settings.model.pretrained_model_name_or_path, self.logger)
         explicit = settings.given("seq_length")
         seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):
