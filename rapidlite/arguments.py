@@ -30,6 +30,7 @@ GROUPS: dict[str, str | None] = {
     sections.MEMORY_AND_SPEED: None,
     sections.DEEPSPEED: None,
     sections.LORA: None,
+    sections.PREFERENCE: None,
     sections.DATA: None,
     sections.CHECKPOINTS_AND_LOGGING: None,
     sections.DISTRIBUTED: None,

@@ -56,6 +56,8 @@ FLAGS = """
 --log-throughput --timing-log-level --log-timers-to-tensorboard --log-memory-to-tensorboard
 --log-validation-ppl-to-tensorboard --tensorboard-log-interval --ckpt-format --dataloader-type --no-save-rng
 --data-cache-path --bert-no-binary-head
+--max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
+--precompute-ref-logprobs --desirable-weight --undesirable-weight
 """.split()
 
 

@@ -27,11 +27,13 @@ PRECISION = "precision"
 MEMORY_AND_SPEED = "memory and speed"
 DEEPSPEED = "DeepSpeed backend (pip install 'rapidlite[deepspeed]')"
 LORA = "LoRA and quantisation (peft; 4-bit/8-bit: pip install 'rapidlite[quant]')"
+PREFERENCE = "preference and reward training (dpo, kto, reward_model)"
 DATA = "data"
 CHECKPOINTS_AND_LOGGING = "checkpoints, logging and evaluation"
 DISTRIBUTED = "distributed"
 MEGATRON = "Megatron-LM compatibility"
 
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -189,7 +191,9 @@ class DataConfig:
         None,
         "maximum sequence length (tokens); default: the task's (sequence_classification and token_classification "
         "128, question_answering 384, causal_lm 512, masked_lm and multiple_choice the model's limit up to 512, "
-        "pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 source tokens)",
+        "pretraining 1024 for GPT and 512 for BERT, seq2seq 1024 source tokens, dpo/kto/reward_model 1024 for prompt "
+        "and response together); --max-length is TRL's name for it",
+        aliases=("--max-length",),
         group=TASK_AND_MODEL,
     )
     data_path: list[str] | None = flag(
@@ -377,3 +381,40 @@ class LoraConfig:
     @property
     def quant_flag(self) -> str:
         return "--load-in-4bit" if self.load_in_4bit else "--load-in-8bit"
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference and reward training: the loss, its coefficients and the reference model (``--task dpo``,
+    ``kto`` and ``reward_model``; TRL's names and defaults)."""
+
+    GROUP: ClassVar[str] = PREFERENCE
+
+    loss_type: str = flag(
+        "sigmoid",
+        "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
+        "or orpo (no reference: NLL on the chosen response plus the odds-ratio term)",
+        choices=PREFERENCE_LOSSES,
+    )
+    beta: float = flag(0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)")
+    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (robust and sigmoid)")
+    simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
+    orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
+    rpo_alpha: float | None = flag(
+        None, "dpo: add this times the NLL of the chosen response (RPO); ORPO always has it, at weight 1"
+    )
+    max_prompt_length: int | None = flag(
+        None, "dpo, kto, reward_model: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
+    )
+    precompute_ref_logprobs: bool = flag(
+        False,
+        "dpo, kto: score the data with the reference once before training (cached beside the data), then train with "
+        "no reference model in memory",
+    )
+    desirable_weight: float = flag(1.0, "kto: the loss weight of desirable (label true) completions")
+    undesirable_weight: float = flag(1.0, "kto: the loss weight of undesirable (label false) completions")
+
+    @property
+    def reference_free(self) -> bool:
+        """SimPO and ORPO use no reference model."""
+        return self.loss_type in ("simpo", "orpo")

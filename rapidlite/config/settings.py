@@ -13,6 +13,7 @@ from rapidlite.config.sections import (
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
+    PreferenceConfig,
     TaskConfig,
     TrainingConfig,
 )
@@ -28,10 +29,23 @@ SECTIONS: tuple[type, ...] = (
     CheckpointConfig,
     LoggingConfig,
     LoraConfig,
+    PreferenceConfig,
 )
 
 
-SECTION_NAMES = ("task", "model", "data", "training", "optim", "precision", "parallel", "checkpoint", "logging", "lora")
+SECTION_NAMES = (
+    "task",
+    "model",
+    "data",
+    "training",
+    "optim",
+    "precision",
+    "parallel",
+    "checkpoint",
+    "logging",
+    "lora",
+    "preference",
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,7 @@ class Sections:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     lora: LoraConfig
+    preference: PreferenceConfig
     # The flags the command line (or a --config file) gave; None for settings built by hand, where every flag
     # counts as given.
     explicit_flags: frozenset[str] | None = None
