@@ -63,11 +63,13 @@ setup(
             "sacrebleu>=2.3",
             # tests/test_docs.py builds the documentation site with mkdocs build --strict
             "mkdocs-material>=9.5",
+            # --task dpo, kto and reward_model: losses and metrics are tested equal to TRL's trainers (1.16's)
+            "trl>=1.16,<1.17",
         ],
         # the documentation site: mkdocs serve / mkdocs build (mkdocs.yml, docs/)
         "docs": ["mkdocs-material>=9.5"],
         "eval": ["lm_eval>=0.4.13,<0.5"],
-        "bench": ["accelerate>=1.1"],
+        "bench": ["accelerate>=1.1", "trl>=1.16,<1.17"],
         "deepspeed": ["deepspeed>=0.14"],
         # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
         "quant": ["bitsandbytes>=0.48"],
