@@ -29,8 +29,9 @@ SPLIT_FILE_STEMS: dict[str, tuple[str, ...]] = {
 }
 # Hub datasets name their splits less uniformly than local files (e.g. MNLI's "validation_matched").
 _HUB_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
-    "train": ("train",),
-    "validation": ("validation", "dev", "valid", "validation_matched"),
+    # UltraFeedback-binarized keeps its preference pairs in train_prefs/test_prefs.
+    "train": ("train", "train_prefs"),
+    "validation": ("validation", "dev", "valid", "validation_matched", "test_prefs"),
     "test": ("test", "test_matched"),
 }
 SPLIT_ORDER = ("train", "validation", "test")
