@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -211,3 +211,48 @@ def squad_v2_metrics(predictions: Sequence[str], references: Sequence[Sequence[s
         out[f"{prefix}f1"] = 100.0 * sum(f1[i] for i in chosen) / total if total else 0.0
         out[f"{prefix}total"] = total
     return out
+
+
+class MeanMetrics:
+    """Means by name accumulated over batches, micro-batches and ranks: ``add`` a sum and its count (tensors
+    stay on their device, so a step adds no host sync); ``reduce`` sums every name's sum and count over the
+    ranks in one reduction (names in sorted order, the same on every rank) and gives the means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
+        total = torch.as_tensor(total).detach().double().sum()
+        count = torch.as_tensor(count).detach().double().sum()
+        self.sums[name] = self.sums[name] + total if name in self.sums else total
+        self.counts[name] = self.counts[name] + count if name in self.counts else count
+
+    def add_mean(self, name: str, values: torch.Tensor) -> None:
+        """Each element of ``values`` is one item of the mean."""
+        self.add(name, values.sum(), values.numel())
+
+    def __bool__(self) -> bool:
+        return bool(self.sums)
+
+    def vector(self) -> torch.Tensor:
+        """Sums then counts, names sorted, on the CPU in float64: what ``means`` reads back after a reduction."""
+        names = sorted(self.sums)
+        return torch.stack([self.sums[n].cpu() for n in names] + [self.counts[n].cpu() for n in names])
+
+    def means(self, reduced: torch.Tensor) -> dict[str, float]:
+        names = sorted(self.sums)
+        sums, counts = reduced[: len(names)].tolist(), reduced[len(names) :].tolist()
+        return {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+
+    def reduce(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The means over every rank (a collective: every rank calls it with the same names), then cleared."""
+        if not self.sums:
+            return {}
+        out = self.means(all_reduce_sum(self.vector()))
+        self.clear()
+        return out
+
+    def clear(self) -> None:
+        self.sums.clear()
+        self.counts.clear()

@@ -20,6 +20,7 @@ from rapidlite.engine import RapidliteEngine
 from rapidlite.errors import RapidliteError, first_line
 from rapidlite.graph import compiled_graphs
 from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
+from rapidlite.metrics import MeanMetrics
 from rapidlite.plot import PlotUnavailable, write_curves
 from rapidlite.progress import Bar
 from rapidlite.tracking import WandbRun
@@ -37,6 +38,9 @@ class Monitor:
         self.writer: MetricsWriter | None = None  # rank 0's metrics.jsonl, TensorBoard and W&B
         self.progress: Bar | None = None
         self._interval = _new_interval()
+        # A task's own training metrics (DPO's rewards/..., logps/...): means over the interval's micro-batches
+        # and ranks, reduced with the loss and logged on its line under their own names.
+        self.step_metrics = MeanMetrics()
         self._state_bytes_logged = False
         self._first_step_start: float | None = None  # set when training begins; reports the compile step
         self._graphs = 0  # graphs torch.compile had built after the first step (recompiles are logged)
@@ -181,16 +185,18 @@ class Monitor:
         # One reduction per log interval: loss, samples and tokens over the data-parallel ranks.
         # A rank that cannot count tokens makes the sum negative: tokens/s is then left out.
         tokens = interval["tokens"] if interval["tokens_known"] else -1e30
-        totals = self.engine.all_reduce_sum(
-            torch.stack(
-                [
-                    interval["loss"].double().cpu(),
-                    torch.tensor(float(interval["samples"]), dtype=torch.float64),
-                    torch.tensor(float(tokens), dtype=torch.float64),
-                ]
-            )
+        base = torch.stack(
+            [
+                interval["loss"].double().cpu(),
+                torch.tensor(float(interval["samples"]), dtype=torch.float64),
+                torch.tensor(float(tokens), dtype=torch.float64),
+            ]
         )
-        loss, samples, tokens = totals.tolist()
+        extra = self.step_metrics.vector() if self.step_metrics else torch.zeros(0, dtype=torch.float64)
+        totals = self.engine.all_reduce_sum(torch.cat([base, extra]))
+        loss, samples, tokens = totals[:3].tolist()
+        task_metrics = self.step_metrics.means(totals[3:]) if self.step_metrics else {}
+        self.step_metrics.clear()
         grad_norm = optimizer.last_grad_norm
         record: dict[str, Any] = {
             "iteration": iteration,
@@ -205,6 +211,7 @@ class Monitor:
             "step_time_s": elapsed / interval["steps"],
             **self._flops_rates(samples, tokens, elapsed),
             "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
+            **task_metrics,
         }
         record = {k: v for k, v in record.items() if v is not None}
         if self.progress is not None:
