@@ -1,0 +1,397 @@
+"""Preference data: rows of a prompt with a chosen and a rejected response (``--task dpo``, ``reward_model``) or
+with one completion labelled desirable or not (``--task kto``), tokenized as TRL tokenizes them.
+
+Layouts (TRL's, ``pair_layout``):
+
+- ``prompt``/``chosen``/``rejected`` as text, or as conversations (lists of ``{"role", "content"}`` messages,
+  rendered with the tokenizer's chat template or ``--chat-template``);
+- ``chosen``/``rejected`` alone with an implicit prompt: the conversation (or text) both share, as in Anthropic
+  HH (``implicit_prompt``);
+- UltraFeedback-binarized rows: a text ``prompt`` beside conversations that hold it (the prompt column is
+  ignored, the conversations' shared turns are the prompt); its ``train_prefs``/``test_prefs`` splits are the
+  train and validation splits (``rapidlite.data.tabular``);
+- ``prompt``/``completion``/``label`` for KTO, whose paired data may also be given (each pair then becomes a
+  desirable and an undesirable row).
+
+A text row's response gets the EOS token when it lacks it; a conversation's template closes it. The response
+starts where the tokenized prompt and prompt + response first differ (``common_prefix``), so tokens merging over
+the boundary are not lost. Truncation: ``--max-prompt-length`` keeps the prompt's end; ``--max-length`` keeps the
+start of prompt + response. Rows whose prompt fills ``--max-length`` (no response token left), and pairs whose
+chosen equals the rejected response (no preference to learn), are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rapidlite.data.collate import flatten_rows
+from rapidlite.data.instruction import _message, doubled_bos
+from rapidlite.errors import DataError, first_line
+
+PAIRED_LAYOUTS = (
+    "prompt/chosen/rejected (text or conversations), chosen/rejected with the prompt inside both (Anthropic HH), "
+    "or UltraFeedback-binarized rows"
+)
+UNPAIRED_LAYOUT = "prompt/completion/label (label true or false)"
+
+
+# ------------------------------------------------------------------ rows
+
+
+def _conversation(value: Any) -> list[dict[str, str]] | None:
+    """``value`` as a list of messages when it is one (or JSON text of one, as a CSV holds it), else None."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, dict) for m in value):
+        return [_message(m) for m in value]
+    return None
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """``(prompt, chosen, rejected)`` of a pair whose prompt is the start both share: whole messages of two
+    conversations, or characters of two texts (a space before the first difference goes with the responses).
+    TRL's ``extract_prompt`` rule."""
+    n = min(len(chosen), len(rejected))
+    i = next((i for i in range(n) if chosen[i] != rejected[i]), n)
+    if isinstance(chosen, str) and 0 < i and chosen[i - 1] == " ":
+        i -= 1
+    return chosen[:i], chosen[i:], rejected[i:]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference row: prompt, chosen and rejected, all text or all conversations."""
+
+    prompt: Any
+    chosen: Any
+    rejected: Any
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+
+def read_pair(row: Mapping[str, Any]) -> Pair:
+    """The prompt, chosen and rejected response of a row in any of the paired layouts."""
+    chosen_conv, rejected_conv = _conversation(row["chosen"]), _conversation(row["rejected"])
+    if (chosen_conv is None) != (rejected_conv is None):
+        raise DataError("a row's chosen and rejected differ in kind (one a conversation, one text); give both alike")
+    prompt = row.get("prompt")
+    if chosen_conv is not None:
+        prompt_conv = _conversation(prompt) if prompt is not None else None
+        if prompt_conv is None:  # no prompt, or UltraFeedback's text prompt beside conversations that hold it
+            return Pair(*implicit_prompt(chosen_conv, rejected_conv))
+        return Pair(prompt_conv, chosen_conv, rejected_conv)
+    chosen, rejected = _text(row["chosen"]), _text(row["rejected"])
+    if prompt is None:
+        return Pair(*implicit_prompt(chosen, rejected))
+    if _conversation(prompt) is not None:
+        raise DataError("a row's prompt is a conversation but its chosen and rejected are text; give them alike")
+    return Pair(_text(prompt), chosen, rejected)
+
+
+def pair_layout(columns: Sequence[str]) -> str:
+    """Checks that data with ``columns`` is in a paired layout; the one line naming the accepted ones if not."""
+    missing = [c for c in ("chosen", "rejected") if c not in columns]
+    if missing:
+        raise DataError(
+            f"preference data needs chosen and rejected responses: the data has no {' or '.join(missing)} column "
+            f"(its columns: {', '.join(sorted(columns))}); give {PAIRED_LAYOUTS}"
+        )
+    return "prompt/chosen/rejected" if "prompt" in columns else "chosen/rejected (implicit prompt)"
+
+
+# ------------------------------------------------------------------ tokenization
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Encoder:
+    """Token ids of prompts and responses, text or conversations, as TRL makes them: a tokenizer call on text
+    (with its special tokens; a doubled BOS from a template that writes its own is dropped), or the chat
+    template (``add_generation_prompt`` for a prompt alone)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token
+
+    def ids(self, value: Any, generation_prompt: bool = False) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(value, list):
+            if not getattr(tok, "chat_template", None):
+                raise DataError(
+                    "conversational preference data needs a chat template: the tokenizer has none; pass "
+                    "--chat-template chatml or a Jinja template file"
+                )
+            try:
+                text = tok.apply_chat_template(value, tokenize=False, add_generation_prompt=generation_prompt)
+            except Exception as e:  # jinja2's TemplateError from the template's raise_exception, or its own slip
+                raise DataError(
+                    f"the chat template refuses a conversation: {first_line(e, 160)}; fix the data or pass "
+                    "--chat-template chatml or a Jinja template file"
+                ) from None
+            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(tok(value)["input_ids"])
+        return ids[1:] if doubled_bos(tok, ids) else ids
+
+    def with_eos(self, response: Any) -> Any:
+        """A text response closed by EOS (unless it is already); a conversation's template closes its own."""
+        if isinstance(response, str) and self.eos and not response.endswith(self.eos):
+            return response + self.eos
+        return response
+
+    def split(self, prompt: Any, responses: Sequence[Any]) -> tuple[list[int], list[list[int]]]:
+        """``(prompt_ids, [response_ids, ...])``: each response's ids are what prompt + response adds after the
+        tokens all of them share with the prompt alone."""
+        prompt_ids = self.ids(prompt, generation_prompt=True)
+        full = [self.ids(prompt + self.with_eos(r)) for r in responses]
+        start = min(common_prefix(prompt_ids, f) for f in full)
+        return prompt_ids[:start], [f[start:] for f in full]
+
+
+@dataclass
+class Counts:
+    """What encoding did to the rows, for the data line."""
+
+    rows: int = 0
+    kept: int = 0
+    prompt_truncated: int = 0
+    truncated: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def describe(self, max_length: int, max_prompt_length: int | None) -> str:
+        parts = [f"{self.rows} rows"]
+        if self.prompt_truncated:
+            parts.append(f"{self.prompt_truncated} prompts cut to --max-prompt-length {max_prompt_length}")
+        parts.append(f"{self.truncated} truncated to --max-length {max_length}")
+        parts += [f"{n} dropped: {reason}" for reason, n in sorted(self.dropped.items())]
+        return ", ".join(parts)
+
+
+def _fit(
+    prompt_ids: list[int], responses: list[list[int]], max_length: int, max_prompt_length: int | None, counts: Counts
+) -> tuple[list[int], list[list[int]]] | None:
+    """The prompt cut to its last ``max_prompt_length`` tokens, then prompt + each response to the first
+    ``max_length``; None when the prompt leaves no response token."""
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
+        counts.prompt_truncated += 1
+    if len(prompt_ids) >= max_length:
+        counts.drop(f"the prompt fills --max-length {max_length}")
+        return None
+    room = max_length - len(prompt_ids)
+    counts.truncated += any(len(r) > room for r in responses)
+    return prompt_ids, [r[:room] for r in responses]
+
+
+def encode_pairs(
+    rows: Any, tokenizer: Any, max_length: int, max_prompt_length: int | None, counts: Counts
+) -> list[dict[str, list[int]]]:
+    """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` of each usable row (``--task dpo``)."""
+    encoder = Encoder(tokenizer)
+    out = []
+    for row in rows:
+        counts.rows += 1
+        pair = read_pair(row)
+        if pair.chosen == pair.rejected:
+            counts.drop("chosen equals rejected")
+            continue
+        prompt_ids, (chosen, rejected) = encoder.split(pair.prompt, [pair.chosen, pair.rejected])
+        fitted = _fit(prompt_ids, [chosen, rejected], max_length, max_prompt_length, counts)
+        if fitted is None:
+            continue
+        prompt_ids, (chosen, rejected) = fitted
+        out.append({"prompt_ids": prompt_ids, "chosen_ids": chosen, "rejected_ids": rejected})
+    counts.kept += len(out)
+    return out
+
+
+def encode_reward_pairs(rows: Any, tokenizer: Any, max_length: int, counts: Counts) -> list[dict[str, Any]]:
+    """``{"chosen_ids", "rejected_ids"[, "margin"]}``: prompt + response whole, as TRL's ``RewardTrainer`` tokenizes
+    them (the score is read at the last token, so a longer row is dropped, not cut)."""
+    encoder = Encoder(tokenizer)
+    out = []
+    for row in rows:
+        counts.rows += 1
+        pair = read_pair(row)
+        if pair.chosen == pair.rejected:
+            counts.drop("chosen equals rejected")
+            continue
+        chosen = encoder.ids(pair.prompt + encoder.with_eos(pair.chosen))
+        rejected = encoder.ids(pair.prompt + encoder.with_eos(pair.rejected))
+        if max(len(chosen), len(rejected)) > max_length:
+            counts.drop(f"longer than --max-length {max_length}")
+            continue
+        sample: dict[str, Any] = {"chosen_ids": chosen, "rejected_ids": rejected}
+        if row.get("margin") is not None:
+            sample["margin"] = float(row["margin"])
+        out.append(sample)
+    counts.kept += len(out)
+    return out
+
+
+def _label(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise DataError(f"a KTO row's label is {value!r}; give true (desirable) or false (undesirable)")
+
+
+def unpaired_rows(raw_rows: Any, columns: Sequence[str]) -> list[tuple[Any, Any, bool]]:
+    """``(prompt, completion, desirable)`` of every row: the unpaired layout, or paired rows unpaired."""
+    if {"completion", "label"} <= set(columns):
+        out = []
+        for row in raw_rows:
+            completion = _conversation(row["completion"])
+            prompt = _conversation(row.get("prompt")) if completion is not None else _text(row.get("prompt"))
+            if completion is not None and prompt is None:
+                raise DataError("a KTO row's completion is a conversation but its prompt is not; give them alike")
+            out.append((prompt, completion if completion is not None else _text(row["completion"]), _label(row["label"])))
+        return out
+    if {"chosen", "rejected"} <= set(columns):
+        pairs = [read_pair(row) for row in raw_rows]
+        return [(p.prompt, p.chosen, True) for p in pairs] + [(p.prompt, p.rejected, False) for p in pairs]
+    raise DataError(
+        f"KTO data needs {UNPAIRED_LAYOUT}, or preference pairs ({PAIRED_LAYOUTS}); its columns are "
+        f"{', '.join(sorted(columns))}"
+    )
+
+
+def encode_unpaired(
+    rows: Sequence[tuple[Any, Any, bool]], tokenizer: Any, max_length: int, max_prompt_length: int | None, counts: Counts
+) -> list[dict[str, Any]]:
+    """``{"prompt_ids", "completion_ids", "label"}`` of each usable row (``--task kto``)."""
+    encoder = Encoder(tokenizer)
+    out = []
+    for prompt, completion, desirable in rows:
+        counts.rows += 1
+        prompt_ids, (completion_ids,) = encoder.split(prompt, [completion])
+        fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length, counts)
+        if fitted is None:
+            continue
+        prompt_ids, (completion_ids,) = fitted
+        out.append({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": desirable})
+    counts.kept += len(out)
+    return out
+
+
+def no_rows_left(task: str, counts: Counts, max_length: int) -> DataError:
+    """The error when encoding dropped every training row."""
+    if not counts.rows:
+        return DataError(f"--task {task}: the training data has no rows")
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.dropped.items()))
+    fix = (
+        f"raise --max-length (now {max_length}) or set --max-prompt-length"
+        if any("max-length" in r for r in counts.dropped)
+        else "give pairs whose chosen and rejected responses differ"
+    )
+    return DataError(f"--task {task}: no training row is usable ({reasons}); {fix}")
+
+
+# ------------------------------------------------------------------ batches
+
+
+def _sequences(sample: Mapping[str, Any], keys: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    """``(ids, labels)`` of prompt + each response: labels are the response's ids, -100 on the prompt."""
+    prompt = list(sample.get("prompt_ids", ()))
+    return [(prompt + list(sample[k]), [-100] * len(prompt) + list(sample[k])) for k in keys]
+
+
+class PairCollator:
+    """Batches of paired samples. Padded: ``input_ids``, ``attention_mask`` and ``labels`` of shape
+    ``[batch, 2, length]`` (chosen, rejected; right-padded, labels -100 outside the response), so that a batch
+    sliced by rows keeps its pairs. ``padding_free``: all 2 x batch sequences packed into one row (chosen ones,
+    then rejected ones) with restarting position ids, ``sequences_per_sample`` 2. ``ref_logps`` ``[batch, 2]``
+    when the samples carry precomputed reference log-probabilities; ``margin`` ``[batch]`` when they have one."""
+
+    def __init__(self, pad_token_id: int, keys: Sequence[str] = ("chosen_ids", "rejected_ids"), padding_free: bool = False):
+        self.pad_token_id = pad_token_id
+        self.keys = tuple(keys)
+        self.padding_free = padding_free
+
+    def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs = [_sequences(s, self.keys) for s in samples]
+        if self.padding_free:
+            rows = [{"input_ids": seqs[i][j][0], "labels": seqs[i][j][1]} for j in range(len(self.keys)) for i in range(len(seqs))]
+            batch = flatten_rows(rows)
+            batch["sequences_per_sample"] = torch.tensor(len(self.keys))
+        else:
+            length = max(len(ids) for pair in seqs for ids, _ in pair)
+            shape = (len(samples), len(self.keys), length)
+            batch = {
+                "input_ids": torch.full(shape, self.pad_token_id, dtype=torch.int64),
+                "attention_mask": torch.zeros(shape, dtype=torch.int64),
+                "labels": torch.full(shape, -100, dtype=torch.int64),
+            }
+            for i, pair in enumerate(seqs):
+                for j, (ids, labels) in enumerate(pair):
+                    batch["input_ids"][i, j, : len(ids)] = torch.tensor(ids)
+                    batch["attention_mask"][i, j, : len(ids)] = 1
+                    batch["labels"][i, j, : len(ids)] = torch.tensor(labels)
+        if "ref_logps" in samples[0]:
+            batch["ref_logps"] = torch.tensor([s["ref_logps"] for s in samples], dtype=torch.float32)
+        if "margin" in samples[0]:
+            batch["margin"] = torch.tensor([s["margin"] for s in samples], dtype=torch.float32)
+        return batch
+
+
+class UnpairedCollator:
+    """Batches of KTO samples: ``input_ids``, ``attention_mask``, ``labels`` ``[batch, length]`` of prompt +
+    completion, ``label`` ``[batch]`` (desirable), and the KL sequences ``kl_input_ids`` etc.: each prompt with
+    the completion of the next sample in the batch (TRL's mismatched pairs); ``ref_logps`` ``[batch, 2]`` when
+    precomputed (completion, KL)."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def _pad(self, seqs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        length = max(len(ids) for ids, _ in seqs)
+        out = {
+            "input_ids": torch.full((len(seqs), length), self.pad_token_id, dtype=torch.int64),
+            "attention_mask": torch.zeros((len(seqs), length), dtype=torch.int64),
+            "labels": torch.full((len(seqs), length), -100, dtype=torch.int64),
+        }
+        for i, (ids, labels) in enumerate(seqs):
+            out["input_ids"][i, : len(ids)] = torch.tensor(ids)
+            out["attention_mask"][i, : len(ids)] = 1
+            out["labels"][i, : len(ids)] = torch.tensor(labels)
+        return out
+
+    def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs = [_sequences(s, ("completion_ids",))[0] for s in samples]
+        batch = self._pad(seqs)
+        kl = [s.get("kl_completion_ids") for s in samples]
+        if all(k is not None for k in kl):
+            kl_seqs = [_sequences({"prompt_ids": s["prompt_ids"], "c": k}, ("c",))[0] for s, k in zip(samples, kl, strict=True)]
+            batch.update({f"kl_{k}": v for k, v in self._pad(kl_seqs).items()})
+        batch["label"] = torch.tensor([bool(s["label"]) for s in samples])
+        if "ref_logps" in samples[0]:
+            batch["ref_logps"] = torch.tensor([s["ref_logps"] for s in samples], dtype=torch.float32)
+        return batch
