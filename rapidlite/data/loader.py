@@ -35,12 +35,14 @@ def batch_stats(batch: Any) -> tuple[int, int | None]:
         mask = batch.get("attention_mask")
         positions = batch.get("position_ids")
         if mask is None and isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[0] == 1:
-            return packed_sample_count(positions), positions.numel()
+            # A sample of several sequences (a preference pair) packs them all (``sequences_per_sample``).
+            per_sample = int(batch.get("sequences_per_sample", 1))
+            return packed_sample_count(positions) // per_sample, positions.numel()
         for key in ("input_ids", "text", "tokens", "labels"):
             value = batch.get(key)
             if isinstance(value, torch.Tensor) and value.ndim >= 1:
                 samples = value.shape[0]
-                if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+                if isinstance(mask, torch.Tensor) and mask.ndim >= 2:  # [samples, (sequences,) length]
                     return samples, int(mask.sum())
                 if key == "text" and value.ndim == 2:  # Megatron's GPT samples: seq + 1 tokens, inputs and shift
                     return samples, samples * (value.shape[1] - 1)

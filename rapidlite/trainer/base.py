@@ -79,6 +79,10 @@ class BaseTrainer:
         is). A ``Finetuner`` fits it for ``--padding-free`` batches here."""
         return model
 
+    def after_compose(self) -> None:
+        """Called once the model is composed (wrapped, sharded, on its device) and before a checkpoint is loaded
+        into it: what must see the starting weights (a reference model's scores) is made here."""
+
     # ------------------------------------------------------------------ helpers for subclasses
     def pretrained_load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` arguments for the model to fine-tune: fp32 weights for full fine-tuning; with
@@ -139,6 +143,7 @@ class BaseTrainer:
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
         )
+        self.after_compose()
         if self.checkpointing.resuming:
             self.checkpointing.load()
         if self.engine.is_main_process:

@@ -58,6 +58,10 @@ class Finetuner(BaseTrainer):
         count = self.engine.all_reduce_sum(count)
         return {"loss": float(total / count.clamp(min=1))}
 
+    def before_step(self, micro_batches: list[Any]) -> None:
+        """Called with one step's micro-batches (this rank's) before their forward passes: a loss normalised over
+        the whole global batch counts its items here (a collective: every rank calls it)."""
+
     def estimated_eval_seconds(self, step_s: float) -> float:
         batches = len(self.valid_dataloader) if self.valid_dataloader is not None else 0
         return batches * step_s / max(self.settings.training.gradient_accumulation_steps, 1) / 3  # forward only
@@ -111,7 +115,11 @@ class Finetuner(BaseTrainer):
         if not _has_rows(train_ds):
             raise DataError("the training dataset is empty")
         lengths = self._train_lengths(train_ds) if settings.data.group_by_length else None
-        if settings.data.padding_free:  # flattens what the task's collation makes; the model's head sets shift_labels
+        packs_itself = getattr(collate_fn, "padding_free", None)
+        if settings.data.padding_free and callable(packs_itself):
+            # A collation that packs its own sequences (a preference pair's two, kept apart by their positions).
+            collate_fn_train = packs_itself()
+        elif settings.data.padding_free:  # flattens what the task's collation makes; the model's head sets shift_labels
             self._flattener = FlatteningCollator(collate_fn if collate_fn is not None else self.default_collate())
             collate_fn_train = self._flattener
         else:
@@ -145,6 +153,7 @@ class Finetuner(BaseTrainer):
                 micro = list(islice(batches, accumulation))
                 if not micro:
                     break
+                self.before_step(micro)
                 self.train_step(functools.partial(self._forward_batch, b) for b in micro)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
                 self.stop_if_signalled()
