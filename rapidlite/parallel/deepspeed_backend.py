@@ -60,7 +60,7 @@ def base_optimizer(ds_engine: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> Any:
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: dict[str, Any]) -> Any:
     """``deepspeed.initialize`` on the process group rapidlite already started."""
     deepspeed = import_deepspeed()
     accelerator = deepspeed.get_accelerator()

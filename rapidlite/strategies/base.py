@@ -129,6 +129,12 @@ class Strategy:
                 "they compile during the first step"
             )
 
+    def prepare_frozen(self, model: torch.nn.Module) -> Any:
+        """A model that is only run forward, never trained (a preference task's reference), laid out as the
+        trained one is: on its device, in its precision, split by tensor parallelism and sharded as ZeRO-3
+        shards it, so it takes the memory the trained model's parameters take per rank and no more."""
+        raise NotImplementedError
+
     def prepare_resume(self, load_dir: str) -> None:
         """Called before ``setup`` when the run resumes from ``load_dir``."""
 

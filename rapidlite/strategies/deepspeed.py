@@ -80,6 +80,25 @@ class DeepSpeed(Strategy):
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)
         return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
 
+    def prepare_frozen(self, model: torch.nn.Module) -> Any:
+        """Under ZeRO-3 an engine of its own with no optimizer (its parameters partitioned as the trained
+        model's, in host memory with --cpu-offload); under ZeRO-0/1/2, which keep whole parameters, an engine of
+        stage 0 (DeepSpeed's cast to bf16/fp16, as TRL prepares its reference)."""
+        from rapidlite.parallel.deepspeed_config import build_config
+
+        dp = self.data_parallel
+        model.requires_grad_(False)
+        model.eval()
+        model.to(self.device)
+        config = build_config(self.config, self.precision.name, dp.zero_stage if dp.zero_stage == 3 else 0, False)
+        zero = config["zero_optimization"]
+        zero.pop("offload_optimizer", None)
+        if dp.cpu_offload and dp.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+        ds_engine = deepspeed_backend.initialize(model, None, config)
+        ds_engine.eval()
+        return ds_engine
+
     def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
         # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is turned
         # into its micro-batch mean (exact when micro-batches hold equal item counts).

@@ -51,6 +51,25 @@ class DataParallel(Strategy):
             model = wrap_ort(model)
         return model, optimizer
 
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A replica under DDP/ZeRO-1 (nothing to reduce), sharded per block with FSDP2 under ZeRO-2/3 (resharded
+        after each forward: it keeps no gathered weights), its shards in host memory with --cpu-offload."""
+        model.requires_grad_(False)
+        model.eval()
+        if not self.data_parallel.cpu_offload:
+            model.to(self.device)
+        if self.dist.tp_mesh is not None:
+            from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.dist.tp_mesh, self.config.parallel.sequence_parallel)
+        if self.dist.initialized and self.data_parallel.fully_sharded:
+            from rapidlite.parallel.data_parallel import apply_fsdp
+
+            apply_fsdp(model, self.dist.dp_mesh, True, self.precision.dtype, self.data_parallel.cpu_offload)
+        else:
+            self.precision.apply(model)
+        return model
+
     def _wrap(self, model: torch.nn.Module) -> None:
         """Precision and data parallelism over the prepared model."""
         self.precision.apply(model)
