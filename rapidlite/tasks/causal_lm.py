@@ -65,12 +65,12 @@ def config_vocab_size(config: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def causal_seq_length(seq_length: int | None, config: Any, explicit: bool = True) -> int:
-    """``--seq-length`` (the task's default when none is given or not ``explicit``) within the model's learned
+def causal_seq_length(seq_length: int | None, config: Any, explicit: bool = True, task: str = "causal_lm") -> int:
+    """``--seq-length`` (``task``'s default when none is given or not ``explicit``) within the model's learned
     position table, which a longer row would index past: the default is lowered to it, a longer explicit value
     is one line."""
     limit = position_limit(config) if config is not None else None
-    seq_length = seq_length or get_task("causal_lm").defaults["seq_length"]
+    seq_length = seq_length or get_task(task).defaults["seq_length"]
     refusal = "the model's learned positions end at {limit} tokens; use --seq-length {limit}"
     return within_positions(seq_length, limit, explicit, refusal)
 
@@ -107,7 +107,11 @@ def _strip_end(text: str) -> str:
 class CausalLMFinetuner(Finetuner):
     """Supervised fine-tuning of a causal language model; the loss trains the labelled (response) tokens."""
 
-    def train_valid_test_datasets_provider(self):
+    task_name = "causal_lm"  # whose TaskSpec gives the default sequence length
+
+    def tokenizer_and_data_source(self) -> tuple[Any, int, int]:
+        """The tokenizer (of the adapter when it has one, else of the base model; ``--chat-template`` applied),
+        and ``(raw splits, sequence length, pad id)``: what every causal-LM task starts from."""
         settings = self.settings
         # A LoRA adapter (rapidlite's DIR/hf/adapter, or DIR/hf of a run without --merge-lora) runs on its base.
         self.adapter = lora.adapter_directory(settings.model.pretrained_model_name_or_path)
@@ -121,7 +125,14 @@ class CausalLMFinetuner(Finetuner):
         set_chat_template(self.tokenizer, settings.task.chat_template)
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(*settings.data.source, settings.training.seed)
-        seq_length = causal_seq_length(settings.data.seq_length, config, explicit=settings.given("seq_length"))
+        seq_length = causal_seq_length(
+            settings.data.seq_length, config, explicit=settings.given("seq_length"), task=self.task_name
+        )
+        return raw, seq_length, pad_id
+
+    def train_valid_test_datasets_provider(self):
+        settings = self.settings
+        raw, seq_length, pad_id = self.tokenizer_and_data_source()
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
