@@ -393,11 +393,13 @@ class PreferenceConfig:
     loss_type: str = flag(
         "sigmoid",
         "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
-        "or orpo (no reference: NLL on the chosen response plus the odds-ratio term)",
+        "or orpo (no reference: the chosen sequence's NLL plus the odds-ratio term)",
         choices=PREFERENCE_LOSSES,
     )
-    beta: float = flag(0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)")
-    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (robust and sigmoid)")
+    beta: float = flag(
+        0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)"
+    )
+    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (sigmoid, robust, simpo)")
     simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
     orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
     rpo_alpha: float | None = flag(

@@ -191,6 +191,31 @@ def _check_seq2seq(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value}: must be at least 1")
 
 
+PREFERENCE_SEQ_LENGTH = 1024  # TRL's max_length for DPO, KTO and reward models
+
+
+def _check_preference(args: argparse.Namespace) -> None:
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ConfigError(
+            f"--label-smoothing {args.label_smoothing:g}: must be in [0, 0.5) (the share of flipped labels)"
+        )
+    if args.beta <= 0:
+        raise ConfigError(f"--beta {args.beta:g}: must be positive")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        raise ConfigError(f"--max-prompt-length {args.max_prompt_length}: must be at least 1")
+    reference_free = args.loss_type in ("simpo", "orpo")
+    if args.precompute_ref_logprobs and reference_free:
+        raise ConfigError(
+            f"--precompute-ref-logprobs: --loss-type {args.loss_type} uses no reference model; drop the flag"
+        )
+    if args.rpo_alpha is not None and args.loss_type == "orpo":
+        raise ConfigError("--rpo-alpha: ORPO's loss has its NLL term already (at weight 1); drop --rpo-alpha")
+    if args.label_smoothing and args.loss_type not in ("sigmoid", "robust", "simpo"):
+        raise ConfigError(
+            f"--label-smoothing: --loss-type {args.loss_type} does not use it; use sigmoid, robust or simpo"
+        )
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -289,6 +314,19 @@ TASKS: dict[str, TaskSpec] = {
             check=_check_seq2seq,
             eval_only=True,
             auto_class="AutoModelForSeq2SeqLM",
+        ),
+        TaskSpec(
+            name="dpo",
+            summary="preference-train AutoModelForCausalLM on chosen/rejected pairs (DPO, IPO, SimPO, ORPO, ...)",
+            trainer="rapidlite.tasks.dpo:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            demo="rapidlite.tasks.dpo_demo:demo",
+            defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
+            load_model_dir=True,
+            check=_check_preference,
+            eval_only=True,
+            auto_class="AutoModelForCausalLM",
+            inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
         ),
     )
 }

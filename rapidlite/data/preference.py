@@ -22,6 +22,7 @@ chosen equals the rejected response (no preference to learn), are dropped and co
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -273,7 +274,9 @@ def unpaired_rows(raw_rows: Any, columns: Sequence[str]) -> list[tuple[Any, Any,
             prompt = _conversation(row.get("prompt")) if completion is not None else _text(row.get("prompt"))
             if completion is not None and prompt is None:
                 raise DataError("a KTO row's completion is a conversation but its prompt is not; give them alike")
-            out.append((prompt, completion if completion is not None else _text(row["completion"]), _label(row["label"])))
+            out.append(
+                (prompt, completion if completion is not None else _text(row["completion"]), _label(row["label"]))
+            )
         return out
     if {"chosen", "rejected"} <= set(columns):
         pairs = [read_pair(row) for row in raw_rows]
@@ -285,7 +288,11 @@ def unpaired_rows(raw_rows: Any, columns: Sequence[str]) -> list[tuple[Any, Any,
 
 
 def encode_unpaired(
-    rows: Sequence[tuple[Any, Any, bool]], tokenizer: Any, max_length: int, max_prompt_length: int | None, counts: Counts
+    rows: Sequence[tuple[Any, Any, bool]],
+    tokenizer: Any,
+    max_length: int,
+    max_prompt_length: int | None,
+    counts: Counts,
 ) -> list[dict[str, Any]]:
     """``{"prompt_ids", "completion_ids", "label"}`` of each usable row (``--task kto``)."""
     encoder = Encoder(tokenizer)
@@ -331,16 +338,25 @@ class PairCollator:
     then rejected ones) with restarting position ids, ``sequences_per_sample`` 2. ``ref_logps`` ``[batch, 2]``
     when the samples carry precomputed reference log-probabilities; ``margin`` ``[batch]`` when they have one."""
 
-    def __init__(self, pad_token_id: int, keys: Sequence[str] = ("chosen_ids", "rejected_ids"), padding_free: bool = False):
+    def __init__(
+        self, pad_token_id: int, keys: Sequence[str] = ("chosen_ids", "rejected_ids"), packed: bool = False
+    ) -> None:
         self.pad_token_id = pad_token_id
         self.keys = tuple(keys)
-        self.padding_free = padding_free
+        self.packed = packed
+
+    def padding_free(self) -> PairCollator:
+        """The packing twin of this collator (``--padding-free``): the trainer asks for it."""
+        twin = copy.copy(self)
+        twin.packed = True
+        return twin
 
     def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs = [_sequences(s, self.keys) for s in samples]
-        if self.padding_free:
-            rows = [{"input_ids": seqs[i][j][0], "labels": seqs[i][j][1]} for j in range(len(self.keys)) for i in range(len(seqs))]
-            batch = flatten_rows(rows)
+        if self.packed:
+            rows = [{"input_ids": pair[j][0], "labels": pair[j][1]} for j in range(len(self.keys)) for pair in seqs]
+            # Each sequence's first label is -100: the sequence before it must not learn to predict it.
+            batch = flatten_rows(rows, shift_labels=True)
             batch["sequences_per_sample"] = torch.tensor(len(self.keys))
         else:
             length = max(len(ids) for pair in seqs for ids, _ in pair)
@@ -389,7 +405,9 @@ class UnpairedCollator:
         batch = self._pad(seqs)
         kl = [s.get("kl_completion_ids") for s in samples]
         if all(k is not None for k in kl):
-            kl_seqs = [_sequences({"prompt_ids": s["prompt_ids"], "c": k}, ("c",))[0] for s, k in zip(samples, kl, strict=True)]
+            kl_seqs = [
+                _sequences({"prompt_ids": s["prompt_ids"], "c": k}, ("c",))[0] for s, k in zip(samples, kl, strict=True)
+            ]
             batch.update({f"kl_{k}": v for k, v in self._pad(kl_seqs).items()})
         batch["label"] = torch.tensor([bool(s["label"]) for s in samples])
         if "ref_logps" in samples[0]:

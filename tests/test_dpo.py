@@ -1,0 +1,243 @@
+"""``--task dpo``: its tokenization, losses and metrics equal TRL's trainers on the same tiny model, data and batch
+(TRL 1.16, the ``test`` extra's pin), and every layout trains as one process does."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from rapidlite import RapidliteEngine
+from rapidlite.arguments import parse_args
+from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
+from rapidlite.tasks.causal_lm import load_causal_lm
+from rapidlite.tasks.causal_lm_demo import write_demo_assets
+from rapidlite.tasks.dpo import DPOFinetuner
+
+trl = pytest.importorskip("trl")
+TOL = dict(rel=1e-5, abs=1e-5)
+
+
+def _near_miss(answer: str) -> str:
+    words = answer.split()
+    return " ".join(words[1:] + words[:1]) if len(words) > 1 else answer + " " + answer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The causal demo's tiny LLaMA and tokenizer, and pairs: the correct word reversal against a near miss."""
+    root = tmp_path_factory.mktemp("dpo")
+    model_dir, data_dir = write_demo_assets(root, seed=5, num_train=48, num_validation=16)
+    pairs = root / "pairs"
+    pairs.mkdir()
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in open(data_dir / f"{split}.jsonl")]
+        with open(pairs / f"{split}.jsonl", "w") as f:
+            for r in rows:
+                f.write(
+                    json.dumps(
+                        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": _near_miss(r["completion"])}
+                    )
+                    + "\n"
+                )
+    return model_dir, pairs
+
+
+def dpo_args(model_dir, data_dir, *extra):
+    return [
+        "--task", "dpo", "--pretrained-model-name-or-path", str(model_dir), "--data-path", str(data_dir),
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3", "--epochs", "1", "--log-interval", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def _trainer(model_dir, data_dir, *extra):
+    trainer = DPOFinetuner(RapidliteEngine(args=parse_args(dpo_args(model_dir, data_dir, *extra))))
+    train, _, _, collate = trainer.train_valid_test_datasets_provider()
+    return trainer, train, collate
+
+
+def _perturbed(model, seed=0, scale=0.05):
+    """A policy apart from its reference, so rewards and margins are not all zero."""
+    policy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return policy
+
+
+def _ours(trainer, policy, ref, batch):
+    """Our loss and metrics of one training batch."""
+    trainer.ref_model = ref
+    policy.train()
+    trainer.monitor.step_metrics.clear()
+    loss_sum, pairs = trainer.run_forward_step(batch, policy)
+    metrics = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
+    return float(loss_sum) / pairs, metrics
+
+
+# ------------------------------------------------------------------ data
+
+
+def test_implicit_prompt_is_trls_extract_prompt():
+    from trl.data_utils import extract_prompt
+
+    chat_c = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat_r = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]
+    for chosen, rejected in ((chat_c, chat_r), ("Human: hi Assistant: hello", "Human: hi Assistant: go")):
+        expected = extract_prompt({"chosen": chosen, "rejected": rejected})
+        assert implicit_prompt(chosen, rejected) == (expected["prompt"], expected["chosen"], expected["rejected"])
+
+
+def test_ultrafeedback_rows_take_their_prompt_from_the_conversations():
+    row = {
+        "prompt": "What is 2+2?",
+        "chosen": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "5"}],
+        "score_chosen": 9.0,
+        "score_rejected": 2.0,
+    }
+    pair = read_pair(row)
+    assert pair.prompt == [{"role": "user", "content": "What is 2+2?"}]
+    assert pair.chosen == [{"role": "assistant", "content": "4"}] and pair.rejected[0]["content"] == "5"
+
+
+@pytest.mark.parametrize("layout", ["text", "conversation", "implicit"])
+def test_tokenization_is_trls(assets, layout):
+    """Prompt, chosen and rejected ids equal TRL's DPOTrainer._prepare_dataset (text: EOS appended; chats: the
+    chat template, the prompt with its generation prompt)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from rapidlite.data.instruction import CHATML_TEMPLATE
+
+    model_dir, pairs = assets
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = CHATML_TEMPLATE
+    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:6]
+    if layout == "conversation":
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    elif layout == "implicit":
+        rows = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+    config = trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=1024)
+    model = load_causal_lm(str(model_dir))
+    trainer = trl.DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    expected = [{k: list(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in trainer.train_dataset]
+    assert encode_pairs(rows, tok, 1024, None, Counts()) == expected
+
+
+# ------------------------------------------------------------------ losses and metrics against TRL
+
+
+def _trl_dpo(model_dir, pairs, policy, ref, rows, **config):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    args = trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=1024, **config)
+    trainer = trl.DPOTrainer(
+        model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    policy.train()
+    loss = trainer.compute_loss(policy, batch)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return float(loss), metrics
+
+
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@pytest.mark.parametrize(
+    "loss_type, flags, trl_config",
+    [
+        ("sigmoid", [], {}),
+        ("ipo", [], {}),
+        ("hinge", [], {}),
+        ("robust", ["--label-smoothing", "0.1"], {"label_smoothing": 0.1}),
+        # TRL 1.16 has no rpo_alpha: it is loss_type ["sigmoid", "sft"] with weights [1, alpha].
+        ("sigmoid", ["--rpo-alpha", "0.5"], {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+    ],
+)
+def test_dpo_losses_and_metrics_equal_trls_dpo_trainer(assets, loss_type, flags, trl_config):
+    model_dir, pairs = assets
+    trainer, train, collate = _trainer(model_dir, pairs, "--loss-type", loss_type, *flags)
+    ref = load_causal_lm(str(model_dir))
+    policy = _perturbed(ref)
+    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:6]
+    batch = collate(train[:6])
+    ours, metrics = _ours(trainer, policy, ref, batch)
+    trl_config = {"loss_type": [loss_type], **trl_config}
+    theirs, trl_metrics = _trl_dpo(model_dir, pairs, copy.deepcopy(policy), ref, rows, **trl_config)
+    assert ours == pytest.approx(theirs, **TOL)
+    for name in METRICS:
+        assert metrics[name] == pytest.approx(trl_metrics[name], **TOL), name
+    assert metrics["rewards/accuracies"] not in (0.0, 1.0)  # the pairs disagree: the metric is exercised
+
+
+def _cpo_batch(samples, pad_id):
+    """TRL's CPO/ORPO batch layout (chosen_* and rejected_* tensors, labels -100 on the prompt), of our samples."""
+    batch = {}
+    for key in ("chosen", "rejected"):
+        seqs = [s["prompt_ids"] + s[f"{key}_ids"] for s in samples]
+        labels = [[-100] * len(s["prompt_ids"]) + s[f"{key}_ids"] for s in samples]
+        length = max(map(len, seqs))
+        batch[f"{key}_input_ids"] = torch.tensor([q + [pad_id] * (length - len(q)) for q in seqs])
+        batch[f"{key}_attention_mask"] = torch.tensor([[1] * len(q) + [0] * (length - len(q)) for q in seqs])
+        batch[f"{key}_labels"] = torch.tensor([q + [-100] * (length - len(q)) for q in labels])
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", ["simpo", "orpo"])
+def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(assets, loss_type):
+    """SimPO against CPOTrainer(loss_type="simpo", cpo_alpha=0); ORPO against ORPOTrainer (whose NLL covers the
+    chosen sequence's prompt and response: TRL 1.16's ``orpo chosen nll loss is computed over the full prompt and
+    response``), on the same batch."""
+    from datasets import Dataset
+
+    model_dir, pairs = assets
+    flags = ["--loss-type", loss_type, "--beta", "2.0", "--simpo-gamma", "0.3", "--orpo-alpha", "0.2"]
+    trainer, train, collate = _trainer(model_dir, pairs, *flags)
+    policy = _perturbed(load_causal_lm(str(model_dir)))
+    samples = train[:6]
+    ours, metrics = _ours(trainer, policy, None, collate(samples))
+
+    tok = trainer.tokenizer  # its pad token chosen (EOS), as TRL's trainers need one
+    rows = Dataset.from_list([json.loads(line) for line in open(pairs / "train.jsonl")][:6])
+    common = dict(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=1024)
+    if loss_type == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.3, **common)
+        ref_trainer = CPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=rows, processing_class=tok)
+    else:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(beta=0.2, **common)
+        ref_trainer = ORPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=rows, processing_class=tok)
+    model = ref_trainer.model
+    model.train()
+    loss, trl_metrics = ref_trainer.get_batch_loss_metrics(
+        model, _cpo_batch(samples, trainer.tokenizer.pad_token_id), "train"
+    )
+    assert ours == pytest.approx(float(loss), **TOL)
+    names = METRICS + (("nll_loss", "log_odds_ratio", "log_odds_chosen") if loss_type == "orpo" else ())
+    for name in names:
+        assert metrics[name] == pytest.approx(float(trl_metrics[name]), **TOL), name
