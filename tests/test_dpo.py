@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from helpers import read_metrics, run_cli
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
@@ -241,3 +242,126 @@ def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(assets, loss_typ
     names = METRICS + (("nll_loss", "log_odds_ratio", "log_odds_chosen") if loss_type == "orpo" else ())
     for name in names:
         assert metrics[name] == pytest.approx(float(trl_metrics[name]), **TOL), name
+
+
+# ------------------------------------------------------------------ every layout trains as one process
+
+
+def _step_params(model_dir, pairs, *flags):
+    args = dpo_args(model_dir, pairs, "--train-iters", "1", "--optimizer", "sgd", "--lr", "1.0", *flags)
+    trainer = DPOFinetuner(RapidliteEngine(args=parse_args(args)))
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_accumulation_equals_one_big_batch(assets):
+    """Pairs of different lengths over 4 micro-batches, with the NLL term (--rpo-alpha): one SGD step equals the
+    big batch's (the pair losses divided by the global batch's pairs, the NLL by its chosen tokens)."""
+    model_dir, pairs = assets
+    big = _step_params(model_dir, pairs, "--micro-batch-size", "8", "--rpo-alpha", "0.5")
+    small = _step_params(model_dir, pairs, "--micro-batch-size", "2", "--rpo-alpha", "0.5")
+    before = load_causal_lm(str(model_dir)).state_dict()
+    assert max(float((big[k] - before[k]).abs().max()) for k in big) > 1e-3
+    for name, value in big.items():
+        torch.testing.assert_close(small[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lora_reference_with_disabled_adapters_equals_a_frozen_copy_of_the_base(assets):
+    """The same LoRA policy scored against its own base (adapters disabled, no second copy) and against a frozen
+    full copy of the base: the same loss and metrics."""
+    model_dir, pairs = assets
+    trainer, train, collate = _trainer(model_dir, pairs, "--lora-rank", "4", "--train-iters", "1")
+    trainer.setup_model(1)
+    assert trainer.reference == "adapters" and trainer.ref_model is None
+    with torch.no_grad():  # adapters that change the model (LoRA's B starts at zero)
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    batch = collate(train[:6])
+    trainer.model.train()
+    trainer.monitor.step_metrics.clear()
+    loss, pairs_n = trainer.run_forward_step(batch, trainer.model)
+    adapters = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
+    frozen_loss, frozen = _ours(trainer, trainer.model, load_causal_lm(str(model_dir)).eval(), batch)
+    assert float(loss) / pairs_n == pytest.approx(frozen_loss, **TOL)
+    assert adapters["rewards/margins"] != 0.0
+    for name in METRICS:
+        assert adapters[name] == pytest.approx(frozen[name], **TOL), name
+
+
+TWO = ["--micro-batch-size", "4", "--nproc-per-node", "2"]
+LAYOUTS = {
+    "one": ["--micro-batch-size", "8"],
+    "padding_free": ["--micro-batch-size", "8", "--padding-free"],
+    "precomputed": ["--micro-batch-size", "8", "--precompute-ref-logprobs"],
+    "ddp": TWO,
+    "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
+    "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
+    "lora_one": ["--micro-batch-size", "8", "--lora-rank", "4"],
+    "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4"],
+    "lora_deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization", "--lora-rank", "4"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """``get(name)``: the --save directory of layout ``name`` (3 SGD steps with --rpo-alpha, then validation), run
+    once."""
+    model_dir, pairs = assets
+    root = tmp_path_factory.mktemp("dpo-layouts")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "1e-2", "--rpo-alpha", "0.5"]
+            proc = run_cli(*dpo_args(model_dir, pairs, *common, *LAYOUTS[name], "--save", str(root / name)))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+def _numbers(records):
+    keys = ("loss", "nll_loss", *METRICS)
+    return [(r.get("split", "train"), k, r[k]) for r in records if "loss" in r for k in keys if k in r]
+
+
+def _assert_same_run(run, reference, rel):
+    ours, expected = _numbers(read_metrics(run)), _numbers(read_metrics(reference))
+    assert [x[:2] for x in ours] == [x[:2] for x in expected]
+    for (split, key, value), (_, _, want) in zip(ours, expected, strict=True):
+        assert value == pytest.approx(want, rel=rel, abs=1e-6), (split, key)
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "precomputed"])
+def test_padding_free_and_precomputed_reference_train_as_the_padded_live_run(runs, layout):
+    """Chosen and rejected packed into one row (no padding, no attention between them); the reference's scores
+    precomputed before the first step instead of a live frozen copy: the same losses and metrics."""
+    _assert_same_run(runs(layout), runs("one"), rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3"])
+def test_two_ranks_train_as_one_process(runs, layout):
+    """The policy and its frozen reference laid out alike (replicated, FSDP2-sharded with CPU offload, DeepSpeed
+    ZeRO-3 partitioned): each step's loss and metrics, and the validation's, equal one process's."""
+    _assert_same_run(runs(layout), runs("one"), rel=1e-5)
+
+
+def _adapter(save_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(save_dir / "hf" / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["lora_zero3", "lora_deepspeed_zero3"])
+def test_lora_on_two_ranks_trains_the_adapters_of_one_process(runs, layout):
+    """LoRA, the reference being the base with the adapters disabled, under FSDP2 ZeRO-3 and DeepSpeed ZeRO-3: the
+    losses, metrics and the exported adapters equal one process's."""
+    _assert_same_run(runs(layout), runs("lora_one"), rel=1e-5)
+    ours, expected = _adapter(runs(layout)), _adapter(runs("lora_one"))
+    assert sorted(ours) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -160,7 +160,7 @@ class DPOFinetuner(CausalLMFinetuner):
             raise ConfigError(
                 "the reference is the policy with its adapters disabled, but the model has no LoRA adapters"
             )
-        was_training = model.training
+        was_training = self.training_mode(model)
         model.eval()
         try:
             with torch.no_grad(), peft_model.disable_adapter():
@@ -252,20 +252,23 @@ class DPOFinetuner(CausalLMFinetuner):
         out = pair_loss(pref.loss_type, scores, beta, pref.label_smoothing, pref.simpo_gamma)
         pairs = chosen.shape[0]
         loss_sum = out.losses.sum()
-        if nll_weight:
-            # Training: scaled by the global batch's pairs per NLL token (before_step), so the term is the global
-            # token mean; evaluation: this batch's.
-            scale = (
-                self._nll_scale if model.training and self._nll_scale is not None else pairs / max(int(nll_tokens), 1)
-            )
+        training = self.training_mode(model)
+        if nll_weight and training:
+            # Scaled by the global batch's pairs per NLL token (before_step): the term is the global token mean.
+            # Evaluation adds it once over the whole split (run_compute_metrics).
+            scale = self._nll_scale if self._nll_scale is not None else pairs / max(int(nll_tokens), 1)
             loss_sum = loss_sum + nll_weight * nll_sum * scale
-        self.record_metrics(model, scores, out, nll_sum, nll_tokens, pref.loss_type in ("simpo", "orpo"))
+        self.record_metrics(training, scores, out, nll_sum, nll_tokens, pref.loss_type in ("simpo", "orpo"))
         return loss_sum, pairs
 
-    def record_metrics(self, model, scores: PairScores, out, nll_sum, nll_tokens, averaged: bool) -> None:
+    def training_mode(self, model: Any) -> bool:
+        """Whether ``model`` is in training mode: its module's flag (DeepSpeed's engine does not keep its own)."""
+        return self.engine.strategy.module(model).training
+
+    def record_metrics(self, training: bool, scores: PairScores, out, nll_sum, nll_tokens, averaged: bool) -> None:
         """TRL's metrics of the pairs: the rewards, their accuracy and margin, the log-probabilities (per token
         for SimPO and ORPO, as CPO's and ORPO's trainers log them) and the NLL."""
-        sink = self.monitor.step_metrics if model.training else self.eval_metrics
+        sink = self.monitor.step_metrics if training else self.eval_metrics
         sink.add_mean("rewards/chosen", out.chosen_rewards)
         sink.add_mean("rewards/rejected", out.rejected_rewards)
         sink.add_mean("rewards/accuracies", (out.chosen_rewards > out.rejected_rewards).float())
@@ -286,6 +289,8 @@ class DPOFinetuner(CausalLMFinetuner):
         self.eval_metrics.clear()
         metrics = super(CausalLMFinetuner, self).run_compute_metrics(model, eval_dataloader)
         metrics.update(self.eval_metrics.reduce(self.engine.all_reduce_sum))
+        # The NLL term as a token mean over the whole split: the same however the split is batched and shared.
+        metrics["loss"] += self.nll_weight() * metrics.get("nll_loss", 0.0)
         return metrics
 
     # ------------------------------------------------------------------ --precompute-ref-logprobs
@@ -318,7 +323,7 @@ class DPOFinetuner(CausalLMFinetuner):
         rows = [dict(s, row=i) for i, s in enumerate(samples)]
         loader = self.build_data_loader(rows, shuffle=False, collate_fn=_IndexedPairs(self.tokenizer.pad_token_id))
         out = torch.zeros(len(samples), 2, dtype=torch.float32)
-        was_training = self.model.training
+        was_training = self.training_mode(self.model)
         self.model.eval()
         try:
             with torch.no_grad():
