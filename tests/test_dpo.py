@@ -365,3 +365,51 @@ def test_lora_on_two_ranks_trains_the_adapters_of_one_process(runs, layout):
     assert sorted(ours) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------ bad data
+
+
+def _write(directory, rows):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("no_rejected", "has no rejected column"),
+        ("all_equal", "chosen equals rejected"),
+        ("prompt_fills", "the prompt fills --max-length 8"),
+    ],
+)
+def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case, expected):
+    model_dir, pairs = assets
+    rows = [json.loads(line) for line in open(pairs / "train.jsonl")]
+    if case == "no_rejected":
+        rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
+    elif case == "all_equal":
+        rows = [{**r, "rejected": r["chosen"]} for r in rows]
+    extra = ["--max-length", "8"] if case == "prompt_fills" else []
+    data = _write(tmp_path / case, rows)
+    proc = run_cli(*dpo_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_dropped_and_truncated_rows_are_counted_in_the_data_line(assets, tmp_path, capfd):
+    model_dir, pairs = assets
+    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:10]
+    rows[0]["rejected"] = rows[0]["chosen"]
+    rows[1]["prompt"] = "word " * 40 + rows[1]["prompt"]
+    data = _write(tmp_path / "data", rows)
+    _, train, _ = _trainer(model_dir, data, "--max-length", "30", "--max-prompt-length", "20", "--split", "1,0,0")
+    line = next(x for x in capfd.readouterr().out.splitlines() if "data: prompt/chosen/rejected" in x)
+    assert "train: 10 rows, 1 prompts cut to --max-prompt-length 20" in line
+    assert "1 dropped (chosen equals rejected)" in line
+    assert len(train) == 9 and all(len(s["prompt_ids"]) <= 20 for s in train)
+    assert all(len(s["prompt_ids"]) + len(s[k]) <= 30 for s in train for k in ("chosen_ids", "rejected_ids"))

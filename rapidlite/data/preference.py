@@ -189,7 +189,7 @@ class Counts:
         if self.prompt_truncated:
             parts.append(f"{self.prompt_truncated} prompts cut to --max-prompt-length {max_prompt_length}")
         parts.append(f"{self.truncated} truncated to --max-length {max_length}")
-        parts += [f"{n} dropped: {reason}" for reason, n in sorted(self.dropped.items())]
+        parts += [f"{n} dropped ({reason})" for reason, n in sorted(self.dropped.items())]
         return ", ".join(parts)
 
 
@@ -313,7 +313,7 @@ def no_rows_left(task: str, counts: Counts, max_length: int) -> DataError:
     """The error when encoding dropped every training row."""
     if not counts.rows:
         return DataError(f"--task {task}: the training data has no rows")
-    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.dropped.items()))
+    reasons = ", ".join(f"{n} dropped: {reason}" for reason, n in sorted(counts.dropped.items()))
     fix = (
         f"raise --max-length (now {max_length}) or set --max-prompt-length"
         if any("max-length" in r for r in counts.dropped)
