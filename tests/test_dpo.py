@@ -413,3 +413,30 @@ def test_dropped_and_truncated_rows_are_counted_in_the_data_line(assets, tmp_pat
     assert "1 dropped (chosen equals rejected)" in line
     assert len(train) == 9 and all(len(s["prompt_ids"]) <= 20 for s in train)
     assert all(len(s["prompt_ids"]) + len(s[k]) <= 30 for s in train for k in ("chosen_ids", "rejected_ids"))
+
+
+# ------------------------------------------------------------------ --dry-run
+
+
+def test_dry_run_counts_the_reference_the_run_uses(assets):
+    """A frozen copy holds the model's fp32 weights per rank (halved by ZeRO-3 over 2 ranks, in host memory with
+    --cpu-offload); disabled adapters, precomputed scores and SimPO hold nothing."""
+    from rapidlite.planning import plan
+
+    model_dir, pairs = assets
+    n_params = sum(p.numel() for p in load_causal_lm(str(model_dir)).parameters())
+
+    def reference_bytes(*flags):
+        p = plan(parse_args(dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *flags)).sections)
+        rank = p.ranks[0]
+        return rank.reference, rank.peak - rank.runtime, p.notes[-1]  # the runtime: this process's resident size
+
+    copy_bytes, copy_peak, note = reference_bytes()
+    assert copy_bytes == 4 * n_params and "a frozen copy" in note
+    for flags in (["--lora-rank", "4"], ["--precompute-ref-logprobs"], ["--loss-type", "simpo"]):
+        assert reference_bytes(*flags)[0] == 0
+    none_bytes, none_peak, _ = reference_bytes("--precompute-ref-logprobs")
+    assert copy_peak - none_peak == pytest.approx(copy_bytes, rel=0.05)
+    proc = run_cli(*dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"a frozen copy, {2 * n_params / 2**20:.2f} MiB per rank in the device" in proc.stdout

@@ -54,7 +54,9 @@ class TaskSpec:
     sequences one sample feeds the model (a multiple-choice question: one per choice, planned at four).
     ``from_config``: the task builds its model from a config and trains it from scratch (weights only with
     ``--load-pretrained-weights``): the size flags reshape the config, the position table grows to
-    ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT.
+    ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT. ``reference``: the
+    task scores against a reference model; given the settings, which one (``preference_reference``), so the
+    trainer and the planner (which counts its memory) read the one rule.
     """
 
     name: str
@@ -73,6 +75,7 @@ class TaskSpec:
     auto_class_by_model_type: Mapping[str, str] = field(default_factory=dict)
     inputs_per_sample: int = 1
     from_config: bool = False
+    reference: Callable[[Any], str] | None = None
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -192,6 +195,19 @@ def _check_seq2seq(args: argparse.Namespace) -> None:
 
 
 PREFERENCE_SEQ_LENGTH = 1024  # TRL's max_length for DPO, KTO and reward models
+
+
+def preference_reference(settings: Any) -> str:
+    """The reference model of a preference task (``Sections``): "none" (SimPO and ORPO have none), "precomputed"
+    (``--precompute-ref-logprobs``: scores made before training, nothing kept), "adapters" (with ``--lora-rank``:
+    the policy with its adapters disabled) or "copy" (a frozen copy laid out as the policy). A run continuing a
+    LoRA adapter directory also uses "adapters" (the trainer sees the directory)."""
+    pref = settings.preference
+    if pref.reference_free:
+        return "none"
+    if pref.precompute_ref_logprobs:
+        return "precomputed"
+    return "adapters" if settings.lora.lora_rank else "copy"
 
 
 def _check_preference(args: argparse.Namespace) -> None:
@@ -327,6 +343,7 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
+            reference=preference_reference,
         ),
     )
 }

@@ -62,6 +62,7 @@ class RankPlan:
     transient: int
     host: int = 0
     runtime: int = 0
+    reference: int = 0  # a preference task's frozen reference model, laid out as the policy
     activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
 
     @property
@@ -71,7 +72,7 @@ class RankPlan:
     @property
     def peak(self) -> int:
         """The device's peak; on a CPU (``runtime`` set) the process's, host memory included."""
-        device = self.model_states + self.activations + self.transient
+        device = self.model_states + self.reference + self.activations + self.transient
         return device + self.runtime + self.host if self.runtime else device
 
 
@@ -208,6 +209,7 @@ def plan(settings: Sections) -> Plan:
         notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
     if adapters.quantized:
         notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
+    notes += _count_reference(settings, dims, ranks, total, precision, deepspeed, task)
     runtime = _resident_bytes() if device.type == "cpu" else 0
     for r in ranks:
         r.runtime = runtime
@@ -266,6 +268,39 @@ def _resident_bytes() -> int:
     except OSError:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _count_reference(
+    settings: Sections, dims: Any, ranks: list[RankPlan], total: int, precision: Any, deepspeed: bool, task: Any
+) -> list[str]:
+    """A preference task's reference model in each rank's bytes: a frozen copy holds the base's weights split
+    as the policy's are (tensor parallel; ZeRO-2/3 shard it over data parallel, in host memory with
+    --cpu-offload); disabled adapters and precomputed scores hold nothing."""
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    kind = task.reference(settings) if task is not None and task.reference is not None else None
+    if kind is None:
+        return []
+    if kind != "copy":
+        what = {
+            "none": f"--loss-type {settings.preference.loss_type} has none",
+            "precomputed": "its scores are computed before training (--precompute-ref-logprobs), no model kept",
+            "adapters": "the policy with its LoRA adapters disabled, no second copy",
+        }[kind]
+        return [f"reference model: 0 MiB ({what})"]
+    dp_cfg = DataParallelConfig.of(settings.parallel)
+    # DeepSpeed casts the frozen engine's weights to bf16/fp16; FSDP2 and DDP keep the copy's fp32 weights.
+    width = 2 if deepspeed and precision.dtype is not None else 4
+    sharded = dp_cfg.zero_stage >= (3 if deepspeed else 2)  # strategies' prepare_frozen
+    per_rank = total * width // (dims.tp * (dims.dp if sharded else 1))
+    offloaded = sharded and dp_cfg.cpu_offload
+    for r in ranks:
+        if offloaded:
+            r.host += per_rank
+        else:
+            r.reference = per_rank
+    where = "host memory (--cpu-offload)" if offloaded else "the device"
+    return [f"reference model: a frozen copy, {per_rank / 2**20:.2f} MiB per rank in {where} (counted in the peak)"]
 
 
 def _rank_plan(

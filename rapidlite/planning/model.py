@@ -73,7 +73,8 @@ def meta_model(settings: Sections) -> torch.nn.Module:
 
 def forward_loss(model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1) -> torch.Tensor:
     """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it).
-    ``inputs_per_sample`` > 1: each sample is that many sequences (``[questions, choices, tokens]``)."""
+    ``inputs_per_sample`` > 1: each sample is that many sequences: ``[questions, choices, tokens]`` for a
+    multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other."""
     from rapidlite.models.gpt import GPTModel
 
     if isinstance(model, GPTModel):
@@ -83,6 +84,8 @@ def forward_loss(model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: i
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         if inputs_per_sample > 1:
             ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
+            if "MultipleChoice" not in type(model).__name__:
+                ids = ids.flatten(0, 1)
         out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None

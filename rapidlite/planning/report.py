@@ -55,6 +55,8 @@ def format_plan(p: Plan) -> str:
         "predicted memory per rank (peak of a training step):",
     ]
     header = f"  {'rank':>6} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'transient':>11}"
+    if any(r.reference for r in p.ranks):
+        header += f" {'reference':>11}"
     if any(r.host for r in p.ranks):
         header += f" {'host':>11}"
     if any(r.runtime for r in p.ranks):
@@ -65,6 +67,8 @@ def format_plan(p: Plan) -> str:
             f"{_mib(v):>11}" for v in (r.params, r.grads, r.optimizer, r.activations, r.transient)
         )
         row = row.replace(f"{_mib(r.activations):>11}", f"{_mib(r.activations):>12}", 1)
+        if any(x.reference for x in p.ranks):
+            row += f" {_mib(r.reference):>11}"
         if any(x.host for x in p.ranks):
             row += f" {_mib(r.host):>11}"
         if any(x.runtime for x in p.ranks):
@@ -102,6 +106,7 @@ def plan_records(p: Plan) -> list[dict[str, Any]]:
             "transient_bytes": r.transient,
             "host_bytes": r.host,
             "runtime_bytes": r.runtime,
+            "reference_bytes": r.reference,
             "peak_bytes": r.peak,
         }
         for r in p.ranks

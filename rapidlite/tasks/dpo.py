@@ -33,6 +33,7 @@ import torch
 
 from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.config.settings import Sections
+from rapidlite.config.tasks import preference_reference
 from rapidlite.data.preference import Counts, PairCollator, encode_pairs, no_rows_left, pair_layout
 from rapidlite.errors import ConfigError
 from rapidlite.metrics import MeanMetrics
@@ -127,15 +128,10 @@ class DPOFinetuner(CausalLMFinetuner):
 
     @property
     def reference(self) -> str:
-        """What the reference is: none, adapters (the policy with its adapters disabled), copy, or precomputed."""
-        pref = self.settings.preference
-        if pref.reference_free:
-            return "none"
-        if pref.precompute_ref_logprobs:
-            return "precomputed"
-        if self.settings.lora.lora_rank or getattr(self, "adapter", None) is not None:
-            return "adapters"
-        return "copy"
+        """What the reference is (``config.tasks.preference_reference``): none, precomputed, adapters (the policy
+        with its adapters disabled; also when continuing an adapter directory) or copy."""
+        kind = preference_reference(self.settings)
+        return "adapters" if kind == "copy" and getattr(self, "adapter", None) is not None else kind
 
     def uses_frozen_copy(self, model: torch.nn.Module) -> bool:
         return self.reference == "copy" and not lora.is_peft_model(model)
