@@ -34,7 +34,7 @@ import torch
 from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import preference_reference
-from rapidlite.data.preference import Counts, PairCollator, encode_pairs, no_rows_left, pair_layout
+from rapidlite.data.preference import Counts, PairCollator, encode_pairs, no_rows_left, pair_layout, read_pair
 from rapidlite.errors import ConfigError
 from rapidlite.metrics import MeanMetrics
 from rapidlite.models import lora
@@ -82,6 +82,7 @@ class DPOFinetuner(CausalLMFinetuner):
 
     task_name = "dpo"
     ref_model: Any = None  # the frozen copy, when the reference is one
+    eval_prompts: list[tuple[str, str]] = []  # --eval-generate's prompts and their chosen responses
     _nll_scale: float | None = None  # this step's pairs / NLL tokens over the global batch (set by before_step)
 
     # ------------------------------------------------------------------ data
@@ -115,8 +116,24 @@ class DPOFinetuner(CausalLMFinetuner):
             ),
             default=-1,
         )
-        self.data = None  # no greedy completions of the instruction data (--eval-generate reads it)
+        self.eval_prompts = self.prompts_to_complete(raw)
         return splits["train"], splits["validation"], splits["test"], PairCollator(pad_id)
+
+    def prompts_to_complete(self, raw: Any) -> list[tuple[str, str]]:
+        """``--eval-generate N``: the first N validation prompts (a conversation rendered with its generation
+        prompt) with their chosen response, the reference a greedy completion is scored against."""
+        n = self.settings.task.eval_generate
+        if not n or "validation" not in raw:
+            return []
+        out = []
+        for row in raw["validation"].select(range(min(n, len(raw["validation"])))):
+            pair = read_pair(row)
+            if pair.conversational:
+                prompt = self.tokenizer.apply_chat_template(pair.prompt, tokenize=False, add_generation_prompt=True)
+                out.append((prompt, pair.chosen[-1]["content"]))
+            else:
+                out.append((pair.prompt, pair.chosen))
+        return out
 
     # ------------------------------------------------------------------ model and reference
     def model_optimizer_lr_scheduler_provider(self):
@@ -287,6 +304,8 @@ class DPOFinetuner(CausalLMFinetuner):
         metrics.update(self.eval_metrics.reduce(self.engine.all_reduce_sum))
         # The NLL term as a token mean over the whole split: the same however the split is batched and shared.
         metrics["loss"] += self.nll_weight() * metrics.get("nll_loss", 0.0)
+        if self.eval_prompts:
+            metrics["exact_match"] = self.generate_and_score(model[0], self.eval_prompts)
         return metrics
 
     # ------------------------------------------------------------------ --precompute-ref-logprobs
