@@ -211,3 +211,25 @@ def test_padding_benchmark_quick():
     for workload in ("cls", "tok"):
         for ratio in ("--group-by-length vs HF Trainer useful tokens/s: x", "--padding-free vs HF Trainer useful"):
             assert any(line.startswith(f"{workload}: rapidlite") and ratio in line for line in lines), proc.stdout
+
+
+@pytest.mark.distributed
+def test_preference_benchmark_quick():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "preference.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [line[:38].strip() for line in lines[1:5]]
+    assert rows == [
+        "TRL DPOTrainer",
+        "rapidlite",
+        "rapidlite --precompute-ref-logprobs",
+        "rapidlite ZeRO-3 x 2 ranks",
+    ], proc.stdout
+    assert any(line.startswith("check first-step losses equal") and line.endswith(": ok") for line in lines)
+    for target in ("target tokens/s >= 1.05 x TRL: x", "target peak memory <= 0.8 x TRL"):
+        assert any(line.startswith(target) for line in lines), proc.stdout

@@ -54,6 +54,18 @@ def _segments(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     return torch.arange(n, device=batch["input_ids"].device)[:, None].expand(n, length), n
 
 
+def local_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s weights this rank holds: FSDP's and tensor parallelism's local shards, DeepSpeed
+    ZeRO-3's partitions."""
+    total = 0
+    for p in model.parameters():
+        t = getattr(p, "ds_tensor", None)
+        if t is None:
+            t = p.to_local() if hasattr(p, "to_local") else p
+        total += t.numel() * t.element_size()
+    return total
+
+
 def forward_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The model's inputs and the labels, as ``[sequences or 1, length]``: a padded ``[pairs, k, length]`` batch
     with its k sequences of each pair as consecutive blocks (all chosen, then all rejected, TRL's order)."""
@@ -158,7 +170,10 @@ class DPOFinetuner(CausalLMFinetuner):
         if weights is not None:
             self.ref_model = self.engine.strategy.prepare_frozen(weights)
             self._reference_weights = None
-            self.logger.info(f"reference model: a frozen copy laid out as the policy ({self.engine.strategy.name})")
+            self.logger.info(
+                f"reference model: a frozen copy laid out as the policy ({self.engine.strategy.name}), "
+                f"{local_bytes(self.ref_model) / 2**20:.2f} MiB of weights on this rank"
+            )
         elif self.reference == "adapters":
             self.logger.info("reference model: the policy with its LoRA adapters disabled (no second copy)")
         elif self.reference == "precomputed":

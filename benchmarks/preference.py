@@ -1,0 +1,306 @@
+"""``--task dpo`` against TRL's ``DPOTrainer``: the same model, data, precision and batches, in one run.
+
+    python benchmarks/preference.py            # workload P: a few minutes on 2 cores
+    python benchmarks/preference.py --quick    # a tiny model for a few steps: checks the script works
+
+Workload P: a randomly initialised LLaMA (6 layers, 384 wide, 6 heads, vocabulary 16000, 23M parameters) on
+prompt/chosen/rejected rows of fixed length (a 48-token prompt, 24-token responses, so every step holds the same
+tokens), sigmoid DPO with beta 0.1, micro-batch 4 pairs x accumulation 2, AdamW (lr 1e-5), fp32, 8 steps; the
+first 2 are warm-up and not timed. Contenders, each in its own process, one after the other:
+
+    TRL DPOTrainer                 a frozen copy of the model as the reference (TRL's default)
+    rapidlite                      the same: a frozen copy laid out as the policy
+    rapidlite --precompute-ref...  the reference's scores computed once before training, no reference kept
+    rapidlite ZeRO-3 x 2           2 ranks, the policy and its frozen reference both sharded (per rank)
+
+It prints each one's tokens/s (the real tokens of chosen and rejected sequences, per second of training steps),
+its peak memory (the peak resident size above what the process held after importing torch and transformers:
+model states, the reference and activations), the memory its reference takes, and the ratios to TRL with the
+targets: tokens/s >= 1.05 x TRL's, and peak memory <= 0.8 x TRL's with a precomputed or sharded reference. The
+first-step losses are checked equal (the same model and batch give the same DPO loss: ln 2 at step 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Workload:
+    hidden: int = 384
+    layers: int = 6
+    heads: int = 6
+    intermediate: int = 1024
+    vocab: int = 16000
+    prompt_words: int = 47  # + the newline: 48 prompt tokens
+    response_words: int = 24
+    pairs: int = 64
+    micro: int = 4
+    accumulation: int = 2
+    steps: int = 8
+    warmup: int = 2
+
+
+P = Workload()
+QUICK = Workload(hidden=64, layers=2, heads=2, intermediate=128, vocab=2000, prompt_words=15, response_words=8,
+                 pairs=16, micro=2, accumulation=2, steps=4, warmup=1)  # fmt: skip
+
+
+def import_everything() -> None:
+    """What either contender imports, imported before its baseline is read: the peak above it is the run's."""
+    import datasets  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    import rapidlite.cli  # noqa: F401
+    import rapidlite.tasks.dpo  # noqa: F401
+
+
+def vm(field: str) -> int:
+    """This process's ``VmRSS``/``VmHWM`` in bytes."""
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+# ---------------------------------------------------------------------- assets (the parent process)
+
+
+def write_assets(root: Path, w: Workload) -> tuple[Path, Path]:
+    """A tokenizer whose every word is one token, a random LLaMA and fixed-length pair rows."""
+    import random
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rapidlite.tasks.causal_lm_demo import WORDS
+    from rapidlite.tasks.demo_build import DemoBuild
+    from rapidlite.tasks.dpo_demo import build_tokenizer
+
+    rng = random.Random(0)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    rows = [
+        {"prompt": words(w.prompt_words) + "\n", "chosen": words(w.response_words), "rejected": words(w.response_words)}
+        for _ in range(w.pairs)
+    ]
+    data = root / "data"
+    data.mkdir(parents=True)
+    with open(data / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    model_dir = root / "model"
+    model_dir.mkdir()
+    sft = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in rows]
+    scratch = root / "scratch"
+    scratch.mkdir()
+    tokenizer = build_tokenizer(DemoBuild(0, {"sft": sft, "train": rows}, model_dir, scratch))
+    tokenizer.save_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=w.vocab, hidden_size=w.hidden, num_hidden_layers=w.layers, num_attention_heads=w.heads,
+        intermediate_size=w.intermediate, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir, data
+
+
+# ---------------------------------------------------------------------- contenders (each in its own process)
+
+
+def run_trl(w: Workload, model_dir: Path, data: Path, work: Path) -> dict:
+    import torch
+    import transformers
+    import trl
+    from datasets import load_dataset
+
+    import_everything()
+    baseline = vm("VmRSS")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = load_dataset("json", data_files=str(data / "train.jsonl"), split="train")
+    times, tokens, losses = [], [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.start)
+
+    args = trl.DPOConfig(
+        output_dir=str(work / "trl"), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=w.micro,
+        gradient_accumulation_steps=w.accumulation, max_steps=w.steps, learning_rate=1e-5, logging_steps=1,
+        save_strategy="no", beta=0.1, max_length=1024, lr_scheduler_type="constant", dataloader_num_workers=0,
+        seed=0,
+    )  # fmt: skip
+    trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=rows, processing_class=tokenizer)
+    original = trainer.compute_loss
+
+    def counting(model, inputs, *a, **k):
+        tokens.append(int(inputs["attention_mask"].sum()))
+        return original(model, inputs, *a, **k)
+
+    trainer.compute_loss = counting
+    trainer.add_callback(Clock())
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    per_step = sum(tokens) / len(times)
+    ref_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    del trainer, model, ref
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"step_s": times, "tokens_per_step": per_step, "peak": vm("VmHWM") - baseline, "reference": ref_bytes,
+            "first_loss": losses[0]}  # fmt: skip
+
+
+def rapidlite_argv(w: Workload, model_dir: Path, data: Path, save: Path, flags: list[str]) -> list[str]:
+    return [
+        "--task", "dpo", "--pretrained-model-name-or-path", str(model_dir), "--data-path", str(data),
+        "--split", "100,0,0", "--micro-batch-size", str(w.micro),
+        "--global-batch-size", str(w.micro * w.accumulation), "--train-iters", str(w.steps), "--lr", "1e-5",
+        "--lr-decay-style", "constant", "--weight-decay", "0.0", "--clip-grad", "1.0", "--beta", "0.1",
+        "--log-interval", "1", "--save", str(save), "--no-progress", "--seed", "0", *flags,
+    ]  # fmt: skip
+
+
+def run_rapidlite(w: Workload, model_dir: Path, data: Path, work: Path, flags: list[str]) -> dict:
+    from rapidlite.cli import main
+
+    import_everything()
+    baseline = vm("VmRSS")
+    save = work / "rapidlite"
+    code = main(rapidlite_argv(w, model_dir, data, save, flags))
+    if code not in (0, None):
+        raise SystemExit(f"rapidlite exited {code}")
+    return _rapidlite_result(save, vm("VmHWM") - baseline)
+
+
+def _rapidlite_result(save: Path, peak: int | None) -> dict:
+    records = [json.loads(line) for line in open(save / "metrics.jsonl")]
+    train = [r for r in records if "split" not in r and "step_time_s" in r]
+    log = (save / "log.txt").read_text() if (save / "log.txt").exists() else ""
+    match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", log)
+    return {
+        "step_s": [r["step_time_s"] for r in train],
+        "tokens_per_step": statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in train),
+        "peak": peak if peak is not None else train[-1]["peak_memory_mb"] * 2**20,
+        "reference": float(match.group(1)) * 2**20 if match else 0,
+        "first_loss": train[0]["loss"],
+    }
+
+
+def contender_main(key: str, w: Workload, root: Path, result: Path) -> None:
+    model_dir, data = root / "model", root / "data"
+    work = Path(tempfile.mkdtemp(dir=root))
+    if key == "trl":
+        out = run_trl(w, model_dir, data, work)
+    elif key == "rapidlite":
+        out = run_rapidlite(w, model_dir, data, work, [])
+    elif key == "precomputed":
+        out = run_rapidlite(w, model_dir, data, work, ["--precompute-ref-logprobs"])
+    else:
+        raise SystemExit(f"unknown contender {key}")
+    result.write_text(json.dumps(out))
+
+
+CONTENDERS = {
+    "trl": "TRL DPOTrainer",
+    "rapidlite": "rapidlite",
+    "precomputed": "rapidlite --precompute-ref-logprobs",
+    "zero3": "rapidlite ZeRO-3 x 2 ranks",
+}
+
+
+def launch(key: str, w: Workload, root: Path, quick: bool, baseline_two: int) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAPIDLITE_CACHE": str(root / "cache")}
+    if key == "zero3":  # two worker processes: each rank's peak from its metrics, above a fresh process's imports
+        save = root / "zero3"
+        flags = ["--nproc-per-node", "2", "--zero-3-memory-optimization"]
+        argv = [sys.executable, "-m", "rapidlite", *rapidlite_argv(w, root / "model", root / "data", save, flags)]
+        env["OMP_NUM_THREADS"] = "1"
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stderr[-3000:]}")
+        (save / "log.txt").write_text(proc.stdout)
+        out = _rapidlite_result(save, None)
+        out["peak"] -= baseline_two
+        return out
+    result = root / f"{key}.json"
+    argv = [sys.executable, __file__, "--contender", key, "--root", str(root), "--result", str(result)]
+    if quick:
+        argv.append("--quick")
+    env["OMP_NUM_THREADS"] = "2"
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    if key != "trl":
+        match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", proc.stdout)
+        out = json.loads(result.read_text())
+        out["reference"] = float(match.group(1)) * 2**20 if match else 0
+        return out
+    return json.loads(result.read_text())
+
+
+def import_baseline() -> int:
+    """The resident size of a process that imported what a rank imports, before any model."""
+    code = (
+        "import re, pathlib, torch, transformers, trl, datasets, rapidlite.cli, rapidlite.tasks.dpo;"
+        "print(int(re.search(r'VmRSS:\\s+(\\d+)', pathlib.Path('/proc/self/status').read_text()).group(1)) * 1024)"
+    )
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--contender")
+    parser.add_argument("--root")
+    parser.add_argument("--result")
+    args = parser.parse_args()
+    w = QUICK if args.quick else P
+    if args.contender:
+        contender_main(args.contender, w, Path(args.root), Path(args.result))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_assets(root, w)
+        baseline_two = import_baseline()
+        results = {key: launch(key, w, root, args.quick, baseline_two) for key in CONTENDERS}
+    print(f"{'contender':<38} {'tokens/s':>9} {'x TRL':>6} {'peak MiB':>9} {'x TRL':>6} {'reference MiB':>14}")
+    trl_rate = results["trl"]["tokens_per_step"] / statistics.median(results["trl"]["step_s"][w.warmup :])
+    for key, label in CONTENDERS.items():
+        r = results[key]
+        rate = r["tokens_per_step"] / statistics.median(r["step_s"][w.warmup :])
+        r["rate"] = rate
+        print(
+            f"{label:<38} {rate:>9.0f} {rate / trl_rate:>6.2f} {r['peak'] / 2**20:>9.1f} "
+            f"{r['peak'] / results['trl']['peak']:>6.2f} {r['reference'] / 2**20:>14.1f}"
+        )
+    losses = [results[k]["first_loss"] for k in CONTENDERS]
+    same = all(abs(x - losses[0]) <= 1e-4 * abs(losses[0]) for x in losses)
+    print(f"check first-step losses equal ({', '.join(f'{x:.6f}' for x in losses)}): {'ok' if same else 'FAILED'}")
+    speed = results["rapidlite"]["rate"] / trl_rate
+    memory = min(results[k]["peak"] for k in ("precomputed", "zero3")) / results["trl"]["peak"]
+    print(f"target tokens/s >= 1.05 x TRL: x{speed:.2f} {'met' if speed >= 1.05 else 'NOT met'}")
+    print(f"target peak memory <= 0.8 x TRL (precomputed or sharded reference): x{memory:.2f} "
+          f"{'met' if memory <= 0.8 else 'NOT met'}")  # fmt: skip
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
