@@ -221,6 +221,11 @@ class MeanMetrics:
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, torch.Tensor] = {}
+        self.differences: dict[str, tuple[str, str]] = {}  # kept across clear(): a name and what it is
+
+    def difference(self, name: str, a: str, b: str) -> None:
+        """Report ``name`` as the mean of ``a`` minus the mean of ``b`` (when both have items)."""
+        self.differences[name] = (a, b)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         total = torch.as_tensor(total).detach().double().sum()
@@ -243,7 +248,11 @@ class MeanMetrics:
     def means(self, reduced: torch.Tensor) -> dict[str, float]:
         names = sorted(self.sums)
         sums, counts = reduced[: len(names)].tolist(), reduced[len(names) :].tolist()
-        return {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+        out = {n: s / c for n, s, c in zip(names, sums, counts, strict=True) if c > 0}
+        for name, (a, b) in self.differences.items():
+            if a in out and b in out:
+                out[name] = out[a] - out[b]
+        return out
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """The means over every rank (a collective: every rank calls it with the same names), then cleared."""

@@ -232,6 +232,41 @@ def _check_preference(args: argparse.Namespace) -> None:
         )
 
 
+def _check_kto(args: argparse.Namespace) -> None:
+    if args.beta <= 0:
+        raise ConfigError(f"--beta {args.beta:g}: must be positive")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        raise ConfigError(f"--max-prompt-length {args.max_prompt_length}: must be at least 1")
+    for flag, value in (
+        ("--desirable-weight", args.desirable_weight),
+        ("--undesirable-weight", args.undesirable_weight),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} {value:g}: must be positive")
+    unused = [
+        flag
+        for flag, value, default in (
+            ("--loss-type", args.loss_type, "sigmoid"),
+            ("--label-smoothing", args.label_smoothing, 0.0),
+            ("--simpo-gamma", args.simpo_gamma, 0.5),
+            ("--orpo-alpha", args.orpo_alpha, 0.1),
+            ("--rpo-alpha", args.rpo_alpha, None),
+        )
+        if value != default
+    ]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: --task kto does not use it (DPO's); drop it")
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task kto runs each completion and its KL sequence as padded rows; drop --padding-free"
+        )
+    if args.group_by_length:
+        raise ConfigError(
+            "--group-by-length: --task kto reads its training data in order (each global batch's KL sequences are "
+            "its own completions re-paired); drop --group-by-length"
+        )
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -343,6 +378,18 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
+            reference=preference_reference,
+        ),
+        TaskSpec(
+            name="kto",
+            summary="preference-train AutoModelForCausalLM on completions labelled desirable or not (KTO)",
+            trainer="rapidlite.tasks.kto:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
+            load_model_dir=True,
+            check=_check_kto,
+            eval_only=True,
+            auto_class="AutoModelForCausalLM",
             reference=preference_reference,
         ),
     )

@@ -242,7 +242,8 @@ def build_data_loader(
     Training loaders (``shuffle``) take a seeded shuffle per epoch, strided over ranks and padded by
     wrapping around so ranks stay in step. Evaluation loaders keep the order (``EvalBatchSampler``):
     equal batch counts on every rank, padding only in the last batches, and ``gather_trim`` told which
-    rows are padding. ``pad=False`` gives each rank its exact share instead (batch counts may differ).
+    rows are padding. ``pad=False`` gives each rank its exact share instead (batch counts may differ);
+    ``pad=True`` without ``shuffle`` is a training loader reading the data in its order.
     Without ``collate_fn``, dict samples of token lists are padded to the longest in the batch
     (``PadCollator``); anything else is collated as torch's ``default_collate`` does. ``lengths`` (one per
     sample, training loaders): the shuffle is grouped by length in megabatches of global batches of
@@ -264,7 +265,7 @@ def build_data_loader(
         # Reshuffling still works, as the sampler runs in this process and is re-iterated each epoch.
         "persistent_workers": shuffle and num_workers > 0,
     }
-    if not shuffle and pad is not False and world_size > 1:
+    if not shuffle and pad is None and world_size > 1:
         batches = EvalBatchSampler(len(dataset), micro_batch_size, rank=rank, world_size=world_size)
         return DeviceDataLoader(DataLoader(dataset, batch_sampler=batches, **common), device, gather_trim)
     sampler = EpochSampler(

@@ -39,6 +39,7 @@ PAIRED_LAYOUTS = (
     "or UltraFeedback-binarized rows"
 )
 UNPAIRED_LAYOUT = "prompt/completion/label (label true or false)"
+UNPAIR_BATCH = 1000  # datasets' default batch of a batched map, which TRL's unpairing is
 
 
 # ------------------------------------------------------------------ rows
@@ -280,7 +281,13 @@ def unpaired_rows(raw_rows: Any, columns: Sequence[str]) -> list[tuple[Any, Any,
         return out
     if {"chosen", "rejected"} <= set(columns):
         pairs = [read_pair(row) for row in raw_rows]
-        return [(p.prompt, p.chosen, True) for p in pairs] + [(p.prompt, p.rejected, False) for p in pairs]
+        out = []
+        # TRL's unpair_preference_dataset is a batched map (1000 rows a batch): each batch's chosen rows, then its
+        # rejected ones.
+        for start in range(0, len(pairs), UNPAIR_BATCH):
+            batch = pairs[start : start + UNPAIR_BATCH]
+            out += [(p.prompt, p.chosen, True) for p in batch] + [(p.prompt, p.rejected, False) for p in batch]
+        return out
     raise DataError(
         f"KTO data needs {UNPAIRED_LAYOUT}, or preference pairs ({PAIRED_LAYOUTS}); its columns are "
         f"{', '.join(sorted(columns))}"
@@ -294,7 +301,9 @@ def encode_unpaired(
     max_prompt_length: int | None,
     counts: Counts,
 ) -> list[dict[str, Any]]:
-    """``{"prompt_ids", "completion_ids", "label"}`` of each usable row (``--task kto``)."""
+    """``{"prompt_ids", "completion_ids", "label"}`` of each usable row (``--task kto``), as TRL's
+    ``KTOTrainer._prepare_dataset`` makes them. The completion is kept whole: a KL sequence pairs it with another
+    row's prompt, and the collator cuts each sequence to ``max_length`` (TRL's order of cutting)."""
     encoder = Encoder(tokenizer)
     out = []
     for prompt, completion, desirable in rows:
@@ -303,10 +312,21 @@ def encode_unpaired(
         fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length, counts)
         if fitted is None:
             continue
-        prompt_ids, (completion_ids,) = fitted
-        out.append({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": desirable})
+        out.append({"prompt_ids": fitted[0], "completion_ids": completion_ids, "label": desirable})
     counts.kept += len(out)
     return out
+
+
+def add_kl_completions(samples: list[dict[str, Any]], group: int) -> None:
+    """Gives each sample its KL completion (``kl_completion_ids``): within each run of ``group`` consecutive samples
+    the completions rotated by one, ``(x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})``, as TRL's
+    ``add_kl_completion_ids`` does per batch of ``per_device_train_batch_size``. ``group`` is the global batch here:
+    the KL estimate is a mean over the global batch, so its mismatched completions are the batch's own."""
+    for start in range(0, len(samples), group):
+        chunk = samples[start : start + group]
+        completions = [s["completion_ids"] for s in chunk]
+        for sample, kl in zip(chunk, completions[-1:] + completions[:-1], strict=True):
+            sample["kl_completion_ids"] = kl
 
 
 def no_rows_left(task: str, counts: Counts, max_length: int) -> DataError:
@@ -379,15 +399,17 @@ class PairCollator:
 
 
 class UnpairedCollator:
-    """Batches of KTO samples: ``input_ids``, ``attention_mask``, ``labels`` ``[batch, length]`` of prompt +
-    completion, ``label`` ``[batch]`` (desirable), and the KL sequences ``kl_input_ids`` etc.: each prompt with
-    the completion of the next sample in the batch (TRL's mismatched pairs); ``ref_logps`` ``[batch, 2]`` when
-    precomputed (completion, KL)."""
+    """Batches of KTO samples, TRL's ``DataCollatorForUnpairedPreference``: ``input_ids``, ``attention_mask``,
+    ``labels`` ``[batch, length]`` of prompt + completion, each cut to ``max_length`` then right-padded (labels -100
+    outside the completion); ``label`` ``[batch]`` (desirable); the same three as ``kl_*`` for the KL sequences (each
+    prompt with its ``kl_completion_ids``); ``ref_logps`` ``[batch, 2]`` (completion, KL) when precomputed."""
 
-    def __init__(self, pad_token_id: int) -> None:
+    def __init__(self, pad_token_id: int, max_length: int) -> None:
         self.pad_token_id = pad_token_id
+        self.max_length = max_length
 
     def _pad(self, seqs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        seqs = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in seqs]
         length = max(len(ids) for ids, _ in seqs)
         out = {
             "input_ids": torch.full((len(seqs), length), self.pad_token_id, dtype=torch.int64),
@@ -401,14 +423,10 @@ class UnpairedCollator:
         return out
 
     def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [_sequences(s, ("completion_ids",))[0] for s in samples]
-        batch = self._pad(seqs)
-        kl = [s.get("kl_completion_ids") for s in samples]
-        if all(k is not None for k in kl):
-            kl_seqs = [
-                _sequences({"prompt_ids": s["prompt_ids"], "c": k}, ("c",))[0] for s, k in zip(samples, kl, strict=True)
-            ]
-            batch.update({f"kl_{k}": v for k, v in self._pad(kl_seqs).items()})
+        batch = self._pad([_sequences(s, ("completion_ids",))[0] for s in samples])
+        if "kl_completion_ids" in samples[0]:
+            kl = self._pad([_sequences(s, ("kl_completion_ids",))[0] for s in samples])
+            batch.update({f"kl_{k}": v for k, v in kl.items()})
         batch["label"] = torch.tensor([bool(s["label"]) for s in samples])
         if "ref_logps" in samples[0]:
             batch["ref_logps"] = torch.tensor([s["ref_logps"] for s in samples], dtype=torch.float32)

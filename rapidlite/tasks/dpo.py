@@ -325,8 +325,9 @@ class DPOFinetuner(CausalLMFinetuner):
 
     # ------------------------------------------------------------------ --precompute-ref-logprobs
     def precompute_reference(self) -> None:
-        """The starting policy's scores of every training and validation pair, computed once (each data-parallel
-        rank scores its share; the shares are gathered) and cached; the samples then carry them."""
+        """The starting policy's scores of every sample of each split (``score_rows``), computed once (each
+        data-parallel rank scores its share; the shares are gathered) and cached; the samples then carry them as
+        ``ref_logps``."""
         for name in ("train", "validation", "test"):
             samples = self.splits.get(name)
             if not samples:
@@ -345,45 +346,59 @@ class DPOFinetuner(CausalLMFinetuner):
                     torch.save(values, scratch)
                     os.replace(scratch, path)
                 source = f"computed, cached in {path}"
-            for sample, (c, r) in zip(samples, values.tolist(), strict=True):
-                sample["ref_logps"] = [c, r]
-            self.logger.info(f"--precompute-ref-logprobs: reference scores of {len(samples)} {name} pairs {source}")
+            for sample, scores in zip(samples, values.tolist(), strict=True):
+                sample["ref_logps"] = scores
+            self.logger.info(f"--precompute-ref-logprobs: reference scores of {len(samples)} {name} samples {source}")
+
+    # What a sample's reference scores are made of (``_fingerprint``), and how its batches are collated to score.
+    score_keys: tuple[str, ...] = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+    def scoring_collator(self) -> Any:
+        return PairCollator(self.tokenizer.pad_token_id)
+
+    def score_rows(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The starting policy's two scores of each sample of ``batch``, ``[rows, 2]``: a pair's chosen and
+        rejected response (what ``ref_logps`` holds)."""
+        logps, _ = self.forward_logps(self.model, batch)
+        return torch.stack(logps.chunk(2), 1)
 
     def _score(self, samples: list[dict[str, Any]]) -> torch.Tensor:
         rows = [dict(s, row=i) for i, s in enumerate(samples)]
-        loader = self.build_data_loader(rows, shuffle=False, collate_fn=_IndexedPairs(self.tokenizer.pad_token_id))
+        loader = self.build_data_loader(rows, shuffle=False, collate_fn=_Indexed(self.scoring_collator()))
         out = torch.zeros(len(samples), 2, dtype=torch.float32)
         was_training = self.training_mode(self.model)
         self.model.eval()
         try:
             with torch.no_grad():
                 for batch in loader:
-                    logps, _ = self.forward_logps(self.model, batch)
-                    chosen, rejected = logps.chunk(2)
                     index = self.engine.gather(batch["row"]).cpu()
-                    out[index] = self.engine.gather(torch.stack([chosen, rejected], 1).float()).cpu()
+                    out[index] = self.engine.gather(self.score_rows(batch).float()).cpu()
         finally:
             self.model.train(was_training)
         return out
 
     def _fingerprint(self, samples: list[dict[str, Any]]) -> str:
         """What the reference's scores depend on: the model (its name, and its files' sizes and times), the
-        precision, and every pair's tokens."""
+        precision, and every sample's tokens (``score_keys``)."""
         digest = hashlib.sha256()
         name = self.settings.model.pretrained_model_name_or_path
         files = sorted(Path(name).glob("*")) if os.path.isdir(name) else []
         digest.update(json.dumps([name, [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]]).encode())
         digest.update(str(self.engine.precision.name).encode())
         for s in samples:
-            digest.update(json.dumps([s["prompt_ids"], s["chosen_ids"], s["rejected_ids"]]).encode())
+            digest.update(json.dumps([s[k] for k in self.score_keys]).encode())
         return digest.hexdigest()[:24]
 
 
-class _IndexedPairs(PairCollator):
-    """Pairs with their row numbers (``row``), for scores gathered from every rank back into their rows."""
+class _Indexed:
+    """Batches of ``collate`` with their samples' row numbers (``row``), for scores gathered from every rank back
+    into their rows."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
 
     def __call__(self, samples):
-        batch = super().__call__(samples)
+        batch = self.collate(samples)
         batch["row"] = torch.tensor([s["row"] for s in samples], dtype=torch.int64)
         return batch
 

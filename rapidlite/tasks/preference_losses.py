@@ -53,6 +53,27 @@ def token_logps(
     return logps, tokens
 
 
+@torch.no_grad()
+def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entropy, mean_logit)``, each ``[rows]``: per row, the summed entropy of the next-token distribution and
+    the summed mean logit (over the vocabulary) at its labelled positions (TRL's ``entropy`` and ``logits/*``
+    metrics), in fp32 a chunk at a time."""
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    mask = labels[:, 1:] != -100
+    owner = torch.arange(labels.shape[0], device=logits.device)[:, None].expand_as(mask)[mask]
+    picked = logits[:, :-1][mask]
+    entropy = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
+    mean_logit = torch.empty_like(entropy)
+    for start in range(0, picked.shape[0], LOGPS_CHUNK_TOKENS):
+        chunk = picked[start : start + LOGPS_CHUNK_TOKENS].float()
+        logp = chunk.log_softmax(-1)
+        entropy[start : start + chunk.shape[0]] = -(logp.exp() * logp).sum(-1)
+        mean_logit[start : start + chunk.shape[0]] = chunk.mean(-1)
+    zeros = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
+    return zeros.index_add(0, owner, entropy), zeros.index_add(0, owner, mean_logit)
+
+
 @dataclass
 class PairScores:
     """Per pair ``[pairs]``: the policy's summed log-probabilities of the chosen and rejected responses, their
@@ -134,11 +155,12 @@ def kto_loss(
     desirable_weight: float,
     undesirable_weight: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(losses, rewards)`` per completion ``[rows]`` (KTO, TRL's ``KTOTrainer``): ``kl`` is the batch's
-    clamped KL estimate, a constant (no gradient)."""
+    """``(losses, rewards)`` per completion ``[rows]``, TRL's ``KTOTrainer._compute_loss`` with ``loss_type="kto"``
+    (eq. 7 of the KTO paper): a desirable completion's loss is ``1 - sigmoid(beta (ratio - kl))``, an undesirable
+    one's ``1 - sigmoid(beta (kl - ratio))``, times its weight; the reward is ``beta ratio``. ``kl`` is the global
+    batch's KL estimate, clamped at 0, a constant (no gradient)."""
     ratio = logps - ref_logps
-    rewards = beta * ratio
     desirable_losses = 1 - torch.sigmoid(beta * (ratio - kl))
     undesirable_losses = 1 - torch.sigmoid(beta * (kl - ratio))
     losses = torch.where(desirable, desirable_weight * desirable_losses, undesirable_weight * undesirable_losses)
-    return losses, rewards.detach()
+    return losses, beta * ratio.detach()

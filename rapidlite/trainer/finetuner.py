@@ -32,6 +32,8 @@ class Finetuner(BaseTrainer):
     """
 
     variable_length_batches = True
+    # False: the training data is read in its order (a task whose global batches are made up front, as KTO's are).
+    shuffle_training_data = True
     train_dataloader = None
     valid_dataloader = None
     test_dataloader = None
@@ -124,8 +126,9 @@ class Finetuner(BaseTrainer):
             collate_fn_train = self._flattener
         else:
             collate_fn_train = collate_fn
+        # pad=True: a training order, shuffled or not, strided over the ranks and resumable mid-epoch.
         self.train_dataloader = self.build_data_loader(
-            train_ds, shuffle=True, collate_fn=collate_fn_train, lengths=lengths
+            train_ds, shuffle=self.shuffle_training_data, collate_fn=collate_fn_train, lengths=lengths, pad=True
         )
         self._build_eval_loaders(valid_ds, test_ds, collate_fn)
         if self.valid_dataloader is None:
