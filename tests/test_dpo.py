@@ -297,6 +297,7 @@ LAYOUTS = {
     "ddp": TWO,
     "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
     "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
+    "tensor_parallel": ["--micro-batch-size", "8", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
     "lora_one": ["--micro-batch-size", "8", "--lora-rank", "4"],
     "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4"],
     "lora_deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization", "--lora-rank", "4"],
@@ -342,10 +343,11 @@ def test_padding_free_and_precomputed_reference_train_as_the_padded_live_run(run
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3", "tensor_parallel"])
 def test_two_ranks_train_as_one_process(runs, layout):
     """The policy and its frozen reference laid out alike (replicated, FSDP2-sharded with CPU offload, DeepSpeed
-    ZeRO-3 partitioned): each step's loss and metrics, and the validation's, equal one process's."""
+    ZeRO-3 partitioned, split by tensor parallelism): each step's loss and metrics, and the validation's, equal one
+    process's."""
     _assert_same_run(runs(layout), runs("one"), rel=1e-5)
 
 
