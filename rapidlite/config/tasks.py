@@ -232,6 +232,25 @@ def _check_preference(args: argparse.Namespace) -> None:
         )
 
 
+def _check_reward_model(args: argparse.Namespace) -> None:
+    from rapidlite.config.fields import flag_fields, option
+    from rapidlite.config.sections import PreferenceConfig
+
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task reward_model reads each sequence's score at its last token, which a packed row "
+            "does not mark; drop --padding-free (--group-by-length also cuts padding)"
+        )
+    # The reward model's loss has no reference, beta or prompt cut (a row longer than --max-length is dropped):
+    # a preference flag set for it would change nothing, so it is refused rather than ignored.
+    for f, _ in flag_fields(PreferenceConfig):
+        if getattr(args, f.name, f.default) != f.default:
+            raise ConfigError(
+                f"{option(f.name)}: --task reward_model does not use it (its loss is -logsigmoid(r_chosen - "
+                "r_rejected [- margin]) on whole rows); drop the flag"
+            )
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -344,6 +363,18 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
             reference=preference_reference,
+        ),
+        TaskSpec(
+            name="reward_model",
+            summary="train AutoModelForSequenceClassification to score chosen above rejected responses (reward model)",
+            trainer="rapidlite.tasks.reward_model:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
+            load_model_dir=True,
+            check=_check_reward_model,
+            eval_only=True,
+            auto_class="AutoModelForSequenceClassification",
+            inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
         ),
     )
 }
