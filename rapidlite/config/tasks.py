@@ -56,7 +56,9 @@ class TaskSpec:
     ``--load-pretrained-weights``): the size flags reshape the config, the position table grows to
     ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT. ``reference``: the
     task scores against a reference model; given the settings, which one (``preference_reference``), so the
-    trainer and the planner (which counts its memory) read the one rule.
+    trainer and the planner (which counts its memory) read the one rule. ``ignored_sections``: settings sections
+    (``Sections`` attributes) whose flags the task does not read: one of them set off its default is refused in one
+    line rather than ignored.
     """
 
     name: str
@@ -76,6 +78,7 @@ class TaskSpec:
     inputs_per_sample: int = 1
     from_config: bool = False
     reference: Callable[[Any], str] | None = None
+    ignored_sections: tuple[str, ...] = ()
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -233,22 +236,11 @@ def _check_preference(args: argparse.Namespace) -> None:
 
 
 def _check_reward_model(args: argparse.Namespace) -> None:
-    from rapidlite.config.fields import flag_fields, option
-    from rapidlite.config.sections import PreferenceConfig
-
     if args.padding_free:
         raise ConfigError(
             "--padding-free: --task reward_model reads each sequence's score at its last token, which a packed row "
             "does not mark; drop --padding-free (--group-by-length also cuts padding)"
         )
-    # The reward model's loss has no reference, beta or prompt cut (a row longer than --max-length is dropped):
-    # a preference flag set for it would change nothing, so it is refused rather than ignored.
-    for f, _ in flag_fields(PreferenceConfig):
-        if getattr(args, f.name, f.default) != f.default:
-            raise ConfigError(
-                f"{option(f.name)}: --task reward_model does not use it (its loss is -logsigmoid(r_chosen - "
-                "r_rejected [- margin]) on whole rows); drop the flag"
-            )
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -372,6 +364,8 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
             load_model_dir=True,
             check=_check_reward_model,
+            # Its loss has no reference, beta or prompt cut (a row longer than --max-length is dropped).
+            ignored_sections=("preference",),
             eval_only=True,
             auto_class="AutoModelForSequenceClassification",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
