@@ -172,7 +172,7 @@ def test_flags_it_does_not_use_are_refused(assets):
     model_dir, root = assets
     for flags, expected in (
         (["--padding-free"], "--padding-free: --task reward_model reads each sequence's score at its last token"),
-        (["--beta", "0.2"], "--beta: --task reward_model does not use it"),
+        (["--beta", "0.2"], "--beta: --task reward_model does not use it; drop the flag"),
         (["--max-prompt-length", "8"], "--max-prompt-length: --task reward_model does not use it"),
     ):
         with pytest.raises(ConfigError, match=expected):
@@ -285,3 +285,21 @@ def test_training_raises_accuracy_exports_and_rapidlite_eval_scores_the_export(a
     assert results["task"] == "reward" and results["n"] == 32
     for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
         assert results[name] == pytest.approx(evals[-1][name], **TOL), name
+
+
+def test_rapidlite_eval_refuses_what_is_not_a_reward_model_or_pairs(assets, tmp_path, capsys):
+    from rapidlite.evaluation.command import main
+
+    model_dir, root = assets
+    mixed = _write(
+        tmp_path, "mixed", [{"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}]
+    )
+    cases = {
+        # a causal LM: a sequence-classification head on it would have 2 outputs
+        (str(model_dir), str(root / "kinds" / "validation.jsonl")): "its sequence-classification head has 2 outputs",
+        (str(model_dir), str(mixed / "mixed.jsonl")): "row 1: a row's chosen and rejected differ in kind",
+    }
+    for (model, data), expected in cases.items():
+        assert main(["--model", model, "--data", data, "--task", "reward"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("rapidlite: error:") and expected in err, err

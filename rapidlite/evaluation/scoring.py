@@ -319,28 +319,34 @@ def load_reward_scorer(
     device: torch.device | None = None,
 ) -> RewardScorer:
     """A scorer for a reward model's directory or name (``AutoModelForSequenceClassification`` with one output, SDPA
-    attention, float32 weights unless ``bf16``) and its tokenizer."""
+    attention, float32 weights unless ``bf16``) and its tokenizer. A LoRA adapter directory (or ``DIR/hf`` of a
+    ``--lora-rank`` run, holding ``adapter/``) is scored on its base with a one-output head, which the adapter holds."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from rapidlite.models import lora
     from rapidlite.models.hf import check_positions, load_hf_model
     from rapidlite.progress import hf_transformers_progress
 
     if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    adapter = lora.adapter_directory(model)
+    base = lora.adapter_base(adapter) if adapter is not None else model
+    dtype = torch.bfloat16 if bf16 else torch.float32
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        has_tokenizer = adapter is None or (adapter / "tokenizer_config.json").is_file()
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter) if adapter is not None and has_tokenizer else base)
         with hf_transformers_progress(True):
-            net = load_hf_model(
-                AutoModelForSequenceClassification.from_pretrained,
-                model,
-                dtype=torch.bfloat16 if bf16 else torch.float32,
-            )
-    except (OSError, ValueError) as e:
+            if adapter is not None:
+                net = load_hf_model(AutoModelForSequenceClassification.from_pretrained, base, num_labels=1, dtype=dtype)
+                net = lora.load_adapter(net, adapter).eval()
+            else:
+                net = load_hf_model(AutoModelForSequenceClassification.from_pretrained, model, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: transformers' head size mismatch
         raise ConfigError(f"--model {model}: cannot load a reward model and its tokenizer ({first_line(e)})") from None
     if net.config.num_labels != 1:
         raise ConfigError(
-            f"--model {model}: a classifier with {net.config.num_labels} labels; --task reward scores with a reward "
-            "model (one output, as --task reward_model trains)"
+            f"--model {model}: its sequence-classification head has {net.config.num_labels} outputs; --task reward "
+            "scores with a reward model (one output, as --task reward_model exports it)"
         )
     if max_length is not None:
         check_positions(net, max_length, model)
