@@ -188,7 +188,8 @@ class Counts:
         parts = [f"{self.rows} rows"]
         if self.prompt_truncated:
             parts.append(f"{self.prompt_truncated} prompts cut to --max-prompt-length {max_prompt_length}")
-        parts.append(f"{self.truncated} truncated to --max-length {max_length}")
+        if self.truncated:  # reward_model drops long rows instead: none is ever cut there
+            parts.append(f"{self.truncated} truncated to --max-length {max_length}")
         parts += [f"{n} dropped ({reason})" for reason, n in sorted(self.dropped.items())]
         return ", ".join(parts)
 
