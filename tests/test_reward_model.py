@@ -179,6 +179,15 @@ def test_flags_it_does_not_use_are_refused(assets):
             parse_args(reward_args(model_dir, root / "pairs", *flags))
 
 
+def _rapidlite_eval(model, data, *flags):
+    """``rapidlite-eval --model MODEL --data DATA FLAGS`` as a user runs it: its JSON line."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "rapidlite.evaluation.command", "--model", str(model), "--data", str(data)]
+    scored = subprocess.run([*command, *flags], capture_output=True, text=True, env=env, timeout=300)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    return json.loads(scored.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------ layouts
 
 
@@ -226,6 +235,14 @@ def test_two_ranks_train_and_evaluate_as_one_process(assets, tmp_path):
     assert ("validation", "max_reward") in [x[:2] for x in one]
     for (split, key, value), (_, _, want) in zip(two, one, strict=True):
         assert value == pytest.approx(want, rel=1e-4, abs=1e-6), (split, key)
+    # rapidlite-eval on 2 ranks (13 pairs in batches of 4: unequal shares) scores the export as the run's last
+    # validation pass did.
+    results = _rapidlite_eval(tmp_path / "one" / "hf", root / "margin" / "validation.jsonl", "--micro-batch-size", "4",
+                              "--nproc-per-node", "2")  # fmt: skip
+    last = [r for r in read_metrics(tmp_path / "one") if r.get("split") == "validation"][-1]
+    assert results["world_size"] == 2 and results["n"] == 13
+    for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+        assert results[name] == pytest.approx(last[name], **TOL), name
 
 
 # ------------------------------------------------------------------ bad data
@@ -276,12 +293,7 @@ def test_training_raises_accuracy_exports_and_rapidlite_eval_scores_the_export(a
     model = AutoModelForSequenceClassification.from_pretrained(save / "hf")
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rapidlite.evaluation.command", "--model", str(save / "hf")]
-    command += ["--data", str(root / "kinds" / "validation.jsonl")]
-    scored = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    results = json.loads(scored.stdout.strip().splitlines()[-1])
+    results = _rapidlite_eval(save / "hf", root / "kinds" / "validation.jsonl")
     assert results["task"] == "reward" and results["n"] == 32
     for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
         assert results[name] == pytest.approx(evals[-1][name], **TOL), name
