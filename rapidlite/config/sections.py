@@ -406,7 +406,7 @@ class PreferenceConfig:
         None, "dpo: add this times the NLL of the chosen response (RPO); ORPO always has it, at weight 1"
     )
     max_prompt_length: int | None = flag(
-        None, "dpo, kto, reward_model: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
+        None, "dpo, kto: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
     )
     precompute_ref_logprobs: bool = flag(
         False,

@@ -56,7 +56,9 @@ class TaskSpec:
     ``--load-pretrained-weights``): the size flags reshape the config, the position table grows to
     ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT. ``reference``: the
     task scores against a reference model; given the settings, which one (``preference_reference``), so the
-    trainer and the planner (which counts its memory) read the one rule.
+    trainer and the planner (which counts its memory) read the one rule. ``ignored_sections``: settings sections
+    (``Sections`` attributes) whose flags the task does not read: one of them set off its default is refused in one
+    line rather than ignored.
     """
 
     name: str
@@ -76,6 +78,7 @@ class TaskSpec:
     inputs_per_sample: int = 1
     from_config: bool = False
     reference: Callable[[Any], str] | None = None
+    ignored_sections: tuple[str, ...] = ()
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -267,6 +270,14 @@ def _check_kto(args: argparse.Namespace) -> None:
         )
 
 
+def _check_reward_model(args: argparse.Namespace) -> None:
+    if args.padding_free:
+        raise ConfigError(
+            "--padding-free: --task reward_model reads each sequence's score at its last token, which a packed row "
+            "does not mark; drop --padding-free (--group-by-length also cuts padding)"
+        )
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -391,6 +402,20 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             reference=preference_reference,
+        ),
+        TaskSpec(
+            name="reward_model",
+            summary="train AutoModelForSequenceClassification to score chosen above rejected responses (reward model)",
+            trainer="rapidlite.tasks.reward_model:trainer_for",
+            required=("--pretrained-model-name-or-path", "--data-path"),
+            defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
+            load_model_dir=True,
+            check=_check_reward_model,
+            # Its loss has no reference, beta or prompt cut (a row longer than --max-length is dropped).
+            ignored_sections=("preference",),
+            eval_only=True,
+            auto_class="AutoModelForSequenceClassification",
+            inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
         ),
     )
 }

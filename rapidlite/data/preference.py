@@ -189,7 +189,8 @@ class Counts:
         parts = [f"{self.rows} rows"]
         if self.prompt_truncated:
             parts.append(f"{self.prompt_truncated} prompts cut to --max-prompt-length {max_prompt_length}")
-        parts.append(f"{self.truncated} truncated to --max-length {max_length}")
+        if self.truncated:  # reward_model drops long rows instead: none is ever cut there
+            parts.append(f"{self.truncated} truncated to --max-length {max_length}")
         parts += [f"{n} dropped ({reason})" for reason, n in sorted(self.dropped.items())]
         return ", ".join(parts)
 
@@ -232,6 +233,16 @@ def encode_pairs(
     return out
 
 
+def _margin(value: Any) -> float:
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        margin = float("nan")
+    if margin != margin:
+        raise DataError(f"a row's margin is {value!r}; give every row a number in the margin column, or drop it")
+    return margin
+
+
 def encode_reward_pairs(rows: Any, tokenizer: Any, max_length: int, counts: Counts) -> list[dict[str, Any]]:
     """``{"chosen_ids", "rejected_ids"[, "margin"]}``: prompt + response whole, as TRL's ``RewardTrainer`` tokenizes
     them (the score is read at the last token, so a longer row is dropped, not cut)."""
@@ -249,8 +260,8 @@ def encode_reward_pairs(rows: Any, tokenizer: Any, max_length: int, counts: Coun
             counts.drop(f"longer than --max-length {max_length}")
             continue
         sample: dict[str, Any] = {"chosen_ids": chosen, "rejected_ids": rejected}
-        if row.get("margin") is not None:
-            sample["margin"] = float(row["margin"])
+        if "margin" in row:  # a column: every row has it, so every batch does
+            sample["margin"] = _margin(row["margin"])
         out.append(sample)
     counts.kept += len(out)
     return out
@@ -334,11 +345,12 @@ def no_rows_left(task: str, counts: Counts, max_length: int) -> DataError:
     if not counts.rows:
         return DataError(f"--task {task}: the training data has no rows")
     reasons = ", ".join(f"{n} dropped: {reason}" for reason, n in sorted(counts.dropped.items()))
-    fix = (
-        f"raise --max-length (now {max_length}) or set --max-prompt-length"
-        if any("max-length" in r for r in counts.dropped)
-        else "give pairs whose chosen and rejected responses differ"
-    )
+    if any("prompt fills" in r for r in counts.dropped):
+        fix = f"raise --max-length (now {max_length}) or set --max-prompt-length"
+    elif any("max-length" in r for r in counts.dropped):  # whole rows (reward_model), which no prompt cut shortens
+        fix = f"raise --max-length (now {max_length})"
+    else:
+        fix = "give pairs whose chosen and rejected responses differ"
     return DataError(f"--task {task}: no training row is usable ({reasons}); {fix}")
 
 
@@ -396,6 +408,17 @@ class PairCollator:
         if "margin" in samples[0]:
             batch["margin"] = torch.tensor([s["margin"] for s in samples], dtype=torch.float32)
         return batch
+
+
+def pair_rewards(model: Any, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 scores a one-output sequence classifier (a reward model) gives each pair's chosen and rejected
+    sequence of a padded ``PairCollator`` batch, ``[pairs]`` each: one forward of its ``[pairs, 2, length]`` rows as
+    ``[2 x pairs, length]``, chosen rows first (TRL's order)."""
+    pairs, k, length = batch["input_ids"].shape
+    inputs = {key: batch[key].transpose(0, 1).reshape(k * pairs, length) for key in ("input_ids", "attention_mask")}
+    scores = model(**inputs, use_cache=False).logits.squeeze(-1).float()
+    chosen, rejected = scores.chunk(2)
+    return chosen, rejected
 
 
 class UnpairedCollator:

@@ -1,6 +1,6 @@
-"""``rapidlite-eval``: score a causal LM on a local jsonl file, on one process or N.
+"""``rapidlite-eval``: score a causal LM (or a reward model) on a local jsonl file, on one process or N.
 
-    rapidlite-eval --model DIR --data items.jsonl [--task multiple_choice|perplexity] [--seq-length N]
+    rapidlite-eval --model DIR --data items.jsonl [--task multiple_choice|perplexity|reward] [--seq-length N]
                    [--micro-batch-size N] [--bf16] [--output results.json [--overwrite]] [--nproc-per-node N]
 
 The data and the output path are checked before any model is loaded or worker started. With
@@ -21,7 +21,7 @@ from typing import Any
 from rapidlite.config.runtime import ParallelConfig
 from rapidlite.entry import run_command
 from rapidlite.errors import ConfigError
-from rapidlite.evaluation.data import TASK_FIELDS, load_eval_data
+from rapidlite.evaluation.data import REWARD, TASK_FIELDS, load_eval_data
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,14 +30,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="rapidlite-eval", description="Score a causal LM on local jsonl data.", allow_abbrev=False)
+    p = _Parser(
+        prog="rapidlite-eval",
+        description="Score a causal LM, or a reward model, on local jsonl data.",
+        allow_abbrev=False,
+    )
     p.add_argument(
         "--model",
         "--pretrained-model-name-or-path",
         dest="model",
         required=True,
         metavar="DIR_OR_NAME",
-        help="an AutoModelForCausalLM directory (or cached name) with its tokenizer",
+        help="an AutoModelForCausalLM directory (or cached name) with its tokenizer (--task reward: a reward model's)",
     )
     p.add_argument(
         "--data",
@@ -45,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="data",
         required=True,
         metavar="FILE",
-        help="jsonl rows: context/endings/label (multiple choice) or text (perplexity)",
+        help="jsonl rows: context/endings/label (multiple choice), text (perplexity), prompt/chosen/rejected (reward)",
     )
     p.add_argument("--task", choices=tuple(TASK_FIELDS), default=None, help="default: from the rows' fields")
     p.add_argument(
@@ -100,10 +104,11 @@ def run(argv: Sequence[str]) -> int:
         return launch(parallel, "rapidlite.evaluation.command", list(argv), module=True)
 
     from rapidlite.distributed import init_distributed
-    from rapidlite.evaluation.scoring import evaluate, load_scorer
+    from rapidlite.evaluation.scoring import evaluate, load_reward_scorer, load_scorer
 
     ctx = init_distributed(parallel)
-    scorer = load_scorer(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
+    load = load_reward_scorer if task == REWARD else load_scorer
+    scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
     results = evaluate(scorer, task, items, ctx if ctx.initialized else None)
     if ctx.is_main_process:
         results = {**results, "model": args.model, "data": args.data, "world_size": ctx.world_size}

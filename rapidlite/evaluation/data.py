@@ -2,7 +2,9 @@
 
 A multiple-choice row is ``{"context": str, "endings": [str, ...], "label": int}`` (HellaSwag's layout; a
 label given as a digit string, as the Hugging Face HellaSwag rows have it, is read as its integer). A
-perplexity row is ``{"text": str}``. Every row must carry the fields of the file's task.
+perplexity row is ``{"text": str}``. A reward row is a preference pair, ``{"prompt", "chosen", "rejected"}`` (text
+or conversations; the prompt may be left inside both, as ``--task reward_model`` reads them), scored by a reward
+model. Every row must carry the fields of the file's task.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from rapidlite.errors import DataError
 
 MULTIPLE_CHOICE = "multiple_choice"
 PERPLEXITY = "perplexity"
+REWARD = "reward"
 TASK_FIELDS: dict[str, tuple[str, ...]] = {
     MULTIPLE_CHOICE: ("context", "endings", "label"),
     PERPLEXITY: ("text",),
+    REWARD: ("chosen", "rejected"),
 }
 
 
@@ -115,8 +119,24 @@ def text_rows(path: str | os.PathLike, rows: list[dict]) -> list[str]:
     return [row["text"] for row in rows]
 
 
+def preference_rows(path: str | os.PathLike, rows: list[dict]) -> list[dict]:
+    """The rows, each checked to be a preference pair of one kind (``rapidlite.data.preference.read_pair``)."""
+    from rapidlite.data.preference import read_pair
+
+    path = os.fspath(path)
+    for number, row in enumerate(rows, 1):
+        try:
+            read_pair(row)
+        except DataError as e:
+            raise DataError(f"--data {path}: row {number}: {e}") from None
+    return rows
+
+
 def load_eval_data(path: str | os.PathLike, task: str | None = None) -> tuple[str, list]:
-    """``(task, items)`` from a jsonl file: ``MultipleChoiceItem``s or texts, by ``task`` or by the fields."""
+    """``(task, items)`` from a jsonl file: ``MultipleChoiceItem``s, texts or preference rows, by ``task`` or by the
+    fields."""
     rows = read_jsonl(path)
     task = detect_task(path, rows, task)
-    return task, multiple_choice_items(path, rows) if task == MULTIPLE_CHOICE else text_rows(path, rows)
+    if task == MULTIPLE_CHOICE:
+        return task, multiple_choice_items(path, rows)
+    return task, preference_rows(path, rows) if task == REWARD else text_rows(path, rows)

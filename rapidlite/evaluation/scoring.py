@@ -1,4 +1,5 @@
-"""Scoring a causal LM: continuation log-likelihoods as EleutherAI's lm-eval computes them, shared by ranks.
+"""Scoring a causal LM: continuation log-likelihoods as EleutherAI's lm-eval computes them, shared by ranks; and
+scoring preference pairs with a reward model (``RewardScorer``, ``reward``).
 
 Tokenisation follows lm-eval's ``HFLM`` (0.4): a context's trailing spaces move to the continuation;
 context and context + continuation are encoded separately (the tokenizer's default special tokens, none
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError, DataError, first_line
-from rapidlite.evaluation.data import MULTIPLE_CHOICE, MultipleChoiceItem
+from rapidlite.evaluation.data import MULTIPLE_CHOICE, REWARD, MultipleChoiceItem
 
 # lm-eval's default when neither the config nor the tokenizer gives a length.
 DEFAULT_MAX_LENGTH = 2048
@@ -236,10 +237,130 @@ def load_scorer(
     return CausalLMScorer(net.to(device), tokenizer, max_length, batch_size, device)
 
 
-def evaluate(
-    scorer: CausalLMScorer, task: str, items: Sequence[Any], ctx: DistributedContext | None = None
-) -> dict[str, Any]:
-    """The metrics of ``task`` (``multiple_choice`` or ``perplexity``) on ``items`` as ``load_eval_data``
-    returns them, equal on every rank."""
-    metrics = multiple_choice(scorer, items, ctx) if task == MULTIPLE_CHOICE else perplexity(scorer, items, ctx)
+class RewardScorer:
+    """Scores of preference pairs under a reward model (``AutoModelForSequenceClassification`` with one output, as
+    ``--task reward_model`` exports it) and its tokenizer: each row tokenized as in training
+    (``rapidlite.data.preference.encode_reward_pairs``), padded with the id the model's config reads the last
+    token by."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_length: int | None = None,
+        batch_size: int = 8,
+        device: torch.device | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length or model_max_length(model.config, tokenizer)
+        self.batch_size = batch_size
+        self.device = device or next(model.parameters()).device
+        pad = model.config.pad_token_id
+        if pad is None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            model.config.pad_token_id = pad  # padding is masked; the model must know which id ends a row
+        self.pad_id = pad if pad is not None else 0
+
+    def pair_scores(self, rows: Sequence[dict], ctx: DistributedContext | None = None) -> tuple[torch.Tensor, dict]:
+        """``([pairs, 2] scores (chosen, rejected) in row order, dropped rows by reason)`` on every rank: pairs sorted
+        longest first, cut into batches over the whole set, batch ``b`` scored by rank ``b % world``."""
+        from rapidlite.data.preference import Counts, PairCollator, encode_reward_pairs, pair_rewards
+
+        counts = Counts()
+        samples = encode_reward_pairs(rows, self.tokenizer, self.max_length, counts)
+        if not samples:
+            reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.dropped.items()))
+            raise DataError(f"--data: no row can be scored ({reasons}); give pairs that differ and fit --seq-length")
+        collate = PairCollator(self.pad_id)
+        rank, world = (ctx.dp_rank, ctx.dp_size) if ctx is not None else (0, 1)
+        order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["chosen_ids"] + samples[i]["rejected_ids"]))
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        mine = []
+        with torch.no_grad():
+            for batch in batches[rank::world]:
+                inputs = {k: v.to(self.device) for k, v in collate([samples[i] for i in batch]).items()}
+                chosen, rejected = pair_rewards(self.model, inputs)
+                index = torch.tensor(batch, dtype=torch.float64)
+                mine.append(torch.stack([index, chosen.double().cpu(), rejected.double().cpu()], 1))
+        local = torch.cat(mine) if mine else torch.zeros(0, 3, dtype=torch.float64)
+        gathered = ctx.all_gather(local) if ctx is not None else local
+        scores = torch.zeros(len(samples), 2, dtype=torch.float64)
+        scores[gathered[:, 0].long()] = gathered[:, 1:]
+        return scores, counts.dropped
+
+
+def reward(scorer: RewardScorer, rows: Sequence[dict], ctx: DistributedContext | None = None) -> dict[str, Any]:
+    """TRL's reward metrics of the pairs: ``accuracy`` (the share scored chosen above rejected) with its standard
+    error, ``margin`` (mean chosen - rejected score), ``mean_reward``, ``min_reward``, ``max_reward``; ``n`` scored
+    pairs, and ``dropped`` (by reason) when some rows could not be scored."""
+    scores, dropped = scorer.pair_scores(rows, ctx)
+    chosen, rejected = scores[:, 0], scores[:, 1]
+    hits = (chosen > rejected).double().tolist()
+    out: dict[str, Any] = {
+        "accuracy": sum(hits) / len(hits),
+        "accuracy_stderr": mean_stderr(hits),
+        "margin": float((chosen - rejected).mean()),
+        "mean_reward": float(scores.mean()),
+        "min_reward": float(scores.min()),
+        "max_reward": float(scores.max()),
+        "n": len(hits),
+    }
+    if dropped:
+        out["dropped"] = dict(sorted(dropped.items()))
+    return out
+
+
+def load_reward_scorer(
+    model: str,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    bf16: bool = False,
+    device: torch.device | None = None,
+) -> RewardScorer:
+    """A scorer for a reward model's directory or name (``AutoModelForSequenceClassification`` with one output, SDPA
+    attention, float32 weights unless ``bf16``) and its tokenizer. A LoRA adapter directory (or ``DIR/hf`` of a
+    ``--lora-rank`` run, holding ``adapter/``) is scored on its base with a one-output head, which the adapter holds."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rapidlite.models import lora
+    from rapidlite.models.hf import check_positions, load_hf_model
+    from rapidlite.progress import hf_transformers_progress
+
+    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
+        raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    adapter = lora.adapter_directory(model)
+    base = lora.adapter_base(adapter) if adapter is not None else model
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    try:
+        has_tokenizer = adapter is None or (adapter / "tokenizer_config.json").is_file()
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter) if adapter is not None and has_tokenizer else base)
+        with hf_transformers_progress(True):
+            if adapter is not None:
+                net = load_hf_model(AutoModelForSequenceClassification.from_pretrained, base, num_labels=1, dtype=dtype)
+                net = lora.load_adapter(net, adapter).eval()
+            else:
+                net = load_hf_model(AutoModelForSequenceClassification.from_pretrained, model, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: transformers' head size mismatch
+        raise ConfigError(f"--model {model}: cannot load a reward model and its tokenizer ({first_line(e)})") from None
+    if net.config.num_labels != 1:
+        raise ConfigError(
+            f"--model {model}: its sequence-classification head has {net.config.num_labels} outputs; --task reward "
+            "scores with a reward model (one output, as --task reward_model exports it)"
+        )
+    if max_length is not None:
+        check_positions(net, max_length, model)
+    device = device or torch.device("cpu")
+    return RewardScorer(net.to(device), tokenizer, max_length, batch_size, device)
+
+
+def evaluate(scorer: Any, task: str, items: Sequence[Any], ctx: DistributedContext | None = None) -> dict[str, Any]:
+    """The metrics of ``task`` (``multiple_choice``, ``perplexity`` with a ``CausalLMScorer``; ``reward`` with a
+    ``RewardScorer``) on ``items`` as ``load_eval_data`` returns them, equal on every rank."""
+    if task == REWARD:
+        metrics = reward(scorer, items, ctx)
+    elif task == MULTIPLE_CHOICE:
+        metrics = multiple_choice(scorer, items, ctx)
+    else:
+        metrics = perplexity(scorer, items, ctx)
     return {"task": task, **metrics}
