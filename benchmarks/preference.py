@@ -7,7 +7,8 @@ Workload P: a randomly initialised LLaMA (8 layers, 512 wide, 8 heads, vocabular
 prompt/chosen/rejected rows of fixed length (a 32-token prompt, 16-token responses, so every step holds the same
 tokens), sigmoid DPO with beta 0.1, micro-batch 2 pairs x accumulation 4, AdamW (lr 1e-5), fp32, 8 steps; the
 first 2 are warm-up and not timed. Short rows and small micro-batches make the model's states, not activations,
-most of the memory, as in fine-tuning a large model (where the frozen reference is the complaint). Contenders, each in its own process, one after the other:
+most of the memory, as in fine-tuning a large model (where the frozen reference is the complaint). Contenders, each
+in its own processes, one after the other:
 
     TRL DPOTrainer                 a frozen copy of the model as the reference (TRL's default)
     rapidlite                      the same: a frozen copy laid out as the policy
@@ -15,10 +16,11 @@ most of the memory, as in fine-tuning a large model (where the frozen reference 
     rapidlite ZeRO-3 x 2           2 ranks, the policy and its frozen reference both sharded (per rank)
 
 It prints each one's tokens/s (the real tokens of chosen and rejected sequences, per second of training steps),
-its peak memory (the peak resident size above what the process held after importing torch and transformers:
-model states, the reference and activations), the memory its reference takes, and the ratios to TRL with the
-targets: tokens/s >= 1.05 x TRL's, and peak memory <= 0.8 x TRL's with a precomputed or sharded reference. The
-first-step losses are checked equal (the same model and batch give the same DPO loss: ln 2 at step 1).
+its peak memory (the peak resident size of the training steps after the first, above what the process held after
+its imports: model states, the reference, activations and buffers; with 2 ranks the larger rank's; see
+``TrainingPeak``), the memory its reference takes, and the ratios to TRL with the targets: tokens/s >= 1.05 x
+TRL's, and peak memory <= 0.8 x TRL's with a precomputed or sharded reference. The first-step losses are
+checked equal (the same model and batch give the same DPO loss: ln 2 at step 1).
 """
 
 from __future__ import annotations
@@ -75,6 +77,25 @@ def vm(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+class TrainingPeak:
+    """The peak resident size of the training steps after the first: at the end of step 1 (the model, its
+    reference and the optimizer state all built, the first batch's buffers allocated) the high-water mark restarts
+    from the current size (Linux ``clear_refs``), so loading and building (a whole model in each rank's memory
+    before sharding) do not count; glibc returns freed blocks at once (``MALLOC_MMAP_THRESHOLD_``)."""
+
+    def __init__(self) -> None:
+        self.baseline = vm("VmRSS")
+        self.steps = 0
+
+    def step_ended(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def bytes(self) -> int:
+        return vm("VmHWM") - self.baseline
+
+
 # ---------------------------------------------------------------------- assets (the parent process)
 
 
@@ -123,13 +144,12 @@ def write_assets(root: Path, w: Workload) -> tuple[Path, Path]:
 
 
 def run_trl(w: Workload, model_dir: Path, data: Path, work: Path) -> dict:
-    import torch
     import transformers
     import trl
     from datasets import load_dataset
 
     import_everything()
-    baseline = vm("VmRSS")
+    peak = TrainingPeak()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.pad_token = tokenizer.eos_token
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
@@ -143,6 +163,7 @@ def run_trl(w: Workload, model_dir: Path, data: Path, work: Path) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.start)
+            peak.step_ended()
 
     args = trl.DPOConfig(
         output_dir=str(work / "trl"), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=w.micro,
@@ -163,9 +184,7 @@ def run_trl(w: Workload, model_dir: Path, data: Path, work: Path) -> dict:
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     per_step = sum(tokens) / len(times)
     ref_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
-    del trainer, model, ref
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"step_s": times, "tokens_per_step": per_step, "peak": vm("VmHWM") - baseline, "reference": ref_bytes,
+    return {"step_s": times, "tokens_per_step": per_step, "peak": peak.bytes(), "reference": ref_bytes,
             "first_loss": losses[0]}  # fmt: skip
 
 
@@ -179,44 +198,48 @@ def rapidlite_argv(w: Workload, model_dir: Path, data: Path, save: Path, flags: 
     ]  # fmt: skip
 
 
-def run_rapidlite(w: Workload, model_dir: Path, data: Path, work: Path, flags: list[str]) -> dict:
+def run_rapidlite(w: Workload, model_dir: Path, data: Path, save: Path, flags: list[str], result: Path) -> None:
+    """rapidlite in this process (one of the ranks, under torchrun): after every step this rank's training peak
+    so far goes to ``result`` (a rank's process ends inside the run: gloo workers exit at its end)."""
     from rapidlite.cli import main
+    from rapidlite.trainer.base import BaseTrainer
 
     import_everything()
-    baseline = vm("VmRSS")
-    save = work / "rapidlite"
+    peak = TrainingPeak()
+    after_step = BaseTrainer.after_step
+
+    def measured(self, samples):
+        after_step(self, samples)
+        peak.step_ended()
+        result.write_text(json.dumps({"peak": peak.bytes()}))
+
+    BaseTrainer.after_step = measured
     code = main(rapidlite_argv(w, model_dir, data, save, flags))
     if code not in (0, None):
         raise SystemExit(f"rapidlite exited {code}")
-    return _rapidlite_result(save, vm("VmHWM") - baseline)
 
 
-def _rapidlite_result(save: Path, peak: int | None) -> dict:
+def rapidlite_metrics(save: Path) -> dict:
+    """Step times, tokens per step and the first loss of a run's metrics.jsonl."""
     records = [json.loads(line) for line in open(save / "metrics.jsonl")]
     train = [r for r in records if "split" not in r and "step_time_s" in r]
-    log = (save / "log.txt").read_text() if (save / "log.txt").exists() else ""
-    match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", log)
     return {
         "step_s": [r["step_time_s"] for r in train],
         "tokens_per_step": statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in train),
-        "peak": peak if peak is not None else train[-1]["peak_memory_mb"] * 2**20,
-        "reference": float(match.group(1)) * 2**20 if match else 0,
         "first_loss": train[0]["loss"],
     }
 
 
+FLAGS = {"rapidlite": [], "precomputed": ["--precompute-ref-logprobs"], "zero3": ["--zero-3-memory-optimization"]}
+
+
 def contender_main(key: str, w: Workload, root: Path, result: Path) -> None:
     model_dir, data = root / "model", root / "data"
-    work = Path(tempfile.mkdtemp(dir=root))
+    mine = result.with_suffix(f".{os.environ.get('RANK', '0')}.json")
     if key == "trl":
-        out = run_trl(w, model_dir, data, work)
-    elif key == "rapidlite":
-        out = run_rapidlite(w, model_dir, data, work, [])
-    elif key == "precomputed":
-        out = run_rapidlite(w, model_dir, data, work, ["--precompute-ref-logprobs"])
+        mine.write_text(json.dumps(run_trl(w, model_dir, data, Path(tempfile.mkdtemp(dir=root)))))
     else:
-        raise SystemExit(f"unknown contender {key}")
-    result.write_text(json.dumps(out))
+        run_rapidlite(w, model_dir, data, root / key, FLAGS[key], mine)
 
 
 CONTENDERS = {
@@ -227,43 +250,31 @@ CONTENDERS = {
 }
 
 
-def launch(key: str, w: Workload, root: Path, quick: bool, baseline_two: int) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAPIDLITE_CACHE": str(root / "cache")}
-    if key == "zero3":  # two worker processes: each rank's peak from its metrics, above a fresh process's imports
-        save = root / "zero3"
-        flags = ["--nproc-per-node", "2", "--zero-3-memory-optimization"]
-        argv = [sys.executable, "-m", "rapidlite", *rapidlite_argv(w, root / "model", root / "data", save, flags)]
-        env["OMP_NUM_THREADS"] = "1"
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stderr[-3000:]}")
-        (save / "log.txt").write_text(proc.stdout)
-        out = _rapidlite_result(save, None)
-        out["peak"] -= baseline_two
-        return out
+def launch(key: str, w: Workload, root: Path, quick: bool) -> dict:
+    """One contender in processes of its own (2 ranks under torchrun for ZeRO-3): its result, rank 0's peak and
+    the largest rank's."""
+    env = {
+        **os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAPIDLITE_CACHE": str(root / "cache"),
+        "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
+    }  # fmt: skip
     result = root / f"{key}.json"
-    argv = [sys.executable, __file__, "--contender", key, "--root", str(root), "--result", str(result)]
-    if quick:
-        argv.append("--quick")
-    env["OMP_NUM_THREADS"] = "2"
+    argv = [__file__, "--contender", key, "--root", str(root), "--result", str(result)] + (["--quick"] if quick else [])
+    if key == "zero3":
+        env["OMP_NUM_THREADS"] = "1"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
+    else:
+        env["OMP_NUM_THREADS"] = "2"
+        argv = [sys.executable, *argv]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(root.glob(f"{key}.*.json"))]
+    if proc.returncode != 0 or not ranks:
+        raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    out = ranks[0] if key == "trl" else rapidlite_metrics(root / key)
+    out["peak"] = max(r["peak"] for r in ranks)
     if key != "trl":
-        match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", proc.stdout)
-        out = json.loads(result.read_text())
+        match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", proc.stdout + proc.stderr)
         out["reference"] = float(match.group(1)) * 2**20 if match else 0
-        return out
-    return json.loads(result.read_text())
-
-
-def import_baseline() -> int:
-    """The resident size of a process that imported what a rank imports, before any model."""
-    code = (
-        "import re, pathlib, torch, transformers, trl, datasets, rapidlite.cli, rapidlite.tasks.dpo;"
-        "print(int(re.search(r'VmRSS:\\s+(\\d+)', pathlib.Path('/proc/self/status').read_text()).group(1)) * 1024)"
-    )
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    return out
 
 
 def main() -> int:
@@ -280,8 +291,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_assets(root, w)
-        baseline_two = import_baseline()
-        results = {key: launch(key, w, root, args.quick, baseline_two) for key in CONTENDERS}
+        results = {key: launch(key, w, root, args.quick) for key in CONTENDERS}
     print(f"{'contender':<38} {'tokens/s':>9} {'x TRL':>6} {'peak MiB':>9} {'x TRL':>6} {'reference MiB':>14}")
     trl_rate = results["trl"]["tokens_per_step"] / statistics.median(results["trl"]["step_s"][w.warmup :])
     for key, label in CONTENDERS.items():

@@ -56,9 +56,9 @@ class TaskSpec:
     ``--load-pretrained-weights``): the size flags reshape the config, the position table grows to
     ``--seq-length``, and without ``--pretrained-model-name-or-path`` it is the built-in GPT. ``reference``: the
     task scores against a reference model; given the settings, which one (``preference_reference``), so the
-    trainer and the planner (which counts its memory) read the one rule. ``ignored_sections``: settings sections
-    (``Sections`` attributes) whose flags the task does not read: one of them set off its default is refused in one
-    line rather than ignored.
+    trainer and the planner (which counts its memory) read the one rule. ``ignored``: flags the task does not read,
+    named by destination or by their settings section (a ``Sections`` attribute: all of its flags): one of them set
+    off its default is refused in one line rather than ignored.
     """
 
     name: str
@@ -78,7 +78,7 @@ class TaskSpec:
     inputs_per_sample: int = 1
     from_config: bool = False
     reference: Callable[[Any], str] | None = None
-    ignored_sections: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -246,19 +246,6 @@ def _check_kto(args: argparse.Namespace) -> None:
     ):
         if value <= 0:
             raise ConfigError(f"{flag} {value:g}: must be positive")
-    unused = [
-        flag
-        for flag, value, default in (
-            ("--loss-type", args.loss_type, "sigmoid"),
-            ("--label-smoothing", args.label_smoothing, 0.0),
-            ("--simpo-gamma", args.simpo_gamma, 0.5),
-            ("--orpo-alpha", args.orpo_alpha, 0.1),
-            ("--rpo-alpha", args.rpo_alpha, None),
-        )
-        if value != default
-    ]
-    if unused:
-        raise ConfigError(f"{', '.join(unused)}: --task kto does not use it (DPO's); drop it")
     if args.padding_free:
         raise ConfigError(
             "--padding-free: --task kto runs each completion and its KL sequence as padded rows; drop --padding-free"
@@ -399,6 +386,7 @@ TASKS: dict[str, TaskSpec] = {
             defaults={"seq_length": PREFERENCE_SEQ_LENGTH},
             load_model_dir=True,
             check=_check_kto,
+            ignored=("loss_type", "label_smoothing", "simpo_gamma", "orpo_alpha", "rpo_alpha"),  # DPO's
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             reference=preference_reference,
@@ -412,7 +400,7 @@ TASKS: dict[str, TaskSpec] = {
             load_model_dir=True,
             check=_check_reward_model,
             # Its loss has no reference, beta or prompt cut (a row longer than --max-length is dropped).
-            ignored_sections=("preference",),
+            ignored=("preference",),
             eval_only=True,
             auto_class="AutoModelForSequenceClassification",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair

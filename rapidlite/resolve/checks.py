@@ -8,7 +8,7 @@ from typing import Any
 
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
-from rapidlite.config.settings import Sections
+from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, get_task
 from rapidlite.environ import env_int, launch_value
 from rapidlite.errors import ConfigError
@@ -182,11 +182,13 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
             f"drop {flag}"
         )
-    for name in task.ignored_sections:
-        section = section_of(args, name)
-        for f, _ in flag_fields(type(section)):
-            if getattr(section, f.name) != f.default:
-                raise ConfigError(f"{option(f.name)}: --task {task.name} does not use it; drop the flag")
+    if task.ignored:
+        sections = Sections.of(vars(args))
+        for name in SECTION_NAMES:
+            section = getattr(sections, name)
+            for f, _ in flag_fields(type(section)):
+                if (name in task.ignored or f.name in task.ignored) and getattr(section, f.name) != f.default:
+                    raise ConfigError(f"{option(f.name)}: --task {task.name} does not use it; drop the flag")
     if task.check is not None:
         task.check(args)
 
