@@ -232,11 +232,21 @@ def test_precomputed_reference_trains_as_the_live_one(runs):
     _assert_same_run(runs("precomputed", "--micro-batch-size", "8", "--precompute-ref-logprobs"), runs("one"))
 
 
+TWO_RANKS = {
+    "ddp": [],
+    "zero3_offload": ["--zero-3-memory-optimization", "--cpu-offload"],
+    "deepspeed_zero3": ["--deepspeed", "--zero-3-memory-optimization"],
+}
+
+
 @pytest.mark.distributed
-def test_two_ranks_train_as_one_process(runs):
-    """Two DDP ranks of 2 x 2 micro-batches: the KL over the global batch, the losses and metrics equal one
-    process's."""
-    _assert_same_run(runs("ddp", "--micro-batch-size", "2", "--nproc-per-node", "2"), runs("one"))
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_ranks_train_as_one_process(runs, layout):
+    """Two ranks of 2 x 2 micro-batches, the policy and its frozen reference replicated (DDP), sharded by FSDP2 with
+    CPU offload, or partitioned by DeepSpeed ZeRO-3: the KL over the global batch, the losses and metrics equal
+    one process's."""
+    flags = ["--micro-batch-size", "2", "--nproc-per-node", "2", *TWO_RANKS[layout]]
+    _assert_same_run(runs(layout, *flags), runs("one"))
 
 
 # ------------------------------------------------------------------ bad input

@@ -215,20 +215,70 @@ def test_one_step_with_accumulation_equals_one_big_batch(assets):
 METRICS = ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
 
+LAYOUTS = {
+    "one": ["--micro-batch-size", "8"],
+    "ddp": ["--micro-batch-size", "4", "--nproc-per-node", "2"],
+    "zero3_offload": [
+        "--micro-batch-size",
+        "4",
+        "--nproc-per-node",
+        "2",
+        "--zero-3-memory-optimization",
+        "--cpu-offload",
+    ],
+    "deepspeed_zero3": [
+        "--micro-batch-size",
+        "4",
+        "--nproc-per-node",
+        "2",
+        "--deepspeed",
+        "--zero-3-memory-optimization",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(assets, tmp_path_factory):
+    """``get(name)``: the --save directory of layout ``name`` (3 SGD steps, then validation), run once."""
+    model_dir, root = assets
+    out = tmp_path_factory.mktemp("reward-layouts")
+    common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--global-batch-size", "8"]
+    done = {}
+
+    def get(name):
+        if name not in done:
+            argv = reward_args(model_dir, root / "margin", *common, *LAYOUTS[name], "--save", str(out / name))
+            proc = run_cli(*argv)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = out / name
+        return done[name]
+
+    return get
+
+
 @pytest.mark.distributed
-def test_two_ranks_train_and_evaluate_as_one_process(assets, tmp_path):
+@pytest.mark.parametrize("layout", ["zero3_offload", "deepspeed_zero3"])
+def test_sharded_layouts_train_and_evaluate_as_one_process(layout_runs, layout):
+    """FSDP2 ZeRO-3 with CPU offload and DeepSpeed ZeRO-3 over 2 ranks: the losses and metrics of every interval and
+    of the validation pass equal one process's."""
+    numbers = []
+    for name in ("one", layout):
+        records = [r for r in read_metrics(layout_runs(name)) if "loss" in r]
+        numbers.append([(r.get("split", "train"), k, r[k]) for r in records for k in METRICS if k in r])
+    one, two = numbers
+    assert [x[:2] for x in two] == [x[:2] for x in one]
+    for (split, key, value), (_, _, want) in zip(two, one, strict=True):
+        assert value == pytest.approx(want, rel=1e-4, abs=1e-6), (split, key)
+
+
+@pytest.mark.distributed
+def test_two_ranks_train_and_evaluate_as_one_process(assets, layout_runs):
     """Data parallel over 2 ranks: each interval's loss and metrics, and the validation pass's (13 pairs: the ranks'
     last batches are padded and trimmed), equal one process's with the same global batch."""
     model_dir, root = assets
-    common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--global-batch-size", "8"]
     numbers = []
-    for name, layout in (
-        ("one", ["--micro-batch-size", "8"]),
-        ("two", ["--micro-batch-size", "4", "--nproc-per-node", "2"]),
-    ):
-        proc = run_cli(*reward_args(model_dir, root / "margin", *common, *layout, "--save", str(tmp_path / name)))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        records = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+    for name in ("one", "ddp"):
+        records = [r for r in read_metrics(layout_runs(name)) if "loss" in r]
         numbers.append([(r.get("split", "train"), k, r[k]) for r in records for k in METRICS if k in r])
     one, two = numbers
     assert [x[:2] for x in two] == [x[:2] for x in one]
@@ -237,9 +287,9 @@ def test_two_ranks_train_and_evaluate_as_one_process(assets, tmp_path):
         assert value == pytest.approx(want, rel=1e-4, abs=1e-6), (split, key)
     # rapidlite-eval on 2 ranks (13 pairs in batches of 4: unequal shares) scores the export as the run's last
     # validation pass did.
-    results = _rapidlite_eval(tmp_path / "one" / "hf", root / "margin" / "validation.jsonl", "--micro-batch-size", "4",
-                              "--nproc-per-node", "2")  # fmt: skip
-    last = [r for r in read_metrics(tmp_path / "one") if r.get("split") == "validation"][-1]
+    results = _rapidlite_eval(layout_runs("one") / "hf", root / "margin" / "validation.jsonl", "--micro-batch-size",
+                              "4", "--nproc-per-node", "2")  # fmt: skip
+    last = [r for r in read_metrics(layout_runs("one")) if r.get("split") == "validation"][-1]
     assert results["world_size"] == 2 and results["n"] == 13
     for name in ("accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
         assert results[name] == pytest.approx(last[name], **TOL), name
