@@ -106,9 +106,18 @@ class Timers:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak device memory on CUDA; peak resident set size of this process elsewhere."""
+    """Peak device memory on CUDA; peak resident set size of this process elsewhere. Linux: its own memory's
+    high-water mark (``VmHWM``): ``getrusage``'s ``ru_maxrss`` carries the launching process's resident size over
+    ``fork`` and ``exec``, so a run started from a large process (a test runner, a notebook) would report that."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
