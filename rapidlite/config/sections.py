@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rapidlite.config.fields import derived, flag
-from rapidlite.config.tasks import task_names
+from rapidlite.config.tasks import REFERENCE_FREE_LOSSES, task_names
 
 # The --help groups, in their order (title -> description).
 TASK_AND_MODEL = "task and model"
@@ -419,4 +419,4 @@ class PreferenceConfig:
     @property
     def reference_free(self) -> bool:
         """SimPO and ORPO use no reference model."""
-        return self.loss_type in ("simpo", "orpo")
+        return self.loss_type in REFERENCE_FREE_LOSSES

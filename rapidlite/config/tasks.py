@@ -198,6 +198,8 @@ def _check_seq2seq(args: argparse.Namespace) -> None:
 
 
 PREFERENCE_SEQ_LENGTH = 1024  # TRL's max_length for DPO, KTO and reward models
+# The --loss-type values with no reference model; their log-probabilities are length-averaged (SimPO, ORPO).
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 
 
 def preference_reference(settings: Any) -> str:
@@ -218,12 +220,7 @@ def _check_preference(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--label-smoothing {args.label_smoothing:g}: must be in [0, 0.5) (the share of flipped labels)"
         )
-    if args.beta <= 0:
-        raise ConfigError(f"--beta {args.beta:g}: must be positive")
-    if args.max_prompt_length is not None and args.max_prompt_length < 1:
-        raise ConfigError(f"--max-prompt-length {args.max_prompt_length}: must be at least 1")
-    reference_free = args.loss_type in ("simpo", "orpo")
-    if args.precompute_ref_logprobs and reference_free:
+    if args.precompute_ref_logprobs and args.loss_type in REFERENCE_FREE_LOSSES:
         raise ConfigError(
             f"--precompute-ref-logprobs: --loss-type {args.loss_type} uses no reference model; drop the flag"
         )
@@ -236,16 +233,6 @@ def _check_preference(args: argparse.Namespace) -> None:
 
 
 def _check_kto(args: argparse.Namespace) -> None:
-    if args.beta <= 0:
-        raise ConfigError(f"--beta {args.beta:g}: must be positive")
-    if args.max_prompt_length is not None and args.max_prompt_length < 1:
-        raise ConfigError(f"--max-prompt-length {args.max_prompt_length}: must be at least 1")
-    for flag, value in (
-        ("--desirable-weight", args.desirable_weight),
-        ("--undesirable-weight", args.undesirable_weight),
-    ):
-        if value <= 0:
-            raise ConfigError(f"{flag} {value:g}: must be positive")
     if args.padding_free:
         raise ConfigError(
             "--padding-free: --task kto runs each completion and its KL sequence as padded rows; drop --padding-free"

@@ -48,6 +48,7 @@ def check_ranges(args: argparse.Namespace) -> None:
         "nproc_per_node",
         "nnodes",
         "distributed_timeout_minutes",
+        "max_prompt_length",
     ):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -59,7 +60,8 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops"):
+    positive = ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops", "beta")
+    for name in (*positive, "desirable_weight", "undesirable_weight"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")

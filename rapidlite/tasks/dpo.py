@@ -286,7 +286,8 @@ class DPOFinetuner(CausalLMFinetuner):
             # Evaluation adds it once over the whole split (run_compute_metrics).
             scale = self._nll_scale if self._nll_scale is not None else pairs / max(int(nll_tokens), 1)
             loss_sum = loss_sum + nll_weight * nll_sum * scale
-        self.record_metrics(training, scores, out, nll_sum, nll_tokens, pref.loss_type in ("simpo", "orpo"))
+        # The reference-free losses read (and log, as CPO's and ORPO's trainers do) per-token log-probabilities.
+        self.record_metrics(training, scores, out, nll_sum, nll_tokens, averaged=pref.reference_free)
         return loss_sum, pairs
 
     def training_mode(self, model: Any) -> bool:
