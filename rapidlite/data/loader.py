@@ -206,6 +206,19 @@ def slice_batch(batch: Any, rows: int) -> Any:
     return batch
 
 
+def unpadded_batches(loader: Any) -> Iterator[Any]:
+    """The batches of an evaluation loader without the repeats that even out the ranks' batch counts (its
+    ``padding_rows``, at a batch's tail); a batch of repeats only is skipped."""
+    for batch in loader:
+        padding = getattr(loader, "padding_rows", 0)
+        if padding:
+            rows = batch_stats(batch)[0] - padding
+            if rows <= 0:
+                continue
+            batch = slice_batch(batch, rows)
+        yield batch
+
+
 def require_map_style(dataset: Any, what: str) -> None:
     """Refuse in one line a dataset the loaders cannot shard, shuffle and resume: one without ``len()`` and
     indexing (an ``IterableDataset``, a streaming ``datasets.IterableDataset``, a generator)."""

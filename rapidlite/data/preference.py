@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,18 +211,25 @@ def _fit(
     return prompt_ids, [r[:room] for r in responses]
 
 
-def encode_pairs(
-    rows: Any, tokenizer: Any, max_length: int, max_prompt_length: int | None, counts: Counts
-) -> list[dict[str, list[int]]]:
-    """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` of each usable row (``--task dpo``)."""
-    encoder = Encoder(tokenizer)
-    out = []
+def _distinct_pairs(rows: Any, counts: Counts) -> Iterator[tuple[Mapping[str, Any], Pair]]:
+    """Each row with its pair, counted; pairs whose chosen equals the rejected response (no preference to learn)
+    are dropped and counted."""
     for row in rows:
         counts.rows += 1
         pair = read_pair(row)
         if pair.chosen == pair.rejected:
             counts.drop("chosen equals rejected")
             continue
+        yield row, pair
+
+
+def encode_pairs(
+    rows: Any, tokenizer: Any, max_length: int, max_prompt_length: int | None, counts: Counts
+) -> list[dict[str, list[int]]]:
+    """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` of each usable row (``--task dpo``)."""
+    encoder = Encoder(tokenizer)
+    out = []
+    for _, pair in _distinct_pairs(rows, counts):
         prompt_ids, (chosen, rejected) = encoder.split(pair.prompt, [pair.chosen, pair.rejected])
         fitted = _fit(prompt_ids, [chosen, rejected], max_length, max_prompt_length, counts)
         if fitted is None:
@@ -248,12 +255,7 @@ def encode_reward_pairs(rows: Any, tokenizer: Any, max_length: int, counts: Coun
     them (the score is read at the last token, so a longer row is dropped, not cut)."""
     encoder = Encoder(tokenizer)
     out = []
-    for row in rows:
-        counts.rows += 1
-        pair = read_pair(row)
-        if pair.chosen == pair.rejected:
-            counts.drop("chosen equals rejected")
-            continue
+    for row, pair in _distinct_pairs(rows, counts):
         chosen = encoder.ids(pair.prompt + encoder.with_eos(pair.chosen))
         rejected = encoder.ids(pair.prompt + encoder.with_eos(pair.rejected))
         if max(len(chosen), len(rejected)) > max_length:
@@ -338,6 +340,24 @@ def add_kl_completions(samples: list[dict[str, Any]], group: int) -> None:
         completions = [s["completion_ids"] for s in chunk]
         for sample, kl in zip(chunk, completions[-1:] + completions[:-1], strict=True):
             sample["kl_completion_ids"] = kl
+
+
+def encode_splits(
+    raw: Any, task: str, max_length: int, encode: Callable[[str, Any, Counts], list[dict[str, Any]]]
+) -> tuple[dict[str, list[dict[str, Any]] | None], dict[str, Counts]]:
+    """Every split of ``raw`` (train, validation, test; None where absent) as ``encode(name, rows, counts)`` makes
+    its samples, with what encoding did to each; a training split left with no sample is one line."""
+    splits: dict[str, list[dict[str, Any]] | None] = {}
+    counts: dict[str, Counts] = {}
+    for name in ("train", "validation", "test"):
+        if name not in raw:
+            splits[name] = None
+            continue
+        counts[name] = Counts()
+        splits[name] = encode(name, raw[name], counts[name])
+    if not splits["train"]:
+        raise no_rows_left(task, counts["train"], max_length)
+    return splits, counts
 
 
 def no_rows_left(task: str, counts: Counts, max_length: int) -> DataError:

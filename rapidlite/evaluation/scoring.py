@@ -58,8 +58,9 @@ def mean_stderr(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((x - mu) ** 2 for x in values) / (n - 1)) / math.sqrt(n)
 
 
-class CausalLMScorer:
-    """Log-likelihoods of continuations under a Hugging Face causal LM and its tokenizer."""
+class _ModelScorer:
+    """A Hugging Face model in eval mode with its tokenizer, the longest sequence it scores (the model's, unless
+    given), its batch size and device."""
 
     def __init__(
         self,
@@ -74,6 +75,16 @@ class CausalLMScorer:
         self.max_length = max_length or model_max_length(model.config, tokenizer)
         self.batch_size = batch_size
         self.device = device or next(model.parameters()).device
+
+
+def _check_model_path(model: str) -> None:
+    """A path that is no directory (rather than a Hub name) is one line before anything loads."""
+    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
+        raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+
+
+class CausalLMScorer(_ModelScorer):
+    """Log-likelihoods of continuations under a Hugging Face causal LM and its tokenizer."""
 
     @property
     def prefix_token_id(self) -> int | None:
@@ -219,8 +230,7 @@ def load_scorer(
     from rapidlite.models.lora import adapter_directory
     from rapidlite.progress import hf_transformers_progress
 
-    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
-        raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    _check_model_path(model)
     adapter = adapter_directory(model)
     model = str(adapter) if adapter is not None else model
     try:
@@ -237,7 +247,7 @@ def load_scorer(
     return CausalLMScorer(net.to(device), tokenizer, max_length, batch_size, device)
 
 
-class RewardScorer:
+class RewardScorer(_ModelScorer):
     """Scores of preference pairs under a reward model (``AutoModelForSequenceClassification`` with one output, as
     ``--task reward_model`` exports it) and its tokenizer: each row tokenized as in training
     (``rapidlite.data.preference.encode_reward_pairs``), padded with the id the model's config reads the last
@@ -251,11 +261,7 @@ class RewardScorer:
         batch_size: int = 8,
         device: torch.device | None = None,
     ) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.max_length = max_length or model_max_length(model.config, tokenizer)
-        self.batch_size = batch_size
-        self.device = device or next(model.parameters()).device
+        super().__init__(model, tokenizer, max_length, batch_size, device)
         pad = model.config.pad_token_id
         if pad is None:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -327,8 +333,7 @@ def load_reward_scorer(
     from rapidlite.models.hf import check_positions, load_hf_model
     from rapidlite.progress import hf_transformers_progress
 
-    if not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
-        raise ConfigError(f"--model {model}: no such directory; give a saved model's directory or a Hub name")
+    _check_model_path(model)
     adapter = lora.adapter_directory(model)
     base = lora.adapter_base(adapter) if adapter is not None else model
     dtype = torch.bfloat16 if bf16 else torch.float32

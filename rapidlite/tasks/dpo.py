@@ -34,7 +34,7 @@ import torch
 from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import preference_reference
-from rapidlite.data.preference import Counts, PairCollator, encode_pairs, no_rows_left, pair_layout, read_pair
+from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode_splits, pair_layout, read_pair
 from rapidlite.errors import ConfigError
 from rapidlite.metrics import MeanMetrics
 from rapidlite.models import lora
@@ -103,17 +103,12 @@ class DPOFinetuner(CausalLMFinetuner):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         self.max_length = seq_length
         layout = pair_layout(raw["train"].column_names)
-        splits: dict[str, list | None] = {}
-        counts: dict[str, Counts] = {}
-        for name in ("train", "validation", "test"):
-            if name not in raw:
-                splits[name] = None
-                continue
-            pair_layout(raw[name].column_names)
-            counts[name] = Counts()
-            splits[name] = encode_pairs(raw[name], self.tokenizer, seq_length, pref.max_prompt_length, counts[name])
-        if not splits["train"]:
-            raise no_rows_left("dpo", counts["train"], seq_length)
+
+        def encode(name: str, rows: Any, counts: Counts) -> list[dict[str, Any]]:
+            pair_layout(rows.column_names)
+            return encode_pairs(rows, self.tokenizer, seq_length, pref.max_prompt_length, counts)
+
+        splits, counts = encode_splits(raw, "dpo", seq_length, encode)
         self.logger.info(
             f"data: {layout}"
             f"{', chat template ' + self.settings.task.chat_template if self.settings.task.chat_template else ''} | "

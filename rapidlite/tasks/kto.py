@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from rapidlite.config.settings import Sections
-from rapidlite.data.loader import batch_stats, slice_batch
+from rapidlite.data.loader import unpadded_batches
 from rapidlite.data.preference import (
     Counts,
     UnpairedCollator,
     add_kl_completions,
+    encode_splits,
     encode_unpaired,
-    no_rows_left,
     unpaired_rows,
 )
 from rapidlite.errors import ConfigError
@@ -57,22 +57,17 @@ class KTOFinetuner(DPOFinetuner):
         self.max_length = seq_length
         columns = raw["train"].column_names
         layout = "prompt/completion/label" if "label" in columns else "chosen/rejected pairs, unpaired"
-        splits: dict[str, list | None] = {}
-        counts: dict[str, Counts] = {}
-        for name in ("train", "validation", "test"):
-            if name not in raw:
-                splits[name] = None
-                continue
-            counts[name] = Counts()
-            rows = unpaired_rows(raw[name], raw[name].column_names)
-            samples = encode_unpaired(rows, self.tokenizer, seq_length, pref.max_prompt_length, counts[name])
+
+        def encode(name: str, rows: Any, counts: Counts) -> list[dict[str, Any]]:
+            unpaired = unpaired_rows(rows, rows.column_names)
+            samples = encode_unpaired(unpaired, self.tokenizer, seq_length, pref.max_prompt_length, counts)
             if name == "train":
                 order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(training.seed))
                 samples = [samples[i] for i in order.tolist()]
             add_kl_completions(samples, group)
-            splits[name] = samples
-        if not splits["train"]:
-            raise no_rows_left("kto", counts["train"], seq_length)
+            return samples
+
+        splits, counts = encode_splits(raw, "kto", seq_length, encode)
         desirable = sum(s["label"] for s in splits["train"])
         self.logger.info(
             f"data: {layout}"
@@ -180,13 +175,7 @@ class KTOFinetuner(DPOFinetuner):
         """TRL's metrics over the split, the KL estimate being the whole split's (one pass over its KL sequences
         first), so the numbers do not depend on how the split is batched and shared over ranks."""
         terms = torch.zeros(2, dtype=torch.float64)
-        for batch in eval_dataloader:
-            padding = getattr(eval_dataloader, "padding_rows", 0)  # repeats that even out the ranks' batches
-            if padding:
-                rows = batch_stats(batch)[0] - padding
-                if rows <= 0:
-                    continue
-                batch = slice_batch(batch, rows)
+        for batch in unpadded_batches(eval_dataloader):
             terms += self.kl_terms(batch, model[0]).cpu()
         self._eval_kl = self._global_kl(terms)
         try:

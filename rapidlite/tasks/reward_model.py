@@ -28,7 +28,7 @@ from rapidlite.data.preference import (
     Counts,
     PairCollator,
     encode_reward_pairs,
-    no_rows_left,
+    encode_splits,
     pair_layout,
     pair_rewards,
 )
@@ -55,17 +55,12 @@ class RewardModelFinetuner(CausalLMFinetuner):
     def train_valid_test_datasets_provider(self):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         layout = pair_layout(raw["train"].column_names)
-        splits: dict[str, list | None] = {}
-        counts: dict[str, Counts] = {}
-        for name in ("train", "validation", "test"):
-            if name not in raw:
-                splits[name] = None
-                continue
-            pair_layout(raw[name].column_names)
-            counts[name] = Counts()
-            splits[name] = encode_reward_pairs(raw[name], self.tokenizer, seq_length, counts[name])
-        if not splits["train"]:
-            raise no_rows_left("reward_model", counts["train"], seq_length)
+
+        def encode(name: str, rows: Any, counts: Counts) -> list[dict[str, Any]]:
+            pair_layout(rows.column_names)
+            return encode_reward_pairs(rows, self.tokenizer, seq_length, counts)
+
+        splits, counts = encode_splits(raw, "reward_model", seq_length, encode)
         margin = ", margin column" if "margin" in raw["train"].column_names else ""
         template = self.settings.task.chat_template
         self.logger.info(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rapidlite.data.collate import FlatteningCollator
-from rapidlite.data.loader import DeviceDataLoader, batch_stats, slice_batch
+from rapidlite.data.loader import DeviceDataLoader, batch_stats, unpadded_batches
 from rapidlite.data.samplers import padded_share, sample_lengths
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
@@ -44,13 +44,7 @@ class Finetuner(BaseTrainer):
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
         total = torch.zeros((), dtype=torch.float64)
         count = torch.zeros((), dtype=torch.float64)
-        for batch in eval_dataloader:
-            padding = getattr(eval_dataloader, "padding_rows", 0)  # repeats that even out the ranks' batches
-            if padding:
-                rows = batch_stats(batch)[0] - padding
-                if rows <= 0:
-                    continue
-                batch = slice_batch(batch, rows)
+        for batch in unpadded_batches(eval_dataloader):
             loss, items = unpack_loss(self.run_forward_step(batch, model[0]))
             weight = items if items is not None else batch_stats(batch)[0]
             # A mean loss is weighted by its samples; a sum already is.
