@@ -270,3 +270,47 @@ def bert_run_args(root, num_layers=2):
         "--eval-interval", "5", "--eval-iters", "1", "--split", "90,10,0", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--train-iters", "5",
     ]  # fmt: skip
+
+
+def write_jsonl(directory, split, rows):
+    """``directory/{split}.jsonl``, one row a line (the directory made); returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{split}.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return directory
+
+
+def read_jsonl(directory, split="train"):
+    return [json.loads(line) for line in open(Path(directory) / f"{split}.jsonl")]
+
+
+def as_layout(rows, layout):
+    """prompt/chosen/rejected text rows in another of TRL's preference layouts: "conversation" (each a one-message
+    conversation), "implicit" (the prompt inside both responses) or "text" (as they are)."""
+    if layout == "conversation":
+        return [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    if layout == "implicit":
+        return [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+    return rows
+
+
+def assert_same_metrics(run, reference, keys, rel, at_least=1):
+    """Every training interval's and evaluation's ``keys`` in ``run``'s metrics.jsonl equal ``reference``'s (the
+    same records and names, values within ``rel``), and there are at least ``at_least`` of them."""
+
+    def numbers(save_dir):
+        records = [r for r in read_metrics(save_dir) if "loss" in r]
+        return [(r.get("split", "train"), k, r[k]) for r in records for k in keys if k in r]
+
+    ours, expected = numbers(run), numbers(reference)
+    assert [x[:2] for x in ours] == [x[:2] for x in expected] and len(ours) >= at_least
+    for (split, key, value), (_, _, want) in zip(ours, expected, strict=True):
+        assert abs(value - want) <= max(rel * abs(want), 1e-6), (split, key, value, want)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
 
-from helpers import read_metrics, run_cli
+from helpers import as_layout, assert_same_metrics, read_jsonl, read_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
@@ -118,18 +119,7 @@ def test_tokenization_is_trls(assets, layout):
     model_dir, pairs = assets
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.chat_template = CHATML_TEMPLATE
-    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:6]
-    if layout == "conversation":
-        rows = [
-            {
-                "prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                "rejected": [{"role": "assistant", "content": r["rejected"]}],
-            }
-            for r in rows
-        ]
-    elif layout == "implicit":
-        rows = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+    rows = as_layout(read_jsonl(pairs)[:6], layout)
     config = trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=1024)
     model = load_causal_lm(str(model_dir))
     trainer = trl.DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok)
@@ -182,7 +172,7 @@ def test_dpo_losses_and_metrics_equal_trls_dpo_trainer(assets, loss_type, flags,
     trainer, train, collate = _trainer(model_dir, pairs, "--loss-type", loss_type, *flags)
     ref = load_causal_lm(str(model_dir))
     policy = _perturbed(ref)
-    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:6]
+    rows = read_jsonl(pairs)[:6]
     batch = collate(train[:6])
     ours, metrics = _ours(trainer, policy, ref, batch)
     trl_config = {"loss_type": [loss_type], **trl_config}
@@ -221,7 +211,7 @@ def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(assets, loss_typ
     ours, metrics = _ours(trainer, policy, None, collate(samples))
 
     tok = trainer.tokenizer  # its pad token chosen (EOS), as TRL's trainers need one
-    rows = Dataset.from_list([json.loads(line) for line in open(pairs / "train.jsonl")][:6])
+    rows = Dataset.from_list(read_jsonl(pairs)[:6])
     common = dict(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=1024)
     if loss_type == "simpo":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -323,16 +313,8 @@ def runs(assets, tmp_path_factory):
     return get
 
 
-def _numbers(records):
-    keys = ("loss", "nll_loss", *METRICS)
-    return [(r.get("split", "train"), k, r[k]) for r in records if "loss" in r for k in keys if k in r]
-
-
 def _assert_same_run(run, reference, rel):
-    ours, expected = _numbers(read_metrics(run)), _numbers(read_metrics(reference))
-    assert [x[:2] for x in ours] == [x[:2] for x in expected]
-    for (split, key, value), (_, _, want) in zip(ours, expected, strict=True):
-        assert value == pytest.approx(want, rel=rel, abs=1e-6), (split, key)
+    assert_same_metrics(run, reference, ("loss", "nll_loss", *METRICS), rel)
 
 
 @pytest.mark.parametrize("layout", ["padding_free", "precomputed"])
@@ -372,13 +354,6 @@ def test_lora_on_two_ranks_trains_the_adapters_of_one_process(runs, layout):
 # ------------------------------------------------------------------ bad data
 
 
-def _write(directory, rows):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "train.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return directory
-
-
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -389,13 +364,13 @@ def _write(directory, rows):
 )
 def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case, expected):
     model_dir, pairs = assets
-    rows = [json.loads(line) for line in open(pairs / "train.jsonl")]
+    rows = read_jsonl(pairs)
     if case == "no_rejected":
         rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
     elif case == "all_equal":
         rows = [{**r, "rejected": r["chosen"]} for r in rows]
     extra = ["--max-length", "8"] if case == "prompt_fills" else []
-    data = _write(tmp_path / case, rows)
+    data = write_jsonl(tmp_path / case, "train", rows)
     proc = run_cli(*dpo_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
@@ -405,10 +380,10 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case,
 
 def test_dropped_and_truncated_rows_are_counted_in_the_data_line(assets, tmp_path, capfd):
     model_dir, pairs = assets
-    rows = [json.loads(line) for line in open(pairs / "train.jsonl")][:10]
+    rows = read_jsonl(pairs)[:10]
     rows[0]["rejected"] = rows[0]["chosen"]
     rows[1]["prompt"] = "word " * 40 + rows[1]["prompt"]
-    data = _write(tmp_path / "data", rows)
+    data = write_jsonl(tmp_path / "data", "train", rows)
     _, train, _ = _trainer(model_dir, data, "--max-length", "30", "--max-prompt-length", "20", "--split", "1,0,0")
     line = next(x for x in capfd.readouterr().out.splitlines() if "data: prompt/chosen/rejected" in x)
     assert "train: 10 rows, 1 prompts cut to --max-prompt-length 20" in line
@@ -459,3 +434,22 @@ def test_demo_ranks_the_pairs_and_raises_exact_match_over_the_sft_model(tmp_path
     assert first["iteration"] == 0 and 0.05 <= first["exact_match"] <= 0.6  # the SFT model half knows the skill
     assert last["rewards/accuracies"] >= 0.85 and last["rewards/margins"] > 0
     assert last["exact_match"] >= first["exact_match"] + 0.15
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--beta", "0"], "--beta 0.0: must be positive"),
+        (["--max-prompt-length", "0"], "--max-prompt-length 0: must be a positive integer"),
+        (["--label-smoothing", "0.5"], "--label-smoothing 0.5: must be in [0, 0.5)"),
+        (["--loss-type", "hinge", "--label-smoothing", "0.1"], "--loss-type hinge does not use it"),
+        (["--loss-type", "simpo", "--precompute-ref-logprobs"], "--loss-type simpo uses no reference model"),
+        (["--loss-type", "orpo", "--rpo-alpha", "1"], "ORPO's loss has its NLL term already"),
+    ],
+)
+def test_flags_out_of_range_or_unused_by_the_loss_are_one_line(assets, flags, expected):
+    from rapidlite.errors import ConfigError
+
+    model_dir, pairs = assets
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse_args(dpo_args(model_dir, pairs, *flags))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import read_metrics, run_cli
+from helpers import assert_same_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, UnpairedCollator, add_kl_completions, encode_unpaired, unpaired_rows
@@ -214,16 +214,8 @@ def runs(assets, tmp_path_factory):
     return get
 
 
-def _numbers(save_dir):
-    keys = ("loss", *METRICS)
-    return [(r.get("split", "train"), k, r[k]) for r in read_metrics(save_dir) if "loss" in r for k in keys if k in r]
-
-
 def _assert_same_run(run, reference):
-    ours, expected = _numbers(run), _numbers(reference)
-    assert [x[:2] for x in ours] == [x[:2] for x in expected] and len(ours) > 10
-    for (split, key, value), (_, _, want) in zip(ours, expected, strict=True):
-        assert value == pytest.approx(want, rel=1e-5, abs=1e-6), (split, key)
+    assert_same_metrics(run, reference, ("loss", *METRICS), rel=1e-5, at_least=11)
 
 
 def test_precomputed_reference_trains_as_the_live_one(runs):
@@ -252,13 +244,6 @@ def test_two_ranks_train_as_one_process(runs, layout):
 # ------------------------------------------------------------------ bad input
 
 
-def _write(directory, rows):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "train.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return directory
-
-
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -281,7 +266,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case
         rows = [{k: v for k, v in r.items() if k != "label"} for r in rows]
     elif case == "no_completion":
         rows = [{k: v for k, v in r.items() if k != "completion"} for r in rows]
-    directory = _write(tmp_path / case, rows)
+    directory = write_jsonl(tmp_path / case, "train", rows)
     proc = run_cli(*kto_args(model_dir, directory, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, read_metrics, run_cli
+from helpers import REPO, as_layout, assert_same_metrics, read_jsonl, read_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_reward_pairs
@@ -26,13 +26,6 @@ from rapidlite.tasks.sequence_classification import load_classifier
 trl = pytest.importorskip("trl")
 TOL = dict(rel=1e-5, abs=1e-5)
 KINDS = {"an animal": ("fox", "cat", "dog", "bird", "fish", "wolf"), "a colour": ("red", "blue", "green", "gold")}
-
-
-def _write(directory, split, rows):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f"{split}.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return directory
 
 
 def _kind_pairs(rng, n):
@@ -63,10 +56,10 @@ def assets(tmp_path_factory):
         for r in (json.loads(line) for line in open(data_dir / f"{split}.jsonl")):
             words = r["completion"].split()
             rows.append({"prompt": r["prompt"], "chosen": r["completion"], "rejected": " ".join(words[1:] + words[:1])})
-        _write(root / "pairs", split, rows)
-        _write(root / "margin", split, [{**r, "margin": round(rng.uniform(0, 2), 3)} for r in rows])
-    _write(root / "kinds", "train", _kind_pairs(rng, 128))
-    _write(root / "kinds", "validation", _kind_pairs(rng, 32))
+        write_jsonl(root / "pairs", split, rows)
+        write_jsonl(root / "margin", split, [{**r, "margin": round(rng.uniform(0, 2), 3)} for r in rows])
+    write_jsonl(root / "kinds", "train", _kind_pairs(rng, 128))
+    write_jsonl(root / "kinds", "validation", _kind_pairs(rng, 32))
     return model_dir, root
 
 
@@ -76,10 +69,6 @@ def reward_args(model_dir, data_dir, *extra):
         "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3", "--epochs", "1", "--log-interval", "1",
         *extra,
     ]  # fmt: skip
-
-
-def _rows(directory, split="train"):
-    return [json.loads(line) for line in open(directory / f"{split}.jsonl")]
 
 
 def _reward_model(model_dir, pad_id):
@@ -110,18 +99,7 @@ def test_tokenization_is_trls(assets, layout):
     from rapidlite.data.instruction import CHATML_TEMPLATE
 
     model_dir, root = assets
-    rows = _rows(root / "pairs")[:12]
-    if layout == "conversation":
-        rows = [
-            {
-                "prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                "rejected": [{"role": "assistant", "content": r["rejected"]}],
-            }
-            for r in rows
-        ]
-    elif layout == "implicit":
-        rows = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+    rows = as_layout(read_jsonl(root / "pairs")[:12], layout)
     full, tok = _trl_trainer(model_dir, _reward_model(model_dir, 0), rows, chat_template=CHATML_TEMPLATE)
     lengths = sorted(max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in full.train_dataset)
     max_length = lengths[len(lengths) // 2]  # about half the rows are longer: the filter is exercised
@@ -157,7 +135,7 @@ def test_loss_and_metrics_equal_trls_reward_trainer(assets, data):
     loss_sum, pairs = trainer.run_forward_step(batch, model)
     ours = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
 
-    theirs_trainer, _ = _trl_trainer(model_dir, copy.deepcopy(model), _rows(root / data)[:8])
+    theirs_trainer, _ = _trl_trainer(model_dir, copy.deepcopy(model), read_jsonl(root / data)[:8])
     theirs_batch = theirs_trainer.data_collator([theirs_trainer.train_dataset[i] for i in range(8)])
     theirs_trainer.model.train()
     loss = theirs_trainer.compute_loss(theirs_trainer.model, theirs_batch)
@@ -261,14 +239,7 @@ def layout_runs(assets, tmp_path_factory):
 def test_sharded_layouts_train_and_evaluate_as_one_process(layout_runs, layout):
     """FSDP2 ZeRO-3 with CPU offload and DeepSpeed ZeRO-3 over 2 ranks: the losses and metrics of every interval and
     of the validation pass equal one process's."""
-    numbers = []
-    for name in ("one", layout):
-        records = [r for r in read_metrics(layout_runs(name)) if "loss" in r]
-        numbers.append([(r.get("split", "train"), k, r[k]) for r in records for k in METRICS if k in r])
-    one, two = numbers
-    assert [x[:2] for x in two] == [x[:2] for x in one]
-    for (split, key, value), (_, _, want) in zip(two, one, strict=True):
-        assert value == pytest.approx(want, rel=1e-4, abs=1e-6), (split, key)
+    assert_same_metrics(layout_runs(layout), layout_runs("one"), METRICS, rel=1e-4)
 
 
 @pytest.mark.distributed
@@ -276,15 +247,8 @@ def test_two_ranks_train_and_evaluate_as_one_process(assets, layout_runs):
     """Data parallel over 2 ranks: each interval's loss and metrics, and the validation pass's (13 pairs: the ranks'
     last batches are padded and trimmed), equal one process's with the same global batch."""
     model_dir, root = assets
-    numbers = []
-    for name in ("one", "ddp"):
-        records = [r for r in read_metrics(layout_runs(name)) if "loss" in r]
-        numbers.append([(r.get("split", "train"), k, r[k]) for r in records for k in METRICS if k in r])
-    one, two = numbers
-    assert [x[:2] for x in two] == [x[:2] for x in one]
-    assert ("validation", "max_reward") in [x[:2] for x in one]
-    for (split, key, value), (_, _, want) in zip(two, one, strict=True):
-        assert value == pytest.approx(want, rel=1e-4, abs=1e-6), (split, key)
+    assert_same_metrics(layout_runs("ddp"), layout_runs("one"), METRICS, rel=1e-4)
+    assert any(r.get("split") == "validation" and "max_reward" in r for r in read_metrics(layout_runs("one")))
     # rapidlite-eval on 2 ranks (13 pairs in batches of 4: unequal shares) scores the export as the run's last
     # validation pass did.
     results = _rapidlite_eval(layout_runs("one") / "hf", root / "margin" / "validation.jsonl", "--micro-batch-size",
@@ -308,13 +272,13 @@ def test_two_ranks_train_and_evaluate_as_one_process(assets, layout_runs):
 )
 def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case, expected):
     model_dir, root = assets
-    rows = _rows(root / "pairs")
+    rows = read_jsonl(root / "pairs")
     if case == "no_rejected":
         rows = [{"prompt": r["prompt"], "chosen": r["chosen"]} for r in rows]
     elif case == "all_equal":
         rows = [{**r, "rejected": r["chosen"]} for r in rows]
     extra = ["--max-length", "8"] if case == "too_long" else []
-    data = _write(tmp_path / case, "train", rows)
+    data = write_jsonl(tmp_path / case, "train", rows)
     proc = run_cli(*reward_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
@@ -353,7 +317,7 @@ def test_rapidlite_eval_refuses_what_is_not_a_reward_model_or_pairs(assets, tmp_
     from rapidlite.evaluation.command import main
 
     model_dir, root = assets
-    mixed = _write(
+    mixed = write_jsonl(
         tmp_path, "mixed", [{"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}]
     )
     cases = {
