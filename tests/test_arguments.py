@@ -58,6 +58,7 @@ FLAGS = """
 --data-cache-path --bert-no-binary-head
 --max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
 --precompute-ref-logprobs --desirable-weight --undesirable-weight
+--chunked-loss --no-chunked-loss
 """.split()
 
 

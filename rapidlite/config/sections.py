@@ -163,6 +163,13 @@ class ModelConfig:
         group=MEMORY_AND_SPEED,
     )
     torch_compile: bool = flag(False, "compile each transformer block with torch.compile", group=MEMORY_AND_SPEED)
+    chunked_loss: bool = flag(
+        True,
+        "compute the output layer and its loss a chunk of tokens at a time, so the whole logits never exist "
+        "(vocabularies of 8192 tokens or more); --no-chunked-loss for the plain lm_head + cross-entropy",
+        negatable=True,
+        group=MEMORY_AND_SPEED,
+    )
     compile_mode: str = flag(
         "default",
         "torch.compile mode",

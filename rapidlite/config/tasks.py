@@ -58,7 +58,9 @@ class TaskSpec:
     task scores against a reference model; given the settings, which one (``preference_reference``), so the
     trainer and the planner (which counts its memory) read the one rule. ``ignored``: flags the task does not read,
     named by destination or by their settings section (a ``Sections`` attribute: all of its flags): one of them set
-    off its default is refused in one line rather than ignored.
+    off its default is refused in one line rather than ignored. ``chunked_loss``: the task's loss goes through the
+    chunked output layer where it serves the model (``rapidlite.models.head``; not in a pipeline, whose last
+    stage computes the whole logits), so the planner counts no whole logits there.
     """
 
     name: str
@@ -79,6 +81,7 @@ class TaskSpec:
     from_config: bool = False
     reference: Callable[[Any], str] | None = None
     ignored: tuple[str, ...] = ()
+    chunked_loss: bool = False
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -279,6 +282,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             auto_class_by_model_type={"bert": "BertForPreTraining"},
             from_config=True,
+            chunked_loss=True,
         ),
         TaskSpec(
             name="causal_lm",
@@ -290,6 +294,7 @@ TASKS: dict[str, TaskSpec] = {
             load_model_dir=True,
             eval_only=True,
             auto_class="AutoModelForCausalLM",
+            chunked_loss=True,
         ),
         TaskSpec(
             name="question_answering",
@@ -314,6 +319,7 @@ TASKS: dict[str, TaskSpec] = {
             check=_check_masked_lm,
             eval_only=True,
             auto_class="AutoModelForMaskedLM",
+            chunked_loss=True,
         ),
         TaskSpec(
             name="multiple_choice",

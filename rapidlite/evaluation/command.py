@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward pass")
     p.add_argument("--bf16", action="store_true", help="bf16 weights (log-probabilities still in float32)")
+    p.add_argument(
+        "--no-chunked-loss",
+        action="store_true",
+        help="score through the whole logits (default: the output layer a chunk of tokens at a time, where it serves)",
+    )
     p.add_argument("--output", default=None, metavar="FILE", help="also write the results to this JSON file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument(
@@ -109,6 +114,7 @@ def run(argv: Sequence[str]) -> int:
     ctx = init_distributed(parallel)
     load = load_reward_scorer if task == REWARD else load_scorer
     scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
+    scorer.chunked = not args.no_chunked_loss
     results = evaluate(scorer, task, items, ctx if ctx.initialized else None)
     if ctx.is_main_process:
         results = {**results, "model": args.model, "data": args.data, "world_size": ctx.world_size}

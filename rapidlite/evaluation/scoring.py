@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from rapidlite.chunked_loss import IGNORE
 from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError, DataError, first_line
 from rapidlite.evaluation.data import MULTIPLE_CHOICE, REWARD, MultipleChoiceItem
+from rapidlite.models.head import output_logps
 
 # lm-eval's default when neither the config nor the tokenizer gives a length.
 DEFAULT_MAX_LENGTH = 2048
@@ -84,7 +85,10 @@ def _check_model_path(model: str) -> None:
 
 
 class CausalLMScorer(_ModelScorer):
-    """Log-likelihoods of continuations under a Hugging Face causal LM and its tokenizer."""
+    """Log-likelihoods of continuations under a Hugging Face causal LM and its tokenizer; ``chunked``: through
+    the chunked output layer where it serves the model (``rapidlite.models.head``)."""
+
+    chunked = True
 
     @property
     def prefix_token_id(self) -> int | None:
@@ -131,15 +135,14 @@ class CausalLMScorer(_ModelScorer):
         batch = torch.zeros((len(inputs), width), dtype=torch.long)
         for row, tokens in enumerate(inputs):
             batch[row, : len(tokens)] = torch.tensor(tokens)
-        logits = self.model(batch.to(self.device)).logits
-        # float32 log-softmax: bf16 logits would round each log-probability before the sum.
-        logprobs = F.log_softmax(logits.float(), dim=-1)
-        out = []
+        targets = torch.full_like(batch, IGNORE)
         for row, ((_, cont), tokens) in enumerate(zip(requests, inputs, strict=True)):
-            picked = logprobs[row, len(tokens) - len(cont) : len(tokens)]
-            target = torch.tensor(cont, device=picked.device).unsqueeze(-1)
-            out.append(float(picked.gather(-1, target).sum()))
-        return out
+            targets[row, len(tokens) - len(cont) : len(tokens)] = torch.tensor(cont)
+        # float32 log-probabilities (bf16 ones would round each before the sum), chunked where the head allows.
+        logps = output_logps(
+            self.model, {"input_ids": batch.to(self.device)}, targets.to(self.device), shift=False, chunked=self.chunked
+        )
+        return logps.sum(dim=1).tolist()
 
     def loglikelihoods(self, requests: Sequence[Request], ctx: DistributedContext | None = None) -> list[float]:
         """The summed log-probability of each request's continuation given its context, in request order, on

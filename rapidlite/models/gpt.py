@@ -47,6 +47,7 @@ from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.head import MIN_VOCAB, chunked_head_loss
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -329,6 +330,7 @@ class GPTModel(nn.Module):
             per_token_loss = True if per_token_loss is None else per_token_loss
         self.config = config
         self.per_token_loss = bool(per_token_loss)
+        self.chunked_loss = True  # --no-chunked-loss: the whole logits and torch's cross-entropy
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.final_norm = _norm(config)
@@ -385,8 +387,10 @@ class GPTModel(nn.Module):
         x = self.embedding(input_ids, position_ids)
         for layer in self.layers:
             x = layer(x, rope, attention_mask)
-        logits = self.output(self.final_norm(x))
-        return self.head_output(logits, labels, loss_mask)
+        hidden = self.final_norm(x)
+        if labels is not None and self.chunked_loss and self.output.weight.shape[0] >= MIN_VOCAB:
+            return chunked_head_loss(self.output, hidden, labels, loss_mask, self.per_token_loss)
+        return self.head_output(self.output(hidden), labels, loss_mask)
 
     def head_output(
         self, logits: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None

@@ -240,10 +240,11 @@ def within_positions(
     raise ConfigError(f"{flag} {seq_length}: " + refusal.replace("{limit}", str(limit)))
 
 
-def override_sizes(config: Any, model: ModelConfig, seq_length: int) -> None:
+def override_sizes(config: Any, model: ModelConfig, seq_length: int, vocab_size: int | None = None) -> None:
     """A config a task trains from scratch (``TaskSpec.from_config``): the size flags given (``--num-layers``,
-    ``--hidden-size``, ...) onto the keys the model family's spec names, and a learned position table too short
-    for ``seq_length`` made long enough (rotary and ALiBi models have no table; the value is then unused)."""
+    ``--hidden-size``, ...) onto the keys the model family's spec names, a learned position table too short
+    for ``seq_length`` made long enough (rotary and ALiBi models have no table; the value is then unused), and
+    a vocabulary smaller than the data tokenizer's ``vocab_size`` grown to it."""
     from rapidlite.models.spec import spec_for_config
 
     for flag, keys in spec_for_config(config).size_keys.items():
@@ -255,6 +256,8 @@ def override_sizes(config: Any, model: ModelConfig, seq_length: int) -> None:
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_length > limit:
         config.max_position_embeddings = seq_length
+    if vocab_size is not None and getattr(config, "vocab_size", vocab_size) < vocab_size:
+        config.vocab_size = vocab_size
 
 
 def check_positions(model: Any, seq_length: int, name: str) -> None:

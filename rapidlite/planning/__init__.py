@@ -172,9 +172,12 @@ def plan(settings: Sections) -> Plan:
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
     seq = sequence_length(settings, getattr(model, "config", None))
     probe = model.to(precision.dtype) if precision.dtype is not None else model
-    per_sample = task.inputs_per_sample if (task := task_spec(settings)) is not None else 1
-    profile = profile_activations(probe, settings.training.micro_batch_size, seq, hidden, per_sample)
-    profile_next = profile_activations(probe, settings.training.micro_batch_size + 1, seq, hidden, per_sample)
+    task = task_spec(settings)
+    per_sample = task.inputs_per_sample if task is not None else 1
+    chunked = settings.model.chunked_loss and task is not None and task.chunked_loss and dims.pp == 1
+    micro = settings.training.micro_batch_size
+    profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked)
+    profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked)
     n_blocks = len(profile.blocks_split) or 1
 
     deepspeed = settings.parallel.deepspeed

@@ -28,9 +28,15 @@ class ActivationProfile:
 
 
 def profile_activations(
-    model: torch.nn.Module, micro_batch: int, seq_length: int, hidden: int | None, inputs_per_sample: int = 1
+    model: torch.nn.Module,
+    micro_batch: int,
+    seq_length: int,
+    hidden: int | None,
+    inputs_per_sample: int = 1,
+    chunked: bool = False,
 ) -> Any:
-    """Run one meta forward and count what autograd saves (see the module docstring)."""
+    """Run one meta forward and count what autograd saves (see the module docstring); ``chunked``: the loss
+    through the chunked output layer where it serves the model."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rapidlite.models.spec import find_blocks
@@ -108,7 +114,7 @@ def profile_activations(
         ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
     try:
         with Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_loss(model, ids, inputs_per_sample)
+            forward_loss(model, ids, inputs_per_sample, chunked)
     finally:
         for h in handles:
             h.remove()

@@ -62,7 +62,9 @@ def meta_model(settings: Sections) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
     if spec is not None and spec.from_config:
-        override_sizes(config, settings.model, settings.data.seq_length)
+        from rapidlite.data.tokenizers import tokenizer_of
+
+        override_sizes(config, settings.model, settings.data.seq_length, tokenizer_of(settings).vocab_size)
     auto = _auto_class(spec, config)
     # Auto classes build from a config with from_config; a model class named by the config's architectures
     # (the fallback for a task not listed above) with _from_config.
@@ -71,14 +73,22 @@ def meta_model(settings: Sections) -> torch.nn.Module:
         return build(config)
 
 
-def forward_loss(model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1) -> torch.Tensor:
-    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it).
+def forward_loss(
+    model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1, chunked: bool = False
+) -> torch.Tensor:
+    """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it);
+    ``chunked``: through the chunked output layer where it serves the model, as the task then computes it.
     ``inputs_per_sample`` > 1: each sample is that many sequences: ``[questions, choices, tokens]`` for a
     multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other."""
     from rapidlite.models.gpt import GPTModel
+    from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
 
     if isinstance(model, GPTModel):
+        if chunked and model.output.weight.shape[0] >= MIN_VOCAB:
+            return model(ids, labels=torch.zeros_like(ids))[0]
         logits = model(ids)
+    elif chunked and inputs_per_sample == 1 and chunkable_head(model) is not None:
+        return -output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=True)
     else:
         # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)

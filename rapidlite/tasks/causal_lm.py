@@ -11,15 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
 from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
-from rapidlite.losses import maybe_loss_parallel
 from rapidlite.models import lora
+from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.progress import hf_datasets_progress
@@ -215,16 +214,12 @@ class CausalLMFinetuner(Finetuner):
     def run_forward_step(self, batch, model):
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = model(**inputs, use_cache=False).logits
+        inputs["use_cache"] = False
         # Token t predicts token t+1; the sum over labelled targets is exact for any batching.
-        targets = labels[:, 1:].flatten()
-        with maybe_loss_parallel(logits):
-            loss_sum = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum"
-            )
-        if hasattr(loss_sum, "full_tensor"):
-            loss_sum = loss_sum.full_tensor()
-        return loss_sum, int((targets != -100).sum().item())
+        logp_sum = output_logps(
+            model, inputs, labels, shift=True, sum_only=True, chunked=self.settings.model.chunked_loss
+        )
+        return -logp_sum, int((labels[:, 1:] != -100).sum().item())
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         metrics = super().run_compute_metrics(model, eval_dataloader)

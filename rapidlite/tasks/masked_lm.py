@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
@@ -28,7 +27,7 @@ from rapidlite.data.masked_lm import (
     load_text_datasets,
     mask_tokens,
 )
-from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.head import output_logps
 from rapidlite.models.hf import (
     load_error,
     load_hf_model,
@@ -120,15 +119,15 @@ class MaskedLMFinetuner(Finetuner):
         )
         if rows is not None:
             labels[rows:] = IGNORE_INDEX
-        logits = model(input_ids=inputs, attention_mask=batch["attention_mask"]).logits
-        targets = labels.flatten()
-        with maybe_loss_parallel(logits):
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-        if hasattr(loss_sum, "full_tensor"):
-            loss_sum = loss_sum.full_tensor()
-        return loss_sum, (targets != IGNORE_INDEX).sum()
+        logp_sum = output_logps(
+            model,
+            {"input_ids": inputs, "attention_mask": batch["attention_mask"]},
+            labels,
+            shift=False,
+            sum_only=True,
+            chunked=self.settings.model.chunked_loss,
+        )
+        return -logp_sum, (labels != IGNORE_INDEX).sum()
 
     def run_forward_step(self, batch, model):
         epoch = self.iteration // max(self.steps_per_epoch, 1)  # dynamic masking: new masks every epoch

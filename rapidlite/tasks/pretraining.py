@@ -28,7 +28,7 @@ from rapidlite.config.tasks import model_family
 from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
 from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
-from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.head import chunkable_head, local_result, model_logits, output_logps, returns_logps
 from rapidlite.models.hf import check_positions, load_config, load_hf_model, override_sizes
 from rapidlite.trainer.pretrainer import PreTrainer
 
@@ -44,9 +44,7 @@ def hf_causal_lm(settings: Sections, vocab_size: int) -> torch.nn.Module:
         check_positions(model, settings.data.seq_length, name)
         return model
     config = load_config(name)
-    override_sizes(config, settings.model, settings.data.seq_length)
-    if getattr(config, "vocab_size", vocab_size) < vocab_size:
-        config.vocab_size = vocab_size
+    override_sizes(config, settings.model, settings.data.seq_length, vocab_size)
     return load_hf_model(AutoModelForCausalLM.from_config, config)
 
 
@@ -81,8 +79,7 @@ def hf_bert_pretraining(settings: Sections, vocab_size: int) -> torch.nn.Module:
         check_positions(model, settings.data.seq_length, name)
         return model
     config = load_config(name)
-    override_sizes(config, settings.model, settings.data.seq_length)
-    config.vocab_size = max(config.vocab_size, vocab_size)
+    override_sizes(config, settings.model, settings.data.seq_length, vocab_size)
     # The auto classes map a BERT config to BertForPreTraining / BertForMaskedLM; unlike the classes' own
     # constructors, their from_config takes the attention implementation.
     auto = AutoModelForPreTraining if settings.data.binary_head else AutoModelForMaskedLM
@@ -126,7 +123,9 @@ class GPTPretrainer(PreTrainer):
             return hf_causal_lm(settings, vocab_size), None, None
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
-        return GPTModel(GPTConfig.of(settings, vocab_size)), None, None
+        model = GPTModel(GPTConfig.of(settings, vocab_size))
+        model.chunked_loss = settings.model.chunked_loss
+        return model, None, None
 
     def run_forward_step(self, data_iterator, model):
         settings = self.settings
@@ -149,15 +148,11 @@ class GPTPretrainer(PreTrainer):
             raise ConfigError(
                 "--reset-attention-mask works with the built-in GPT only; drop it for Hugging Face models"
             )
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        keep = batch["loss_mask"].flatten() > 0
-        labels = batch["labels"].flatten().masked_fill(~keep, -100)
-        # Vocabulary-sharded logits (tensor parallelism) take the parallel cross-entropy on their shards.
-        with maybe_loss_parallel(logits):
-            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=-100, reduction="sum")
-        if hasattr(loss_sum, "full_tensor"):
-            loss_sum = loss_sum.full_tensor()
-        return loss_sum, int(keep.sum().item())
+        keep = batch["loss_mask"] > 0
+        labels = batch["labels"].masked_fill(~keep, -100)
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        logp_sum = output_logps(model, inputs, labels, shift=False, sum_only=True, chunked=settings.model.chunked_loss)
+        return -logp_sum, int(keep.sum().item())
 
 
 class BertPretrainer(PreTrainer):
@@ -199,7 +194,25 @@ class BertPretrainer(PreTrainer):
         batch = dict(next(data_iterator))
         if not self.settings.data.binary_head:
             batch.pop("next_sentence_label", None)
+        return bert_loss(model, batch, chunked=self.settings.model.chunked_loss)
+
+
+def bert_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunked: bool = True) -> torch.Tensor:
+    """The loss ``BertForPreTraining`` (``BertForMaskedLM``) computes for ``batch`` (its ``labels`` and, for
+    next-sentence prediction, ``next_sentence_label``), with the masked-LM part through the chunked output
+    layer where it serves the model: the mean over the masked tokens, plus next-sentence prediction's mean."""
+    head = chunkable_head(model) if chunked else None
+    if head is None:
         return model(**batch).loss
+    batch = dict(batch)
+    labels, next_sentence = batch.pop("labels"), batch.pop("next_sentence_label", None)
+    with returns_logps(head, labels, sum_only=True):
+        out = model(**batch)
+    logp_sum = local_result(model_logits(out))
+    loss = -logp_sum / (labels != -100).sum()
+    if next_sentence is not None:
+        loss = loss + F.cross_entropy(out.seq_relationship_logits.view(-1, 2), next_sentence.view(-1))
+    return loss
 
 
 def pretrainer_for(settings: Sections) -> type[PreTrainer]:

@@ -25,6 +25,7 @@ from rapidlite.data.loader import DeviceDataLoader, require_map_style
 from rapidlite.engine import RapidliteEngine
 from rapidlite.errors import DataError
 from rapidlite.models import lora
+from rapidlite.models.head import loss_line
 from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
 from rapidlite.trainer.checkpointing import Checkpointing
 from rapidlite.trainer.clock import RunClock
@@ -144,6 +145,8 @@ class BaseTrainer:
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
         )
         self.after_compose()
+        if (line := loss_line(self.model, self.settings)) and self.engine.is_main_process:
+            self.logger.info(line)
         if self.checkpointing.resuming:
             self.checkpointing.load()
         if self.engine.is_main_process:

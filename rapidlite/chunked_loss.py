@@ -1,0 +1,237 @@
+"""A linear output layer and its cross-entropy, a chunk of tokens at a time: the ``[tokens x vocab]`` logits and
+their gradient never exist whole.
+
+``token_logps(hidden, weight, bias, targets)`` is ``log_softmax(hidden @ weight.T + bias)[target]`` per token
+(0 where the target is ``IGNORE``). Only rows with a target are projected (a masked-LM batch projects its 15%,
+a fine-tuning batch its response tokens), ``chunk`` of them at a time, the logits made fp32 as the plain path
+makes them. Two ways through the backward pass:
+
+- ``sum_only=True`` (a cross-entropy summed over tokens, whose gradient is one number): the gradients of
+  ``hidden``, ``weight`` and ``bias`` are computed in the forward pass, chunk by chunk, as Liger's fused linear
+  cross-entropy does, and the backward only scales them. No extra FLOPs; the result is the sum alone;
+- otherwise (per-token log-probabilities that a loss combines, DPO's): the forward keeps each token's
+  log-sum-exp, and the backward recomputes each chunk's logits (one more head matmul).
+
+With ``group`` the weight and bias are this rank's vocabulary shard (tensor parallelism; its first row is
+``vocab_offset``): the maximum, the exponent sums and the target logits are all-reduced
+over ``group``, and so is the gradient of ``hidden``.
+
+A sum on a GPU with ``liger-kernel`` installed goes through Liger's Triton kernel instead (``gpu_kernel``).
+
+Numbers: fp32 results equal the plain ``F.cross_entropy(hidden @ weight.T + bias)`` within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+IGNORE = -100
+CHUNK_BYTES = 16 * 2**20  # the least fp32 logits a chunk holds (fewer rows would under-use the matmul)
+
+
+def chunk_rows(rows: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk: a chunk's logits as many elements as the whole hidden input (Liger's rule), but at
+    least ``CHUNK_BYTES`` of them, and at most all ``rows``."""
+    return max(min(rows, max(-(-rows * hidden // vocab), CHUNK_BYTES // (4 * vocab))), 1)
+
+
+def token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    chunk: int | None = None,
+    group: Any = None,
+    vocab_offset: int = 0,
+    vocab: int | None = None,
+    sum_only: bool = False,
+) -> torch.Tensor:
+    """Per-token log-probabilities of ``targets`` (``[...]``, any shape) under ``hidden @ weight.T + bias``
+    (``hidden``: ``[..., H]``), 0 at ``IGNORE``; with ``sum_only`` their sum (a 0-d tensor) instead. With
+    ``group``, ``weight`` holds rows ``vocab_offset...`` of a ``vocab``-row output layer split over it."""
+    shape = targets.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"{hidden.shape[0]} hidden rows for {targets.shape[0]} targets")
+    if hidden.device.type == "meta":  # --dry-run's profile: what the real path keeps, every row scored
+        chunk = chunk or chunk_rows(hidden.shape[0], hidden.shape[1], vocab or weight.shape[0])
+        out = _Planned.apply(hidden, weight, chunk, sum_only)
+        return out if sum_only else out.reshape(shape)
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    picked_targets = targets.index_select(0, rows)
+    vocab = vocab or weight.shape[0]
+    if rows.numel() and not 0 <= int(picked_targets.min()) <= int(picked_targets.max()) < vocab:
+        raise IndexError(f"a target id is outside the {vocab}-token vocabulary of the output layer")
+    chunk = chunk or chunk_rows(rows.numel(), hidden.shape[1], vocab)
+    picked = hidden.index_select(0, rows)  # differentiable: the ignored rows get a zero gradient
+    kernel = gpu_kernel(picked) if sum_only and group is None else None
+    if kernel is not None:
+        return -kernel(weight, picked, picked_targets, bias)
+    if sum_only:
+        return _LogpSum.apply(picked, weight, bias, picked_targets - vocab_offset, chunk, group)
+    logps = _TokenLogps.apply(picked, weight, bias, picked_targets - vocab_offset, chunk, group)
+    out = logps.new_zeros(targets.shape[0]).index_copy(0, rows, logps)
+    return out.reshape(shape)
+
+
+def gpu_kernel(hidden: torch.Tensor) -> Any:
+    """Liger's fused linear cross-entropy (a Triton kernel: CUDA only), summing, where it is installed and
+    ``hidden`` is on a GPU; else None (the PyTorch path here)."""
+    if hidden.device.type != "cuda":
+        return None
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's logits in the weight's precision, made fp32 (as ``logits.float()`` does)."""
+    z = h @ weight.t()
+    if bias is not None:
+        z.add_(bias)
+    return z.float()
+
+
+def _lse_and_target(
+    z: torch.Tensor, local_targets: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log-sum-exp over the whole vocabulary, the target's logit, the sum of exponents)`` of one chunk's
+    (local) fp32 logits, which become ``exp(z - max)`` in place: no second chunk-sized buffer."""
+    inside = (local_targets >= 0) & (local_targets < z.shape[1])
+    target = z.gather(1, local_targets.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1) * inside
+    top = z.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    sums = z.sub_(top.unsqueeze(1)).exp_().sum(dim=1)
+    if group is not None:
+        both = torch.stack([sums, target])
+        dist.all_reduce(both, group=group)
+        sums, target = both[0], both[1]
+    return top + sums.log(), target, sums
+
+
+def _grad_logits(softmax: torch.Tensor, local_targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``scale * d logp / d z`` for one chunk: ``scale * (onehot - softmax)``, in place of ``softmax``."""
+    grad = softmax.neg_()
+    inside = (local_targets >= 0) & (local_targets < softmax.shape[1])
+    rows = inside.nonzero().squeeze(1)
+    grad[rows, local_targets[rows]] += 1
+    return grad.mul_(scale.unsqueeze(1))
+
+
+def _chunks(n: int, chunk: int):
+    for start in range(0, n, chunk):
+        yield slice(start, min(start + chunk, n))
+
+
+def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, grad_z: torch.Tensor, grads: tuple, s: slice) -> None:
+    """Add one chunk's part to the gradients of hidden (its rows ``s``), weight and bias. As in the plain path,
+    the fp32 logit gradient is cast to the weight's precision for the two matmuls (the weight's gradient
+    accumulates over chunks in that precision, as Liger's does)."""
+    grad_h, grad_w, grad_b = grads
+    g = grad_z.to(weight.dtype)
+    if grad_h is not None:
+        grad_h[s] = g @ weight
+    if grad_w is not None:
+        grad_w.addmm_(g.t(), h)
+    if grad_b is not None:
+        grad_b.add_(grad_z.sum(0))
+
+
+def _new_grads(needs: tuple, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    need_h, need_w, need_b = needs[:3]
+    return (
+        torch.empty_like(h) if need_h else None,
+        torch.zeros_like(weight) if need_w else None,
+        torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and bias is not None else None,
+    )
+
+
+def _finish_grads(grads: tuple, bias: torch.Tensor | None, group: Any) -> tuple:
+    grad_h, grad_w, grad_b = grads
+    if grad_h is not None and group is not None:
+        dist.all_reduce(grad_h, group=group)  # each vocabulary shard's part of d hidden
+    return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None
+
+
+class _TokenLogps(torch.autograd.Function):
+    """Per-token log-probabilities; the backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, local, chunk, group):
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse_all = torch.empty_like(out)
+        for s in _chunks(h.shape[0], chunk):
+            lse, target, _ = _lse_and_target(_logits(h[s], weight, bias), local[s], group)
+            out[s], lse_all[s] = target - lse, lse
+        ctx.save_for_backward(h, weight, bias, local, lse_all)
+        ctx.chunk, ctx.group = chunk, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, bias, local, lse_all = ctx.saved_tensors
+        grads = _new_grads(ctx.needs_input_grad, h, weight, bias)
+        for s in _chunks(h.shape[0], ctx.chunk):
+            softmax = _logits(h[s], weight, bias).sub_(lse_all[s].unsqueeze(1)).exp_()
+            grad_z = _grad_logits(softmax, local[s], grad_out[s].float())
+            _backward_chunk(h[s], weight, grad_z, grads, s)
+        return (*_finish_grads(grads, bias, ctx.group), None, None, None)
+
+
+class _LogpSum(torch.autograd.Function):
+    """The sum of the log-probabilities; its gradients are computed in the forward pass (no recomputation)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, local, chunk, group):
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grads = _new_grads(ctx.needs_input_grad, h, weight, bias) if any(ctx.needs_input_grad[:3]) else None
+        one = torch.ones(1, dtype=torch.float32, device=h.device)
+        for s in _chunks(h.shape[0], chunk):
+            z = _logits(h[s], weight, bias)
+            lse, target, sums = _lse_and_target(z, local[s], group)
+            total += (target - lse).sum()
+            if grads is not None:
+                grad_z = _grad_logits(z.div_(sums.unsqueeze(1)), local[s], one.expand(z.shape[0]))
+                _backward_chunk(h[s], weight, grad_z, grads, s)
+        if grads is not None:
+            ctx.grads = _finish_grads(grads, bias, group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads = [g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in ctx.grads]
+        del ctx.grads
+        return (*grads, None, None, None)
+
+
+class _Planned(torch.autograd.Function):
+    """On meta tensors, for ``--dry-run``'s count of what autograd keeps: the tensors either path holds from
+    its forward to its backward (the scored hidden rows, and the gradients of hidden and weight, or each row's
+    log-sum-exp), and one chunk's logits (the largest of its passing buffers). The weight's gradient is
+    counted in the orientation ``[hidden, vocab]`` so that the planner, which splits tensors whose last
+    dimension is the vocabulary by tensor parallelism, splits it as the weight is split."""
+
+    @staticmethod
+    def forward(ctx, h, weight, chunk, sum_only):
+        picked = h.clone()
+        kept = [picked, h.new_empty(chunk, weight.shape[0], dtype=torch.float32)]
+        if sum_only:
+            kept += [torch.empty_like(h), weight.new_empty(weight.shape[1], weight.shape[0])]
+        else:
+            kept.append(h.new_empty(h.shape[0], dtype=torch.float32))
+        ctx.save_for_backward(*kept)
+        ctx.shapes = h.shape, weight.shape
+        return h.new_empty(() if sum_only else h.shape[:1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h_shape, w_shape) = ctx.shapes
+        return grad.new_empty(h_shape), grad.new_empty(w_shape), None, None

@@ -1,0 +1,200 @@
+"""Log-probabilities through a model's output layer without its whole logits (``rapidlite.chunked_loss``).
+
+``output_logps(model, inputs, labels, shift=...)`` runs the model once and returns the per-token
+log-probabilities of ``labels`` (or, ``sum_only``, their sum). Where the chunked path serves the model, the
+output layer's forward is replaced for that call: it receives the hidden states as usual (inside the model's
+forward, so DDP, FSDP2, DeepSpeed ZeRO-3 and tensor parallelism see an ordinary forward and gather, shard
+and reduce as they always do) and returns the log-probabilities in place of the logits, which the model
+passes out as its ``logits``. Elsewhere the logits are computed whole and the log-probabilities taken from
+them, as before.
+
+The chunked path serves an ``nn.Linear`` output layer of at least ``MIN_VOCAB`` rows (smaller logits are
+cheap, and their numbers stay exactly as they were) in the model families whose forward returns that layer's
+output unchanged (``FAMILIES``: a Gemma-2 soft-cap or a Cohere logit scale after it would be skipped), and
+rapidlite's built-in GPT. ``--no-chunked-loss`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidlite.chunked_loss import IGNORE, token_logps
+from rapidlite.losses import maybe_loss_parallel
+
+MIN_VOCAB = 8192
+# Model types whose forward returns the output layer's result as the logits, tested in tests/test_chunked_loss.py.
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta"})
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    """The model inside the wrappers a strategy or compile puts around it (DDP, DeepSpeed, ``torch.compile``)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def chunkable_head(model: nn.Module) -> nn.Linear | None:
+    """The model's output layer when the chunked path serves it, else None."""
+    bare = _bare(model)
+    config = getattr(bare, "config", None)
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return None
+    get_output = getattr(bare, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    # DeepSpeed ZeRO-3 keeps a partitioned parameter's shape in ds_shape (its data is empty between uses).
+    if type(head) is not nn.Linear or getattr(head.weight, "ds_shape", head.weight.shape)[0] < MIN_VOCAB:
+        return None
+    return head
+
+
+def loss_line(model: Any, settings: Any) -> str | None:
+    """The run's one line on how its loss meets the output layer (None: a task whose loss does not use it)."""
+    from rapidlite.config.tasks import TASKS
+
+    spec = TASKS.get(settings.task.task) if settings.task.user_script is None else None
+    models = model if isinstance(model, (list, tuple)) else [model]
+    if spec is None or not spec.chunked_loss or len(models) != 1:
+        return None  # a user script's own loss, or a pipeline's stages (the last computes the whole logits)
+    bare = _bare(models[0])
+    gpt_head = getattr(bare, "output", None) if hasattr(bare, "chunked_loss") else None
+    head = gpt_head if isinstance(gpt_head, nn.Linear) else chunkable_head(bare)
+    get_output = getattr(bare, "get_output_embeddings", None)
+    layer = head or (get_output() if callable(get_output) else None)
+    weight = getattr(layer, "weight", None)
+    rows = getattr(weight, "ds_shape", getattr(weight, "shape", (0,)))[0]
+    if not settings.model.chunked_loss:
+        return f"loss: the whole logits ({rows} per token), --no-chunked-loss"
+    if head is not None and rows >= MIN_VOCAB:
+        return f"loss: the output layer's {rows} logits a chunk of tokens at a time (--no-chunked-loss: whole)"
+    if rows >= MIN_VOCAB:
+        kind = getattr(getattr(bare, "config", None), "model_type", type(bare).__name__)
+        return f"loss: the whole logits ({rows} per token): the chunked loss does not serve {kind} models"
+    return None
+
+
+def causal_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position of a causal LM: the next label, ``IGNORE`` after the last."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+@contextlib.contextmanager
+def returns_logps(head: nn.Linear, targets: torch.Tensor, sum_only: bool) -> Iterator[None]:
+    """For one call: ``head``'s forward returns the log-probabilities of ``targets`` instead of logits (its
+    hooks, a strategy's gathers and layouts, run as for any call)."""
+
+    def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != targets.shape:
+            shapes = f"hidden states {list(hidden.shape)} for targets {list(targets.shape)}"
+            raise RuntimeError(f"the output layer got {shapes}: run with --no-chunked-loss")
+        return linear_logps(self, hidden, targets, sum_only)
+
+    head.forward = types.MethodType(forward, head)
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def head_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, sum_only: bool) -> torch.Tensor:
+    """``head(hidden)``'s log-probabilities of ``targets``, chunked, through the module (and its hooks)."""
+    with returns_logps(head, targets, sum_only):
+        return local_result(head(hidden))
+
+
+def chunked_head_loss(
+    head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None, per_token: bool
+) -> Any:
+    """Megatron's loss conventions (the built-in GPT's ``head_output``) through the chunked ``head``: with
+    ``per_token`` the fp32 cross-entropy of every position ``[b, s]`` (0 at label -100, ``loss_mask`` not
+    applied), else ``(loss_sum, num_tokens)`` over the labelled positions ``loss_mask`` keeps."""
+    keep = labels != IGNORE
+    if loss_mask is not None and not per_token:
+        keep = keep & (loss_mask != 0)
+    targets = labels.masked_fill(~keep, IGNORE)
+    if per_token:
+        return -head_logps(head, hidden, targets, sum_only=False)
+    count = int(keep.sum().item()) if not keep.is_meta else 0  # meta: --dry-run's profile of the forward
+    return -head_logps(head, hidden, targets, sum_only=True), count
+
+
+def linear_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, sum_only: bool) -> torch.Tensor:
+    """The chunked log-probabilities of ``targets`` (shaped like ``hidden`` without its last dimension) through
+    ``head``. Under tensor parallelism (a vocabulary-sharded DTensor weight) each rank projects onto its shard
+    and the result, the same on every rank, leaves as a DTensor sharded along a last dimension of one element
+    per rank, which the output layer's own layout hook passes through."""
+    weight, bias = head.weight, head.bias
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None:
+        return token_logps(hidden, weight, bias, targets, sum_only=sum_only)
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()]).to_local()
+    vocab = weight.shape[0]
+    group = mesh.get_group()
+    per_rank = -(-vocab // mesh.size())  # torch.chunk's split of the rows, as Shard(0) lays them out
+    out = token_logps(
+        hidden,
+        weight.to_local(),
+        bias.to_local() if bias is not None else None,
+        targets,
+        group=group,
+        vocab_offset=mesh.get_local_rank() * per_rank,
+        vocab=vocab,
+        sum_only=sum_only,
+    )
+    return DTensor.from_local(out.unsqueeze(-1), mesh, [Shard(out.dim())], run_check=False)
+
+
+def model_logits(out: Any) -> torch.Tensor:
+    """A Hugging Face output's logits (``prediction_logits`` for ``BertForPreTraining``'s masked-LM head)."""
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.prediction_logits
+
+
+def local_result(result: torch.Tensor) -> torch.Tensor:
+    """``linear_logps``' result as a plain tensor (its tensor-parallel wrapping undone)."""
+    if hasattr(result, "to_local"):
+        return result.to_local().squeeze(-1)
+    return result
+
+
+def output_logps(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    *,
+    shift: bool,
+    sum_only: bool = False,
+    chunked: bool = True,
+) -> torch.Tensor:
+    """``model(**inputs)``'s log-probabilities of ``labels`` (``IGNORE`` left out): per position ``[B, T]``
+    (0 where ignored; with ``shift`` position t scores label t+1 and the last position is 0), or with
+    ``sum_only`` their fp32 sum. Chunked where ``chunkable_head`` serves the model and ``chunked``."""
+    head = chunkable_head(model) if chunked else None
+    if head is not None:
+        targets = causal_targets(labels) if shift else labels
+        with returns_logps(head, targets, sum_only):
+            return local_result(model_logits(model(**inputs)))
+    logits = model_logits(model(**inputs))
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    with maybe_loss_parallel(logits):
+        ce = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum" if sum_only else "none"
+        )
+    if hasattr(ce, "full_tensor"):
+        ce = ce.full_tensor()
+    if sum_only:
+        return -ce
+    logps = -ce.view(labels.shape)
+    return F.pad(logps, (0, 1)) if shift else logps

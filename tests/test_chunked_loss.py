@@ -1,0 +1,304 @@
+"""The chunked output layer and loss (``rapidlite.chunked_loss``, ``rapidlite.models.head``): the same numbers
+as the whole logits and ``F.cross_entropy``, for the function, each model family it serves, every task path
+that uses it, tensor parallelism (vocabulary-parallel) and data parallelism; and the memory it saves, measured."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import REPO, assert_close_lists, rapidlite, train_losses, write_tiny_corpus
+from rapidlite.chunked_loss import IGNORE, token_logps
+from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
+from rapidlite.tasks.pretraining import bert_loss
+
+VOCAB = MIN_VOCAB  # the smallest vocabulary the chunked path serves
+
+
+@pytest.mark.parametrize("sum_only", [False, True], ids=["per_token", "sum"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_chunks_equal_the_whole_logits(sum_only, bias):
+    torch.manual_seed(0)
+    n, hidden, vocab = 37, 16, 50
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (n,))
+    targets[::3] = IGNORE
+    weights = torch.randn(n)  # a per-token loss that is not a plain sum (DPO's shape of use)
+    inputs = [h, w] + ([b] if bias else [])
+
+    plain = -F.cross_entropy(F.linear(h, w, b).float(), targets, ignore_index=IGNORE, reduction="none")
+    expected = plain.sum() if sum_only else (plain * weights).sum()
+    expected_grads = torch.autograd.grad(expected, inputs)
+    chunked = token_logps(h, w, b, targets, chunk=5, sum_only=sum_only)  # 8 chunks of the 25 scored rows
+    if not sum_only:
+        assert chunked.shape == (n,) and (chunked[targets == IGNORE] == 0).all()
+        torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-5)
+    actual = chunked if sum_only else (chunked * weights).sum()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
+    for got, want in zip(torch.autograd.grad(actual, inputs), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_target_outside_the_vocabulary_is_an_error_not_a_zero():
+    with pytest.raises(IndexError, match="outside the 8-token vocabulary"):
+        token_logps(torch.randn(3, 4), torch.randn(8, 4), None, torch.tensor([1, 8, IGNORE]))
+
+
+def test_a_gpu_kernel_takes_the_sums_where_it_runs(monkeypatch):
+    import rapidlite.chunked_loss as chunked_loss
+
+    assert chunked_loss.gpu_kernel(torch.zeros(1, 4)) is None  # on the CPU: the PyTorch path
+    h, w, targets = torch.randn(6, 4), torch.randn(10, 4), torch.tensor([1, IGNORE, 3, 9, 0, IGNORE])
+    expected = token_logps(h, w, None, targets, sum_only=True)
+    rows = []
+
+    def kernel(hidden):  # Liger's loss module: (weight, hidden, targets, bias) -> the summed cross-entropy
+        def loss(weight, picked, picked_targets, bias):
+            rows.append(picked.shape[0])
+            return F.cross_entropy(F.linear(picked, weight, bias), picked_targets, reduction="sum")
+
+        return loss
+
+    monkeypatch.setattr(chunked_loss, "gpu_kernel", kernel)
+    torch.testing.assert_close(token_logps(h, w, None, targets, sum_only=True), expected)
+    assert rows == [4]  # the scored rows only
+    token_logps(h, w, None, targets)  # per-token log-probabilities: no kernel has them
+    assert rows == [4]
+
+
+def tiny(model_type, vocab=VOCAB, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    sizes = {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 64, "max_position_embeddings": 64, "num_key_value_heads": 2}  # fmt: skip
+    if model_type == "gpt2":
+        sizes = {"vocab_size": vocab, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    if model_type in ("bert", "roberta"):
+        sizes.pop("num_key_value_heads")
+    config = AutoConfig.for_model(model_type, **sizes, **extra)
+    auto = AutoModelForMaskedLM if model_type in ("bert", "roberta") else AutoModelForCausalLM
+    torch.manual_seed(0)
+    return auto.from_config(config).float().eval()
+
+
+def loss_and_grads(model, inputs, labels, shift, chunked, sum_only):
+    model.zero_grad()
+    out = output_logps(model, inputs, labels, shift=shift, sum_only=sum_only, chunked=chunked)
+    loss = out.sum() if sum_only else (out * torch.linspace(0.5, 1.5, out.shape[1])).sum()
+    loss.backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta"])
+def test_each_family_scores_and_trains_as_with_the_whole_logits(model_type):
+    model = tiny(model_type)
+    assert chunkable_head(model) is model.get_output_embeddings()
+    shift = model_type not in ("bert", "roberta")
+    ids = torch.randint(5, VOCAB, (2, 16))
+    labels = ids.clone()
+    labels[0, :5] = IGNORE  # a prompt
+    if not shift:
+        labels[:, ::2] = IGNORE  # unmasked positions
+    for sum_only in (True, False):
+        chunked, chunked_grads = loss_and_grads(model, {"input_ids": ids}, labels, shift, True, sum_only)
+        plain, plain_grads = loss_and_grads(model, {"input_ids": ids}, labels, shift, False, sum_only)
+        torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=2e-6)
+        assert chunked_grads.keys() == plain_grads.keys()
+        for name, grad in plain_grads.items():
+            torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    logits = model(input_ids=ids).logits  # the head is itself again after the call
+    assert logits.shape == (2, 16, VOCAB)
+
+
+def test_heads_the_chunked_path_does_not_serve_keep_the_whole_logits():
+    assert chunkable_head(tiny("llama", vocab=MIN_VOCAB - 1)) is None  # small logits: as they were
+    gemma = tiny("gemma2", final_logit_softcapping=30.0, head_dim=8)  # a soft-cap after the head
+    assert chunkable_head(gemma) is None
+    ids = torch.randint(0, VOCAB, (1, 8))
+    logps = torch.log_softmax(gemma(input_ids=ids).logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    # the plain path, soft-cap included
+    torch.testing.assert_close(output_logps(gemma, {"input_ids": ids}, ids, shift=True), F.pad(logps, (0, 1)))
+
+
+@pytest.mark.parametrize("next_sentence", [True, False], ids=["mlm_nsp", "mlm_only"])
+def test_bert_pretraining_loss_equals_the_models_own(next_sentence):
+    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = (BertForPreTraining if next_sentence else BertForMaskedLM)(config).eval()
+    ids = torch.randint(5, VOCAB, (3, 16))
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, 2::5] = ids[:, 2::5]
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    if next_sentence:
+        batch["next_sentence_label"] = torch.tensor([0, 1, 1])
+    results = []
+    for chunked in (True, False):
+        model.zero_grad()
+        loss = bert_loss(model, batch, chunked=chunked)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rapidlite_eval_scores_the_same_through_chunks():
+    from rapidlite.evaluation.scoring import CausalLMScorer
+
+    class Tokenizer:  # _batch reads token ids only
+        bos_token_id = eos_token_id = 1
+
+    model = tiny("llama")
+    requests = [([1, 7, 9, 12], [40, 41]), ([1, 300], [5000, 17, 8000]), ([1, 2, 3, 4, 5, 6], [9])]
+    scorer = CausalLMScorer(model, Tokenizer(), max_length=32)
+    chunked = scorer._batch(requests)
+    scorer.chunked = False
+    plain = scorer._batch(requests)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 300, 5000, 17]])).logits.float().log_softmax(-1)
+    by_hand = float(logits[0, 1, 5000] + logits[0, 2, 17] + logits[0, 3, 8000])
+    assert plain[1] == pytest.approx(by_hand, rel=1e-6)
+    assert chunked == pytest.approx(plain, rel=1e-6)
+
+
+# ---------------------------------------------------------------- end to end, on every layout
+MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--num-layers", "2"]  # + EOD
+MODEL += ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--hidden-dropout", "0"]
+MODEL += ["--attention-dropout", "0"]
+COMMON = ["--task", "pretraining", *MODEL, "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1"]
+COMMON += ["--lr-decay-iters", "6", "--eval-interval", "6", "--eval-iters", "1", "--train-iters", "6"]
+TWO = ["--nproc-per-node", "2"]
+TP2 = [*TWO, "--tensor-model-parallel-size", "2", "--micro-batch-size", "4"]
+LAYOUTS = {
+    "single_plain": ["--micro-batch-size", "2", "--no-chunked-loss"],
+    "single": ["--micro-batch-size", "2"],  # accumulation of 2 micro-batches
+    "tp2_sp_plain": [*TP2, "--sequence-parallel", "--no-chunked-loss"],
+    "tp2_sp": [*TP2, "--sequence-parallel"],
+    "zero3_plain": [*TWO, "--micro-batch-size", "2", "--zero-3-memory-optimization", "--no-chunked-loss"],
+    "zero3": [*TWO, "--micro-batch-size", "2", "--zero-3-memory-optimization"],
+    "ds_zero3_plain": [
+        *TWO,
+        "--micro-batch-size",
+        "2",
+        "--deepspeed",
+        "--zero-3-memory-optimization",
+        "--no-chunked-loss",
+    ],
+    "ds_zero3": [*TWO, "--micro-batch-size", "2", "--deepspeed", "--zero-3-memory-optimization"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunked")
+    write_tiny_corpus(root / "corpus")
+    from transformers import LlamaConfig
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    LlamaConfig(**sizes, intermediate_size=64, vocab_size=98, max_position_embeddings=64).save_pretrained(
+        root / "llama"
+    )
+    models = {"gpt": [], "llama": ["--pretrained-model-name-or-path", str(root / "llama")]}
+    done = {}
+
+    def get(model, layout):
+        if (model, layout) not in done:
+            save = root / f"{model}_{layout}"
+            argv = [*COMMON, "--data-path", str(root / "corpus"), *models[model], *LAYOUTS[layout]]
+            proc = rapidlite(*argv, "--save", str(save))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            plain = "--no-chunked-loss" in LAYOUTS[layout]
+            line = "loss: the whole logits" if plain else f"loss: the output layer's {VOCAB} logits a chunk of tokens"
+            assert line in proc.stdout + proc.stderr  # the path the run took, said once
+            done[model, layout] = save
+        return done[model, layout]
+
+    return get
+
+
+def assert_same_run(run, reference, rtol):
+    assert len(train_losses(run)) == 6
+    assert_close_lists(train_losses(run), train_losses(reference), rtol=rtol)
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(reference, "grad_norm"), rtol=rtol)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_pretraining_through_chunks_trains_as_the_whole_logits(runs, model):
+    assert_same_run(runs(model, "single"), runs(model, "single_plain"), rtol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_vocabulary_parallel_chunks_train_as_the_whole_sharded_logits(runs, model):
+    # Tensor parallelism itself moves the gradient norm by up to ~3e-5 against one process at this vocabulary
+    # (its sums run in another order); the chunked path adds nothing to that.
+    assert_same_run(runs(model, "tp2_sp"), runs(model, "tp2_sp_plain"), rtol=1e-6)
+    assert_same_run(runs(model, "tp2_sp"), runs(model, "single"), rtol=1e-4)
+
+
+@pytest.mark.distributed
+def test_fsdp2_zero3_through_chunks_trains_as_the_whole_logits(runs):
+    # FSDP2 itself moves the gradient norm by ~2e-5 against one process at this vocabulary (its reduce-scatter
+    # sums in another order); the chunked path adds nothing to that.
+    assert_same_run(runs("llama", "zero3"), runs("llama", "zero3_plain"), rtol=1e-6)
+    assert_same_run(runs("llama", "zero3"), runs("llama", "single"), rtol=1e-4)
+
+
+@pytest.mark.distributed
+def test_deepspeed_zero3_gathers_the_output_layer_for_its_chunks(runs):
+    # The partitioned weight's rows are counted from DeepSpeed's ds_shape; its data is gathered for the call.
+    assert_same_run(runs("llama", "ds_zero3"), runs("llama", "ds_zero3_plain"), rtol=1e-6)
+    assert_same_run(runs("llama", "ds_zero3"), runs("llama", "single"), rtol=1e-4)
+
+
+# ---------------------------------------------------------------- memory, measured
+MEASURE = """
+import sys, torch, torch.nn.functional as F
+from rapidlite.chunked_loss import token_logps
+from rapidlite.logging import peak_memory_bytes
+chunked, n, hidden, vocab = sys.argv[1] == "chunked", 1024, 64, 32768
+torch.manual_seed(0)
+peak_memory_mb = lambda: peak_memory_bytes(torch.device("cpu")) / 2**20
+
+
+def step(n, vocab):
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (n,))
+    before = peak_memory_mb()
+    if chunked:
+        loss = -token_logps(h, w, None, targets, sum_only=True)
+    else:
+        loss = F.cross_entropy((h @ w.t()).float(), targets, reduction="sum")
+    loss.backward()
+    return peak_memory_mb() - before
+
+
+step(4, 64)  # the kernels' first use (their libraries' pages) is not what is measured
+print(step(n, vocab))
+"""
+
+
+def test_the_whole_logits_never_exist():
+    """1024 tokens over a 32k vocabulary: the logits alone are 128 MiB (and their gradient as much again)."""
+    grown = {}
+    for mode in ("chunked", "plain"):
+        proc = subprocess.run([sys.executable, "-c", MEASURE, mode], capture_output=True, text=True, timeout=120,
+                              cwd=REPO, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        grown[mode] = float(proc.stdout.split()[-1])
+    logits_mib = 1024 * 32768 * 4 / 2**20
+    assert grown["plain"] > 1.5 * logits_mib, grown  # the logits and their gradient, at least
+    # The weight's gradient (8 MiB) and one 16 MiB chunk with its softmax
+    assert grown["chunked"] < 0.5 * logits_mib and grown["chunked"] < 0.2 * grown["plain"], grown
+    print(json.dumps(grown))
