@@ -91,6 +91,16 @@ def apex_adamw_class(device_type: str, sharded: bool) -> type[torch.optim.Optimi
     return _apex_adamw(apex.fused_adam) if apex is not None else None
 
 
+def optimizer_state_bytes(cfg: OptimizerConfig, sizes: Iterable[int]) -> int:
+    """The bytes of state ``cfg``'s optimizer keeps for parameters of ``sizes`` elements each (what the
+    ``model_state`` record measures once every parameter has stepped): AdamW two fp32 moments, SGD one with
+    momentum, the 8-bit AdamW bitsandbytes' layout (``eight_bit.state_bytes``)."""
+    sizes = list(sizes)
+    if cfg.optimizer == "sgd":
+        return 4 * sum(sizes) if cfg.sgd_momentum else 0
+    return eight_bit.state_bytes(sizes) if cfg.eight_bit else 8 * sum(sizes)
+
+
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None, *, allow_apex: bool = True
 ) -> torch.optim.Optimizer:

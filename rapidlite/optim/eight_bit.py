@@ -10,6 +10,7 @@ elements for each (``absmax1``, ``absmax2``). Every parameter a fresh optimizer 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -51,3 +52,11 @@ def _adapted(name: str) -> type[torch.optim.Optimizer]:
 def build(optimizer: str, groups: list[dict[str, Any]], **defaults: Any) -> torch.optim.Optimizer:
     """``--optimizer`` ``optimizer`` (a key of ``CLASSES``) over ``groups`` (their weight decay is each group's)."""
     return _adapted(CLASSES[optimizer])(groups, min_8bit_size=MIN_8BIT_SIZE, **defaults)
+
+
+def state_bytes(sizes: list[int]) -> int:
+    """The state's bytes for parameters of ``sizes`` elements each, once every one has stepped."""
+    quantised = [n for n in sizes if n >= MIN_8BIT_SIZE]
+    absmax = 2 * 4 * sum(math.ceil(n / QUANT_BLOCK) for n in quantised)
+    full = 8 * sum(n for n in sizes if n < MIN_8BIT_SIZE)
+    return 2 * sum(quantised) + absmax + full + (QMAP_BYTES if quantised else 0)
