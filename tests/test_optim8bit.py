@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TINY, rapidlite_here, read_metrics, stopped_copy, train_losses, write_tiny_corpus
+from helpers import TINY, rapidlite, rapidlite_here, read_metrics, stopped_copy, train_losses, write_tiny_corpus
 from rapidlite.arguments import parse_args
 from rapidlite.checkpoint.dcp import SafeFileSystemReader
 from rapidlite.cli import main
@@ -63,6 +63,21 @@ def test_resume_is_bit_exact(full_run, corpus, tmp_path):
     argv = [*ARGV, "--data-path", corpus, "--train-iters", "6", "--save-interval", "3"]
     assert rapidlite_here(*argv, "--load", str(part), "--save", str(part)) == 0
     assert train_losses(part) == train_losses(full_run)  # iterations 4-6 from the checkpoint, bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_resume_is_bit_exact(corpus, tmp_path):
+    """Each replica steps its own 8-bit state; the checkpoint holds one copy, which every rank loads."""
+    argv = [*ARGV, "--data-path", corpus, "--micro-batch-size", "2", "--nproc-per-node", "2", "--train-iters", "6"]
+    argv += ["--save-interval", "3"]
+    full = tmp_path / "full"
+    proc = rapidlite(*argv, "--save", str(full))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part = stopped_copy(full, tmp_path / "part", 3)
+    proc = rapidlite(*argv, "--load", str(part), "--save", str(part))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(full)) == 6 and train_losses(part) == train_losses(full)
 
 
 def test_plan_counts_the_measured_state_bytes(full_run, corpus):
