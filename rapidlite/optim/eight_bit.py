@@ -18,6 +18,7 @@ import torch
 MIN_8BIT_SIZE = 4096
 QUANT_BLOCK = 256
 QMAP_BYTES = 2 * 256 * 4
+# --optimizer's 8-bit choices (config.sections.EIGHT_BIT_OPTIMIZERS) and the bitsandbytes class each builds.
 CLASSES = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit"}
 
 
