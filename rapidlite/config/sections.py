@@ -35,6 +35,8 @@ MEGATRON = "Megatron-LM compatibility"
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# bitsandbytes' AdamW with 8-bit moments (block-wise quantised), and its paged twin (CUDA unified memory).
+EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
@@ -333,7 +335,12 @@ class OptimizerConfig:
 
     GROUP: ClassVar[str] = OPTIMIZER
 
-    optimizer: str = flag("adamw", choices=("adamw", "sgd"))
+    optimizer: str = flag(
+        "adamw",
+        "adamw8bit and paged_adamw8bit: AdamW with 8-bit moments from bitsandbytes (about a quarter of AdamW's state; "
+        "paged: CUDA only), on one process, DDP or pipeline parallelism",
+        choices=("adamw", "sgd", *EIGHT_BIT_OPTIMIZERS),
+    )
     lr: float = flag(
         0.0001, "peak learning rate (default %(default)g; the embedded demos (--demo) start from their own)"
     )
@@ -352,6 +359,11 @@ class OptimizerConfig:
     sgd_momentum: float = flag(0.9)
     lr_decay_samples: int | None = flag(None, "decay over this many samples", group=MEGATRON)
     lr_warmup_samples: int | None = flag(None, "warm up over this many samples", group=MEGATRON)
+
+    @property
+    def eight_bit(self) -> bool:
+        """bitsandbytes' 8-bit AdamW (``--optimizer adamw8bit`` or ``paged_adamw8bit``)."""
+        return self.optimizer in EIGHT_BIT_OPTIMIZERS
 
 
 @dataclass(frozen=True)

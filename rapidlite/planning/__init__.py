@@ -7,8 +7,8 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   process group of the target world size (``torch.testing``'s ``FakeStore`` backend, the one torchtitan's
   memory estimator uses). Tensor-parallel shards, pipeline pruning, FSDP shards and LoRA adapters are
   therefore exactly what the run will hold. Gradients and optimizer state follow from the trainable local
-  parameters (AdamW: two fp32 moments; ZeRO-1: sharded over data parallelism; ``--cpu-offload``: on the
-  host).
+  parameters (AdamW: two fp32 moments; 8-bit AdamW: bitsandbytes' layout, ``optim.optimizer_state_bytes``;
+  ZeRO-1: sharded over data parallelism; ``--cpu-offload``: on the host).
 - **Activations** come from one forward pass of the model on ``meta`` tensors of the run's micro-batch and
   sequence length: every tensor autograd saves for the backward is counted (``saved_tensors_hooks``),
   attributed to the transformer block that saved it. The layout then scales them the way it changes them:
@@ -41,6 +41,7 @@ import torch
 
 from rapidlite.config.sections import LoraConfig
 from rapidlite.config.settings import Sections
+from rapidlite.optim import optimizer_state_bytes
 from rapidlite.planning.activations import ActivationProfile, profile_activations, stage_activations
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 
@@ -113,12 +114,6 @@ def _strategy_for(settings: Sections, rank: int, world_size: int, precision: Any
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
     return select(StrategyContext(settings, ctx, DataParallelConfig.of(settings.parallel), precision, quiet))
-
-
-def _optimizer_bytes_per_element(settings: Sections) -> int:
-    if settings.optim.optimizer == "sgd":
-        return 4 if settings.optim.sgd_momentum else 0
-    return 8  # AdamW: exp_avg and exp_avg_sq in fp32
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -327,16 +322,16 @@ def _rank_plan(
     param_bytes = sum(_bytes(p) for p in params)
     # Local elements: FSDP's and tensor parallelism's shards are already local here.
     trainable = sum(_local(p).numel() for p in params if p.requires_grad)
-    grad_elems = opt_elems = trainable
+    grad_elems = trainable
     if deepspeed:  # ZeRO's partitioning: stage 1 the optimizer state, 2 also gradients, 3 also parameters
         param_bytes //= dp if zero >= 3 else 1
         grad_elems //= dp if zero >= 2 else 1
-        opt_elems //= dp if zero >= 1 else 1
+        stepped = [trainable // (dp if zero >= 1 else 1)]  # one flat partition
     else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters, FSDP's shards
         local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
-        opt_elems = sum(_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad)
+        stepped = [_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad]
     grads = grad_elems * 4
-    optimizer = opt_elems * _optimizer_bytes_per_element(settings)
+    optimizer = optimizer_state_bytes(settings.optim, stepped)
     host = 0
     if dp_cfg.cpu_offload:
         host, optimizer = optimizer, 0

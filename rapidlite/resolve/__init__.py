@@ -26,6 +26,7 @@ from rapidlite.resolve.checks import (
     check_data_parallel,
     check_lora,
     check_lr,
+    check_optimizer,
     check_pipeline_micro_batches,
     check_precision,
     check_ranges,
@@ -137,6 +138,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     deepspeed_notices = _resolve_deepspeed(args)
     check_precision(args)
     check_data_parallel(args)
+    check_optimizer(args)
     _resolve_batch(args)
     megatron_flags.samples_to_iterations(args)
     notices += check_lr(args)

@@ -298,6 +298,45 @@ def check_data_parallel(args: argparse.Namespace) -> None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")
 
 
+def check_optimizer(args: argparse.Namespace) -> None:
+    """``--optimizer adamw8bit``/``paged_adamw8bit``: bitsandbytes installed, a layout whose optimizer steps whole
+    plain tensors (one process, DDP, pipeline stages), and CUDA for the paged one."""
+    optim = section_of(args, "optim")
+    if not optim.eight_bit:
+        return
+    name = f"--optimizer {optim.optimizer}"
+    shards = "its parameters are DTensor shards, and bitsandbytes quantises whole plain tensors"
+    tp = args.tensor_model_parallel_size
+    for on, flag, why in (
+        (args.deepspeed, "--deepspeed", "DeepSpeed steps the optimizer on its own flattened partitions"),
+        (
+            args.zero_1_memory_optimization,
+            "--zero-1-memory-optimization",
+            "ZeRO-1's ZeroRedundancyOptimizer partitions torch optimizers' state",
+        ),
+        (args.zero_2_memory_optimization, "--zero-2-memory-optimization", f"FSDP2: {shards}"),
+        (args.zero_3_memory_optimization, "--zero-3-memory-optimization", f"FSDP2: {shards}"),
+        (args.fsdp_memory_optimization, "--fsdp-memory-optimization", f"FSDP2: {shards}"),
+        (tp > 1, f"--tensor-model-parallel-size {tp}", f"tensor parallelism: {shards}"),
+    ):
+        if on:
+            raise ConfigError(
+                f"{name} does not combine with {flag} ({why}): use --optimizer adamw with it, or drop {flag} "
+                "(8-bit AdamW trains on one process, with DDP or with pipeline parallelism)"
+            )
+    from rapidlite.models.lora import require_bitsandbytes
+
+    require_bitsandbytes(name)
+    if optim.optimizer == "paged_adamw8bit":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{name} pages its state through CUDA unified memory and this machine has no CUDA device "
+                "(bitsandbytes would keep it unpaged): use --optimizer adamw8bit"
+            )
+
+
 def check_pipeline(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
     virtual_layers = args.num_layers_per_virtual_pipeline_stage

@@ -1,4 +1,5 @@
-"""Optimizers (weight-decay groups, fused kernels) and Megatron's learning-rate schedule."""
+"""Optimizers (weight-decay groups, fused kernels, bitsandbytes' 8-bit AdamW) and Megatron's learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Any
 import torch
 
 from rapidlite.apex_kernels import nvidia_apex
-from rapidlite.config.sections import OptimizerConfig
+from rapidlite.config.sections import EIGHT_BIT_OPTIMIZERS, OptimizerConfig
 from rapidlite.errors import ConfigError
 from rapidlite.logging import LOGGER_NAME
+from rapidlite.optim import eight_bit
 from rapidlite.precision import LossScaler
 
 
@@ -89,13 +91,23 @@ def apex_adamw_class(device_type: str, sharded: bool) -> type[torch.optim.Optimi
     return _apex_adamw(apex.fused_adam) if apex is not None else None
 
 
+def optimizer_state_bytes(cfg: OptimizerConfig, sizes: Iterable[int]) -> int:
+    """The bytes of state ``cfg``'s optimizer keeps for parameters of ``sizes`` elements each (what the
+    ``model_state`` record measures once every parameter has stepped): AdamW two fp32 moments, SGD one with
+    momentum, the 8-bit AdamW bitsandbytes' layout (``eight_bit.state_bytes``)."""
+    sizes = list(sizes)
+    if cfg.optimizer == "sgd":
+        return 4 * sum(sizes) if cfg.sgd_momentum else 0
+    return eight_bit.state_bytes(sizes) if cfg.eight_bit else 8 * sum(sizes)
+
+
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None, *, allow_apex: bool = True
 ) -> torch.optim.Optimizer:
     """AdamW or SGD over decay groups, fused where the device has the kernels: Apex's FusedAdam for AdamW on
     CUDA when Apex is installed (see ``apex_adamw_class``; ``allow_apex=False`` keeps torch's), else torch's
-    fused or foreach kernels. With ``zero1_group`` the optimizer state is sharded over that process group
-    (ZeRO-1)."""
+    fused or foreach kernels; bitsandbytes' 8-bit AdamW (``eight_bit``) over the same groups. With
+    ``zero1_group`` the optimizer state is sharded over that process group (ZeRO-1)."""
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
@@ -117,8 +129,11 @@ def build_optimizer(
         cls, defaults = torch.optim.SGD, {"momentum": cfg.sgd_momentum}
         if any(hasattr(p, "placements") for p in params):  # DTensor has no sharding rule for the fused SGD kernel
             kernels = {"fused": None, "foreach": True}
+    elif cfg.eight_bit:  # plain tensors, one optimizer: resolve refuses the layouts that shard them
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        return eight_bit.build(cfg.optimizer, groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps)
     else:
-        raise ConfigError(f"--optimizer {cfg.optimizer}: unknown; choose adamw or sgd")
+        raise ConfigError(f"--optimizer {cfg.optimizer}: unknown; choose adamw, sgd, {', '.join(EIGHT_BIT_OPTIMIZERS)}")
     if zero1_group is not None:
         from rapidlite.parallel.data_parallel import build_zero1_optimizer
 
