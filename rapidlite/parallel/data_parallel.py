@@ -92,7 +92,8 @@ def apply_ddp(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
 
     device = mesh.device_type
     device_ids = [torch.cuda.current_device()] if device == "cuda" else None
-    replicate(model, device_mesh=mesh, device_ids=device_ids)
+    # Gradients as views into the all-reduce buckets: one copy of the gradients, not two.
+    replicate(model, device_mesh=mesh, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
 
 

@@ -18,7 +18,7 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
   (``selective``) and recomputes one block at a time in the backward pass.
 - **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
-  logits), DDP's gradient buckets, and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
+  logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
 - On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
   the plan adds this process's own resident size (it has imported the same libraries) as "runtime".
@@ -350,15 +350,13 @@ def _rank_plan(
     held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
     per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
 
-    # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward, DDP's
-    # gradient buckets, FSDP's gathered parameters.
+    # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward and
+    # FSDP's gathered parameters.
     transient = int(2 * largest)
     if last and dims.pp > 1:
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
         transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
-    ddp = zero == 1 or (zero == 0 and dims.tp == 1 and dims.pp == 1)
-    if not deepspeed and ddp and dp > 1:
-        transient += grads  # DDP's buckets: a second copy of the gradients
+    # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view): no second copy.
     if not deepspeed and zero == 2:
         transient += param_bytes * (dp - 1)  # the unsharded parameters stay between forward and backward
     elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
