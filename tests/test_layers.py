@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.distributed",
             "rapidlite.preemption",
             "rapidlite.losses",
+            "rapidlite.chunked_loss",
             "rapidlite.metrics",
             "rapidlite.cache",
             "rapidlite.apex_kernels",
