@@ -234,3 +234,25 @@ def test_preference_benchmark_quick():
     assert any(line.startswith("check first-step losses equal") and line.endswith(": ok") for line in lines)
     for target in ("target tokens/s >= 1.05 x TRL: x", "target peak memory <= 0.8 x TRL"):
         assert any(line.startswith(target) for line in lines), proc.stdout
+
+
+def test_memory_benchmark_quick():
+    """rapidlite's loss curve equals the Trainer's before anything is compared (the script stops otherwise); the
+    table, the ratios, the longest-sequence line and the targets line are there (nothing is asserted on the
+    figures: a tiny model on a shared machine)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--quick", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [line.split() for line in lines if line.split()[:1] in (["8192"], ["32768"])]
+    assert [(r[1], r[2]) for r in rows] == [("LoRA", "trainer"), ("LoRA", "rapidlite"), ("full", "trainer"),
+                                            ("full", "rapidlite")] * 2  # fmt: skip
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
+    assert sum(line.startswith("  vocabulary ") for line in lines) == 4
+    assert any(line.startswith("longest sequence within") and "checked by a run" in line for line in lines)
+    assert any(line.startswith("targets at vocabulary 32768:") for line in lines)
