@@ -26,11 +26,11 @@ TINY = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", 
 TINY += ["--hidden-size", "32", "--num-layers", "3", "--lr", "1e-3", "--log-interval", "1"]
 
 
-def tiny_model(checkpointed: bool) -> torch.nn.Module:
+def tiny_model(granularity: str | None) -> torch.nn.Module:
     torch.manual_seed(0)
     model = TinyCausalLM(vocab=64, hidden=32, layers=3, heads=4, seq=16, dropout=0.0)
-    if checkpointed:
-        apply_activation_checkpointing(model)
+    if granularity is not None:
+        apply_activation_checkpointing(model, granularity)
     return model
 
 
@@ -56,11 +56,11 @@ class Recording(OffloadActivations):
         return packed
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-def test_hooks_move_saved_tensors_and_give_the_same_gradients(checkpointed):
+@pytest.mark.parametrize("granularity", [None, "full", "selective"])
+def test_hooks_move_saved_tensors_and_give_the_same_gradients(granularity):
     """The pack hook sees the saved activations (not the parameters) and the backward pass gets them back
     unchanged: the loss and every gradient are bitwise those of the same model without the hooks."""
-    model = tiny_model(checkpointed)
+    model = tiny_model(granularity)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     loss, grads = loss_and_grads(model, tokens)
     hooks = Recording(torch.device("cpu"))
@@ -72,7 +72,7 @@ def test_hooks_move_saved_tensors_and_give_the_same_gradients(checkpointed):
     weights = {id(p) for p in model.parameters()}
     assert hooks.packed > 0 and hooks.packed_bytes > 0
     assert len(hooks.moved) == hooks.packed and not any(id(t) in weights for t in hooks.moved)
-    if checkpointed:
+    if granularity is not None:
         # A checkpointed block keeps its input for the recompute, and the input goes through the hooks too.
         inputs = [t for t in hooks.moved if t.shape == (2, 16, 32)]
         assert len(inputs) >= 3
@@ -163,6 +163,10 @@ def test_plan_counts_what_stays_on_the_device(monkeypatch, device):
         assert o.host == b.host + (b.activations - o.activations)
         assert o.peak < b.peak
         assert any("the host column" in n for n in off.notes)
+        # Selective recompute's kept outputs are held by the checkpoint itself, past the hooks: they stay.
+        selective = ["--checkpoint-activations", "--recompute-granularity", "selective", "--offload-activations"]
+        (s,) = plan(parse_args([*PLANNED, *selective]).sections).ranks
+        assert s.activations > o.activations
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   blocks for the micro-batches its schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all);
   ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
   (``selective``) and recomputes one block at a time in the backward pass; ``--offload-activations`` moves
-  what a GPU rank keeps to host memory but a block's worth (the block the backward pass is using).
+  what a GPU rank keeps to host memory but a block's worth (the block the backward pass is using) and
+  selective recompute's kept outputs.
 - **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
   logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
@@ -45,7 +46,7 @@ from rapidlite.config.settings import Sections
 from rapidlite.optim import optimizer_state_bytes
 from rapidlite.planning.activations import (
     ActivationProfile,
-    block_bytes,
+    kept_on_device,
     offload_activations,
     profile_activations,
     stage_activations,
@@ -188,7 +189,7 @@ def plan(settings: Sections) -> Plan:
     if settings.model.offload_activations:
         notes.append(
             "--offload-activations: saved activations wait in host memory (the host column) but a block's worth, "
-            "which the backward pass uses on the device"
+            "which the backward pass uses on the device (and selective recompute's kept outputs)"
             if on_gpu
             else "--offload-activations: on a CPU host memory is the device, so the activations stay counted there"
         )
@@ -366,8 +367,8 @@ def _rank_plan(
     # tensors, a causal mask or a transposed weight, do not grow with it).
     grown, grown_largest = stage_activations(settings, dims, stage, mine, profile_next, in_flight)
     if settings.model.offload_activations:
-        activations, offloaded = offload_activations(activations, block_bytes(settings, dims, profile), on_gpu)
-        grown, _ = offload_activations(grown, block_bytes(settings, dims, profile_next), on_gpu)
+        activations, offloaded = offload_activations(activations, kept_on_device(settings, dims, mine, profile), on_gpu)
+        grown, _ = offload_activations(grown, kept_on_device(settings, dims, mine, profile_next), on_gpu)
         host += offloaded
     last = stage == dims.pp - 1
     held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients

@@ -154,12 +154,22 @@ def stage_activations(
     return int((stack + outside) * in_flight), largest
 
 
-def offload_activations(activations: int, per_block: float, on_gpu: bool) -> tuple[int, int]:
-    """``(device, host)`` bytes of a rank's saved activations under ``--offload-activations``. On a GPU they wait
-    in host memory, except a block's worth: the block the backward pass is using (or recomputing, under
-    ``--checkpoint-activations``), whose tensors are back on the device at the peak. On a CPU host memory is the
-    device: nothing moves."""
+def kept_on_device(settings: Sections, dims: Any, mine: int, profile: ActivationProfile) -> float:
+    """What stays on the device under ``--offload-activations``: a block's worth (the block the backward pass is
+    using, or recomputing under ``--checkpoint-activations``), and under selective recompute the outputs its
+    checkpointed blocks keep (``torch.utils.checkpoint`` caches them itself, past the saved-tensor hooks)."""
+    stays = block_bytes(settings, dims, profile)
+    if settings.model.checkpoint_activations and settings.model.recompute_granularity == "selective":
+        checkpointed = min(settings.model.recompute_num_layers or mine, mine)
+        kept = profile.blocks_kept_selective
+        stays += checkpointed * sum(kept) / max(len(kept), 1) / dims.tp
+    return stays
+
+
+def offload_activations(activations: int, stays: float, on_gpu: bool) -> tuple[int, int]:
+    """``(device, host)`` bytes of a rank's saved activations under ``--offload-activations``: on a GPU all but
+    ``stays`` (``kept_on_device``) wait in host memory; on a CPU host memory is the device and nothing moves."""
     if not on_gpu:
         return activations, 0
-    kept = min(activations, int(per_block))
+    kept = min(activations, int(stays))
     return kept, activations - kept

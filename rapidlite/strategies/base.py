@@ -120,7 +120,11 @@ class Strategy:
             self._compile(model, dynamic_shapes)
         if self.offload is not None and self.ctx.is_main_process:
             where = "pinned host memory" if self.offload.cuda else "host memory (a CPU's device: nothing saved)"
-            self.logger.info(f"--offload-activations: the tensors each forward saves wait in {where}")
+            kept = cfg.checkpoint_activations and cfg.recompute_granularity == "selective"
+            kept_note = "; selective recompute's kept outputs stay on the device (the checkpoint holds them)"
+            self.logger.info(
+                f"--offload-activations: the tensors each forward saves wait in {where}{kept_note if kept else ''}"
+            )
 
     def _compile(self, model: torch.nn.Module, dynamic_shapes: bool | None) -> None:
         """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
