@@ -50,8 +50,9 @@ class Recording(OffloadActivations):
         super().__init__(device)
 
     def _pack(self, t: torch.Tensor):
+        before = self.packed
         packed = super()._pack(t)
-        if packed is not t:
+        if self.packed > before:
             self.moved.append(t)
         return packed
 
@@ -80,7 +81,7 @@ def test_hooks_move_saved_tensors_and_give_the_same_gradients(granularity):
 
 def test_small_tensors_and_parameters_stay_on_a_gpu():
     """What a GPU run keeps on the device: tensors under the threshold and parameters (checked on the CPU with
-    the GPU's rule)."""
+    the GPU's rule); a tensor saved twice is copied once."""
     hooks = OffloadActivations(torch.device("cpu"))
     hooks.min_bytes = 1024
     small, large = torch.zeros(16), torch.zeros(1024)
@@ -90,6 +91,10 @@ def test_small_tensors_and_parameters_stay_on_a_gpu():
     assert packed is not large and hooks.packed == 1
     back = hooks._unpack(packed)
     assert torch.equal(back, large) and back is not large
+    # Saved twice in one forward: moved once; changed in place in between: moved again.
+    assert hooks._pack(large) is packed and hooks.packed == 1
+    large.add_(1)
+    assert hooks._pack(large) is not packed and hooks.packed == 2
 
 
 def train(*argv):

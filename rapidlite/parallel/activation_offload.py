@@ -19,6 +19,7 @@ at once).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.packed = 0
         self.packed_bytes = 0
+        # A tensor saved by several ops (a residual stream, y in y * y) moves once per forward pass.
+        self._moved: dict[int, tuple[weakref.ref, int, _Offloaded]] = {}
         super().__init__(self._pack, self._unpack)
+
+    def __exit__(self, *exc: object) -> None:
+        self._moved.clear()  # the autograd graph holds what was moved; ids may be reused after this forward
+        super().__exit__(*exc)
 
     def _kept(self, t: torch.Tensor) -> bool:
         """Tensors that stay where they are: parameters, subclasses, and small ones."""
@@ -58,8 +65,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> Any:
         if self._kept(t):
             return t
+        seen = self._moved.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        packed = self._copy_to_host(t)
+        self._moved[id(t)] = (weakref.ref(t), t._version, packed)
         self.packed += 1
         self.packed_bytes += t.numel() * t.element_size()
+        return packed
+
+    def _copy_to_host(self, t: torch.Tensor) -> _Offloaded:
         if not self.cuda:
             return _Offloaded(t.detach().clone(memory_format=torch.preserve_format), t.device)
         host = torch.empty_like(t, device="cpu", pin_memory=True)
