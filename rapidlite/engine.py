@@ -207,6 +207,9 @@ class RapidliteEngine:
         ]
         if s.model.checkpoint_activations:
             parts.append(f"activation checkpointing ({s.model.recompute_granularity})")
+        if s.model.offload_activations:
+            # A loop of its own (compose) offloads only inside `with engine.strategy.offload:` around its forward.
+            parts.append("activation offloading (engine.strategy.forward_backward, or an own loop under .offload)")
         if s.model.torch_compile:
             parts.append("torch.compile")
         self.logger.info("compose: " + " | ".join(parts))

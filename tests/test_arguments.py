@@ -59,6 +59,7 @@ FLAGS = """
 --max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
 --precompute-ref-logprobs --desirable-weight --undesirable-weight
 --chunked-loss --no-chunked-loss
+--offload-activations
 """.split()
 
 

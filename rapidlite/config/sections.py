@@ -159,6 +159,12 @@ class ModelConfig:
     recompute_num_layers: int | None = flag(
         None, "checkpoint only the first N transformer blocks (default: all)", group=MEMORY_AND_SPEED
     )
+    offload_activations: bool = flag(
+        False,
+        "keep the tensors the forward pass saves for the backward in host memory (pinned, copied on a side "
+        "stream) on CUDA; composes with --checkpoint-activations",
+        group=MEMORY_AND_SPEED,
+    )
     onnx_runtime_training: bool = flag(
         False,
         "graph optimisation with ONNX Runtime's ORTModule (torch.compile where it cannot run)",

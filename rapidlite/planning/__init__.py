@@ -16,7 +16,9 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   by tensor parallelism, hidden-size tensors by sequence parallelism only; a pipeline stage holds its own
   blocks for the micro-batches its schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all);
   ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
-  (``selective``) and recomputes one block at a time in the backward pass.
+  (``selective``) and recomputes one block at a time in the backward pass; ``--offload-activations`` moves
+  what a GPU rank keeps to host memory but a block's worth (the block the backward pass is using) and
+  selective recompute's kept outputs.
 - **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
   logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
@@ -42,7 +44,13 @@ import torch
 from rapidlite.config.sections import LoraConfig
 from rapidlite.config.settings import Sections
 from rapidlite.optim import optimizer_state_bytes
-from rapidlite.planning.activations import ActivationProfile, profile_activations, stage_activations
+from rapidlite.planning.activations import (
+    ActivationProfile,
+    kept_on_device,
+    offload_activations,
+    profile_activations,
+    stage_activations,
+)
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 
 GiB = 2**30
@@ -52,7 +60,8 @@ MiB = 2**20
 # ------------------------------------------------------------------------------------------------ model states
 @dataclass
 class RankPlan:
-    """One rank's predicted bytes. ``host``: what ``--cpu-offload`` keeps in host memory instead."""
+    """One rank's predicted bytes. ``host``: what ``--cpu-offload`` (model states) and ``--offload-activations``
+    (saved activations, on a GPU) keep in host memory instead."""
 
     rank: int
     stage: int
@@ -176,6 +185,14 @@ def plan(settings: Sections) -> Plan:
     n_blocks = len(profile.blocks_split) or 1
 
     deepspeed = settings.parallel.deepspeed
+    on_gpu = device.type == "cuda"
+    if settings.model.offload_activations:
+        notes.append(
+            "--offload-activations: saved activations wait in host memory (the host column) but a block's worth, "
+            "which the backward pass uses on the device (and selective recompute's kept outputs)"
+            if on_gpu
+            else "--offload-activations: on a CPU host memory is the device, so the activations stay counted there"
+        )
     ranks: list[RankPlan] = []
     strategy_name = "DeepSpeed"
     trainable_total = None
@@ -199,7 +216,9 @@ def plan(settings: Sections) -> Plan:
                 strategy_name = strategy.name
                 module = strategy.module(composed)
         ranks.append(
-            _rank_plan(settings, dims, rank, stage, module, optimizer, profile, profile_next, n_blocks, deepspeed)
+            _rank_plan(
+                settings, dims, rank, stage, module, optimizer, (profile, profile_next), n_blocks, deepspeed, on_gpu
+            )
         )
         if adapters.quantized:
             ranks[-1].params -= _quantisable_bytes(module, adapters) - _quantised_bytes(module, adapters)
@@ -308,14 +327,15 @@ def _rank_plan(
     stage: int,
     module: torch.nn.Module,
     optimizer: Any,
-    profile: ActivationProfile,
-    profile_next: ActivationProfile,
+    profiles: tuple[ActivationProfile, ActivationProfile],
     n_blocks: int,
     deepspeed: bool,
+    on_gpu: bool,
 ) -> RankPlan:
     from rapidlite.models.spec import find_blocks
     from rapidlite.parallel.data_parallel import DataParallelConfig
 
+    profile, profile_next = profiles  # at the run's micro-batch and one sample larger
     dp_cfg = DataParallelConfig.of(settings.parallel)
     zero, dp = dp_cfg.zero_stage, dims.dp
     params = list(module.parameters())
@@ -346,6 +366,10 @@ def _rank_plan(
     # How the peak grows with the micro-batch: the difference to a profile one sample larger (some saved
     # tensors, a causal mask or a transposed weight, do not grow with it).
     grown, grown_largest = stage_activations(settings, dims, stage, mine, profile_next, in_flight)
+    if settings.model.offload_activations:
+        activations, offloaded = offload_activations(activations, kept_on_device(settings, dims, mine, profile), on_gpu)
+        grown, _ = offload_activations(grown, kept_on_device(settings, dims, mine, profile_next), on_gpu)
+        host += offloaded
     last = stage == dims.pp - 1
     held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
     per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))

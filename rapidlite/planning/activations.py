@@ -121,6 +121,14 @@ def profile_activations(
     return profile
 
 
+def block_bytes(settings: Sections, dims: Any, profile: ActivationProfile) -> float:
+    """What one block saves, as the layout splits it (tensor parallelism; sequence parallelism for the
+    hidden-size tensors)."""
+    tp, sp = dims.tp, settings.parallel.sequence_parallel
+    avg = lambda xs: sum(xs) / max(len(xs), 1)
+    return avg(profile.blocks_split) / tp + avg(profile.blocks_whole) / (tp if sp else 1)
+
+
 def stage_activations(
     settings: Sections, dims: Any, stage: int, mine: int, profile: ActivationProfile, in_flight: int
 ) -> tuple[int, float]:
@@ -128,8 +136,7 @@ def stage_activations(
     tp, sp = dims.tp, settings.parallel.sequence_parallel
     first, last = stage == 0, stage == dims.pp - 1
     avg = lambda xs: sum(xs) / max(len(xs), 1)
-    split, whole = avg(profile.blocks_split) / tp, avg(profile.blocks_whole) / (tp if sp else 1)
-    per_block = split + whole
+    per_block = block_bytes(settings, dims, profile)
     checkpointing = settings.model.checkpoint_activations
     checkpointed = min(settings.model.recompute_num_layers or mine, mine) if checkpointing else 0
     if checkpointing and settings.model.recompute_granularity == "selective":
@@ -145,3 +152,24 @@ def stage_activations(
     )
     largest = profile.largest / (tp if profile.largest_split else 1) if last else per_block / 4
     return int((stack + outside) * in_flight), largest
+
+
+def kept_on_device(settings: Sections, dims: Any, mine: int, profile: ActivationProfile) -> float:
+    """What stays on the device under ``--offload-activations``: a block's worth (the block the backward pass is
+    using, or recomputing under ``--checkpoint-activations``), and under selective recompute the outputs its
+    checkpointed blocks keep (``torch.utils.checkpoint`` caches them itself, past the saved-tensor hooks)."""
+    stays = block_bytes(settings, dims, profile)
+    if settings.model.checkpoint_activations and settings.model.recompute_granularity == "selective":
+        checkpointed = min(settings.model.recompute_num_layers or mine, mine)
+        kept = profile.blocks_kept_selective
+        stays += checkpointed * sum(kept) / max(len(kept), 1) / dims.tp
+    return stays
+
+
+def offload_activations(activations: int, stays: float, on_gpu: bool) -> tuple[int, int]:
+    """``(device, host)`` bytes of a rank's saved activations under ``--offload-activations``: on a GPU all but
+    ``stays`` (``kept_on_device``) wait in host memory; on a CPU host memory is the device and nothing moves."""
+    if not on_gpu:
+        return activations, 0
+    kept = min(activations, int(stays))
+    return kept, activations - kept

@@ -26,6 +26,7 @@ from rapidlite.resolve.checks import (
     check_data_parallel,
     check_lora,
     check_lr,
+    check_offload_activations,
     check_optimizer,
     check_pipeline_micro_batches,
     check_precision,
@@ -139,6 +140,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     check_precision(args)
     check_data_parallel(args)
     check_optimizer(args)
+    check_offload_activations(args)
     _resolve_batch(args)
     megatron_flags.samples_to_iterations(args)
     notices += check_lr(args)

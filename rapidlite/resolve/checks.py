@@ -249,6 +249,24 @@ def resolve_recompute(args: argparse.Namespace) -> None:
         args.recompute_granularity = "full"
 
 
+def check_offload_activations(args: argparse.Namespace) -> None:
+    """``--offload-activations`` hooks the forward pass the strategy runs for each micro-batch: layouts that run
+    their own forward and backward, or save tensor subclasses the hooks leave on the device, are refused."""
+    if not args.offload_activations:
+        return
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    for on, flag, why in (
+        (args.deepspeed, "--deepspeed", "DeepSpeed's engine runs the backward pass itself"),
+        (pp > 1, f"--pipeline-model-parallel-size {pp}", "the pipeline schedule runs its own forward and backward"),
+        (tp > 1, f"--tensor-model-parallel-size {tp}", "DTensor activations would stay on the device"),
+    ):
+        if on:
+            raise ConfigError(
+                f"--offload-activations does not combine with {flag} ({why}): drop one of them "
+                "(it runs on one process, DDP, ZeRO-1 and ZeRO-2/3 on FSDP2)"
+            )
+
+
 def check_data_parallel(args: argparse.Namespace) -> None:
     stages = [
         flag

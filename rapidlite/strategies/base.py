@@ -21,6 +21,7 @@ from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError
 from rapidlite.losses import unpack_loss
 from rapidlite.models.spec import spec_of
+from rapidlite.parallel.activation_offload import OffloadActivations
 from rapidlite.parallel.data_parallel import DataParallelConfig, gradient_sync
 from rapidlite.parallel.recompute import apply_activation_checkpointing
 from rapidlite.precision import Precision
@@ -85,6 +86,9 @@ class Strategy:
         self.config, self.dist, self.data_parallel = ctx.config, ctx.dist, ctx.data_parallel
         self.precision, self.logger = ctx.precision, ctx.logger
         self.device = ctx.dist.device
+        # --offload-activations: the saved-tensor hooks each micro-batch's forward runs under.
+        self.offload = OffloadActivations(self.device) if ctx.config.model.offload_activations else None
+        self._offload_reported = False
 
     @property
     def name(self) -> str:
@@ -114,6 +118,13 @@ class Strategy:
             apply_activation_checkpointing(model, cfg.recompute_granularity, cfg.recompute_num_layers)
         if cfg.torch_compile:
             self._compile(model, dynamic_shapes)
+        if self.offload is not None and self.ctx.is_main_process:
+            where = "pinned host memory" if self.offload.cuda else "host memory (a CPU's device: nothing saved)"
+            kept = cfg.checkpoint_activations and cfg.recompute_granularity == "selective"
+            kept_note = "; selective recompute's kept outputs stay on the device (the checkpoint holds them)"
+            self.logger.info(
+                f"--offload-activations: the tensors each forward saves wait in {where}{kept_note if kept else ''}"
+            )
 
     def _compile(self, model: torch.nn.Module, dynamic_shapes: bool | None) -> None:
         """``--torch-compile``: each block compiled in place, after checkpointing and tensor parallelism and
@@ -147,7 +158,9 @@ class Strategy:
         losses, num_items, mode = [], 0, None
         for i, forward in enumerate(micro_steps):
             with gradient_sync(model, enabled=i == len(micro_steps) - 1):
-                loss, items = self._micro_loss(forward())
+                with self.offload or contextlib.nullcontext():
+                    result = forward()
+                loss, items = self._micro_loss(result)
                 step_mode = "mean" if items is None else "sum"
                 if mode is not None and step_mode != mode:
                     raise inconsistent_losses()
@@ -155,7 +168,20 @@ class Strategy:
                 optimizer.backward(loss)
             losses.append(loss.detach().float())
             num_items += items or 0
+        if self.offload is not None and not self._offload_reported:
+            self._report_offload(len(micro_steps))
         return torch.stack(losses).sum(), self.grad_divisor(mode == "sum", num_items, len(micro_steps))
+
+    def _report_offload(self, micro_batches: int) -> None:
+        """One line after the first step: what the hooks moved, so a run that offloads nothing says so."""
+        self._offload_reported = True
+        if self.ctx.is_main_process:
+            n, mib = self.offload.packed, self.offload.packed_bytes / 2**20
+            small = f" (tensors under {self.offload.min_bytes // 2**20} MiB stay)" if self.offload.min_bytes else ""
+            self.logger.info(
+                f"--offload-activations: {n} saved tensors, {mib:.1f} MiB, went to host memory in the first step's "
+                f"{micro_batches} micro-batch{'es' if micro_batches > 1 else ''}{small}"
+            )
 
     def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
         return unpack_loss(result)
