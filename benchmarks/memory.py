@@ -276,11 +276,14 @@ def contend(key: str, vocab: int, lora: bool, quick: bool, threads: int, tmp: Pa
 
 
 def pretraining_argv(w: Workload, vocab: int, seq: int, config_dir: Path) -> list[str]:
-    """``rapidlite --task pretraining`` on the workload's LLaMA config (full fine-tuning), at ``seq`` tokens."""
+    """``rapidlite --task pretraining`` on the workload's LLaMA config (full fine-tuning), at ``seq`` tokens, on
+    the corpus beside the config (without --data-path the task would run its embedded demo at its own sizes)."""
     return [
-        "--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--tokenizer-type",
+        "--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir),
+        "--data-path", str(config_dir.with_name("corpus")), "--tokenizer-type",
         "NullTokenizer", "--vocab-size", str(vocab - 1), "--seq-length", str(seq), "--micro-batch-size", "1",
         "--global-batch-size", "1", "--lr", str(w.lr), "--min-lr", "0", "--weight-decay", "0", "--no-progress",
+        "--train-iters", "3",
     ]  # fmt: skip
 
 
@@ -312,10 +315,8 @@ def longest_sequence(w: Workload, vocab: int, budget: int, config_dir: Path, tmp
     while high - low > step:
         mid = (low + high) // 2 // step * step
         low, high = (mid, high) if fits(mid) else (low, mid)
-    data = tmp / "corpus"
-    _write_corpus(data, vocab, low)
     save = tmp / "check"
-    argv = [*pretraining_argv(w, vocab, low, config_dir), "--data-path", str(data), "--train-iters", "3"]
+    argv = pretraining_argv(w, vocab, low, config_dir)
     proc = rapidlite_cli([*argv, "--log-interval", "1", "--save", str(save)], threads)
     if proc.returncode != 0:
         raise SystemExit(f"the check run at --seq-length {low} failed:\n{proc.stderr[-2000:]}")
@@ -330,7 +331,7 @@ def _write_corpus(prefix: Path, vocab: int, seq: int) -> None:
 
     rng = np.random.default_rng(0)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
-    for _ in range(8):
+    for _ in range(4):  # documents as long as the longest sequence searched: any length finds its samples
         builder.add_item(np.append(rng.integers(0, vocab - 1, size=seq + 1), vocab - 1))
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
@@ -378,6 +379,7 @@ def main() -> int:
                       f"tokens/s {ratio['tokens_per_s']:.2f}x")  # fmt: skip
         budget = int(results[big, False, "trainer"]["peak"])
         w.config(big).save_pretrained(tmp / "llama")  # pretraining grows its position table to --seq-length
+        _write_corpus(tmp / "corpus", big, 64 * w.seq)
         longest, checked = longest_sequence(w, big, budget, tmp / "llama", tmp, args.threads)
         print(f"\nlongest sequence within {budget / 2**20:.0f} MiB (the Trainer's peak at {w.seq} tokens, full, "
               f"vocabulary {big}): Trainer {w.seq}, rapidlite {longest} (--dry-run), checked by a run: peak "

@@ -113,6 +113,23 @@ def test_a_config_directory_without_a_tokenizer_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_heads_that_split_the_key_value_heads_unevenly_are_one_line(tmp_path):
+    """--num-attention-heads reshapes a config trained from scratch (here the embedded run's 4 heads, as no
+    --data-path is given); key/value heads that do not divide them would fail deep in attention."""
+    from transformers import LlamaConfig
+
+    config_dir = tmp_path / "llama"
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+                num_key_value_heads=8).save_pretrained(config_dir)  # fmt: skip
+    proc = run_cli("--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--dry-run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "rapidlite: error: --num-attention-heads 4: the model config's 8 key/value heads do not divide it; "
+        "give a multiple of 8"
+    )
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("binary_head", [True, False])
 def test_bert_pretraining_from_a_config(tmp_path, binary_head):
     """A BERT config selects masked LM + next-sentence prediction on sentence-split data (masked LM only

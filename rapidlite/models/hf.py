@@ -258,6 +258,12 @@ def override_sizes(config: Any, model: ModelConfig, seq_length: int, vocab_size:
         config.max_position_embeddings = seq_length
     if vocab_size is not None and getattr(config, "vocab_size", vocab_size) < vocab_size:
         config.vocab_size = vocab_size
+    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if model.num_attention_heads is not None and isinstance(groups, int) and groups and heads % groups:
+        raise ConfigError(
+            f"--num-attention-heads {heads}: the model config's {groups} key/value heads do not divide it; give "
+            f"a multiple of {groups}"
+        )
 
 
 def check_positions(model: Any, seq_length: int, name: str) -> None:
