@@ -304,13 +304,13 @@ def planned_peak(w: Workload, vocab: int, seq: int, config_dir: Path, budget: in
 
 
 def longest_sequence(w: Workload, vocab: int, budget: int, config_dir: Path, tmp: Path, threads: int):
-    """The longest ``--seq-length`` (a multiple of ``w.seq // 4``) whose planned peak fits ``budget``, and the
-    peak a 3-step run at that length logged."""
-    step = w.seq // 4
+    """The longest ``--seq-length`` (a multiple of ``w.seq // 4``, up to 64 ``w.seq``) whose planned peak fits
+    ``budget``, and the peak a 3-step run at that length logged."""
+    step, cap = (w.seq // 4, 64 * w.seq) if w is M else (w.seq, 4 * w.seq)  # --quick: a few dry runs
     fits = lambda seq: planned_peak(w, vocab, seq, config_dir, budget, threads) <= budget
     low = w.seq
     high = 2 * low
-    while fits(high) and high < 64 * w.seq:
+    while fits(high) and high < cap:
         low, high = high, 2 * high
     while high - low > step:
         mid = (low + high) // 2 // step * step

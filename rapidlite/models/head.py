@@ -48,8 +48,7 @@ def chunkable_head(model: nn.Module) -> nn.Linear | None:
     config = getattr(bare, "config", None)
     if getattr(config, "model_type", None) not in FAMILIES:
         return None
-    get_output = getattr(bare, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
+    head = _output_layer(bare)
     # DeepSpeed ZeRO-3 keeps a partitioned parameter's shape in ds_shape (its data is empty between uses).
     if type(head) is not nn.Linear or getattr(head.weight, "ds_shape", head.weight.shape)[0] < MIN_VOCAB:
         return None
@@ -62,13 +61,12 @@ def loss_line(model: Any, settings: Any) -> str | None:
 
     spec = TASKS.get(settings.task.task) if settings.task.user_script is None else None
     models = model if isinstance(model, (list, tuple)) else [model]
-    if spec is None or not spec.chunked_loss or len(models) != 1:
+    if spec is None or not spec.chunked_loss or len(models) != 1 or settings.parallel.pipeline_model_parallel_size > 1:
         return None  # a user script's own loss, or a pipeline's stages (the last computes the whole logits)
     bare = _bare(models[0])
     gpt_head = getattr(bare, "output", None) if hasattr(bare, "chunked_loss") else None
     head = gpt_head if isinstance(gpt_head, nn.Linear) else chunkable_head(bare)
-    get_output = getattr(bare, "get_output_embeddings", None)
-    layer = head or (get_output() if callable(get_output) else None)
+    layer = head or _output_layer(bare)
     weight = getattr(layer, "weight", None)
     rows = getattr(weight, "ds_shape", getattr(weight, "shape", (0,)))[0]
     if not settings.model.chunked_loss:
@@ -79,6 +77,15 @@ def loss_line(model: Any, settings: Any) -> str | None:
         kind = getattr(getattr(bare, "config", None), "model_type", type(bare).__name__)
         return f"loss: the whole logits ({rows} per token): the chunked loss does not serve {kind} models"
     return None
+
+
+def _output_layer(model: nn.Module) -> Any:
+    """``get_output_embeddings()``, or None for a model without one (or a pipeline stage without its head)."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    try:
+        return get_output() if callable(get_output) else None
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def causal_targets(labels: torch.Tensor) -> torch.Tensor:
