@@ -259,10 +259,10 @@ def contender_main(key: str, vocab: int, lora: bool, quick: bool, result: Path) 
 
 # ---------------------------------------------------------------- the driver
 def child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks go back at once: the resident size is what is live
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    from speed import child_env as speed_env
+
+    # Freed blocks go back at once: the resident size is what is live.
+    return {**speed_env(threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def contend(key: str, vocab: int, lora: bool, quick: bool, threads: int, tmp: Path) -> dict:

@@ -10,29 +10,29 @@ import pytest
 from helpers import REPO
 
 
-@pytest.mark.distributed
-def test_data_parallel_benchmark_quick():
+def run_quick(script: str, *extra: str, timeout: float, env: dict[str, str] | None = None):
+    """``benchmarks/SCRIPT --quick EXTRA``, offline, which must succeed (its output in the failure message)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "data_parallel.py"), "--quick"],
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", *extra],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.distributed
+def test_data_parallel_benchmark_quick():
+    proc = run_quick("data_parallel.py", timeout=600)
     rows = [line.split()[0] for line in proc.stdout.splitlines()[1:6]]
     assert rows == ["1", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], proc.stdout
 
 
 @pytest.mark.slow
 def test_data_pipeline_benchmark_quick():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "data_pipeline.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("data_pipeline.py", timeout=300, env={"OMP_NUM_THREADS": "1"})
     rows = [" ".join(line.split()[:2]) for line in proc.stdout.splitlines()]
     for row in ("preprocess workers=1", "preprocess workers=2", "read HF", "read mmap", "train step", "fetch in"):
         assert row in rows, proc.stdout
@@ -44,14 +44,7 @@ def test_data_pipeline_benchmark_quick():
 
 @pytest.mark.distributed
 def test_model_parallel_benchmark_quick():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "model_parallel.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("model_parallel.py", timeout=600)
     lines = proc.stdout.splitlines()
     labels = ["1 rank", "tp2", "tp2+sp x fsdp dp2"]
     rows = [line[:18].strip() for line in lines[1:4]]
@@ -65,14 +58,7 @@ def test_model_parallel_benchmark_quick():
 def test_speed_benchmark_quick():
     """Nine contenders interleaved step by step, each in its own process; the loss curves agree before any
     speed is printed; the table and every target line are there (met or not: nothing is asserted on speed)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "speed.py"), "--quick", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("speed.py", "--threads", "1", timeout=900)
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if "max relative loss difference" in line]
     assert len(checks) == 10 and all(line.endswith(": ok") for line in checks), proc.stdout
@@ -117,14 +103,7 @@ def test_peak_benchmark_quick():
 def test_packing_benchmark_quick():
     """Packed, padded and the Trainer's padded batches train the same per-token loss curve (checked before any
     speed is printed); the table and the ratio lines are there (nothing is asserted on speed)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "packing.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("packing.py", timeout=600)
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if line.startswith("check loss ") and " vs " in line]
     assert len(checks) == 3 and all(line.endswith(": ok") for line in checks), proc.stdout
@@ -136,13 +115,7 @@ def test_packing_benchmark_quick():
 
 @pytest.mark.slow
 def test_checkpoint_hashing_benchmark_quick():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "checkpoint_hashing.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_quick("checkpoint_hashing.py", timeout=300)
     for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):
         assert row in proc.stdout, proc.stdout
 
@@ -151,14 +124,7 @@ def test_lora_benchmark_quick():
     """The LoRA contenders start from the same adapters and the plain peft loop, the Trainer and rapidlite
     train the same loss curve (checked before any speed is printed); the tables and ratio lines are there
     (nothing is asserted on speed)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "lora.py"), "--quick", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("lora.py", "--threads", "1", timeout=600)
     lines = proc.stdout.splitlines()
     adapters = [line for line in lines if line.startswith("check adapters before step 1")]
     assert len(adapters) >= 6 and all(line.endswith(": ok") for line in adapters), proc.stdout
@@ -187,14 +153,7 @@ def test_lora_benchmark_quick():
 def test_padding_benchmark_quick():
     """--padding-free trains the losses of the same grouped batches padded (checked before any speed is printed);
     both workloads' tables and ratio lines are there (nothing is asserted on speed)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "padding.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_quick("padding.py", timeout=300, env={"OMP_NUM_THREADS": "1"})
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if line.startswith("check loss --padding-free vs padded")]
     assert len(checks) == 4 and all(line.endswith(": ok") for line in checks), proc.stdout
@@ -215,13 +174,7 @@ def test_padding_benchmark_quick():
 
 @pytest.mark.distributed
 def test_preference_benchmark_quick():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "preference.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("preference.py", timeout=600)
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("contender"))  # after any library's warnings
     rows = [line[:38].strip() for line in lines[header + 1 : header + 5]]
@@ -240,14 +193,7 @@ def test_memory_benchmark_quick():
     """rapidlite's loss curve equals the Trainer's before anything is compared (the script stops otherwise); the
     table, the ratios, the longest-sequence line and the targets line are there (nothing is asserted on the
     figures: a tiny model on a shared machine)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--quick", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    proc = run_quick("memory.py", "--threads", "1", timeout=900)
     lines = proc.stdout.splitlines()
     rows = [line.split() for line in lines if line.split()[:1] in (["8192"], ["32768"])]
     assert [(r[1], r[2]) for r in rows] == [("LoRA", "trainer"), ("LoRA", "rapidlite"), ("full", "trainer"),
