@@ -32,6 +32,9 @@ IGNORE = -100
 # The fewest tokens a chunk holds: each chunk reads the whole weight three times (logits, d hidden, d weight),
 # so short chunks are bound by memory traffic. Measured on a CPU (1023 tokens, hidden 512, vocabulary 128k,
 # forward and backward against the whole logits' 3.1 s): 32 rows 5.9 s, 128 rows 3.5 s, 256 rows 3.1 s.
+# Tags on the tensors _Planned saves for --dry-run's count (rapidlite.planning.activations).
+PASSING = "_rapidlite_passing"
+FORWARD_GRAD = "_rapidlite_forward_grad"
 MIN_CHUNK_ROWS = 256
 
 
@@ -218,13 +221,20 @@ class _LogpSum(torch.autograd.Function):
 class _Planned(torch.autograd.Function):
     """On meta tensors, for ``--dry-run``'s count of what autograd keeps: the tensors either path holds from
     its forward to its backward (the scored hidden rows, and the gradient of hidden or each row's
-    log-sum-exp) and one chunk's logits (the largest of its passing buffers). The weight's gradient, which
-    the summed path makes in its forward, is the parameter's gradient: the plan counts it there."""
+    log-sum-exp). Two more are saved tagged for the count (``PASSING``, ``FORWARD_GRAD``): one chunk's logits,
+    the largest buffer the forward passes through, and, for the summed path, the weight's gradient it makes in
+    its forward (the parameter's gradient, there before the backward pass)."""
 
     @staticmethod
     def forward(ctx, h, weight, chunk, sum_only):
-        kept = [h.clone(), h.new_empty(chunk, weight.shape[0], dtype=torch.float32)]
+        passing = h.new_empty(chunk, weight.shape[0], dtype=torch.float32)
+        setattr(passing, PASSING, True)
+        kept = [h.clone(), passing]
         kept.append(torch.empty_like(h) if sum_only else h.new_empty(h.shape[0], dtype=torch.float32))
+        if sum_only and weight.requires_grad:
+            grad = weight.new_empty(weight.shape, dtype=torch.float32)
+            setattr(grad, FORWARD_GRAD, True)
+            kept.append(grad)
         ctx.save_for_backward(*kept)
         ctx.shapes = h.shape, weight.shape
         return h.new_empty(() if sum_only else h.shape[:1], dtype=torch.float32)

@@ -74,6 +74,7 @@ class RankPlan:
     runtime: int = 0
     reference: int = 0  # a preference task's frozen reference model, laid out as the policy
     activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
+    forward_grads: int = 0  # the gradients there at the forward pass's end (see ``peak``)
 
     @property
     def model_states(self) -> int:
@@ -81,9 +82,24 @@ class RankPlan:
 
     @property
     def peak(self) -> int:
-        """The device's peak; on a CPU (``runtime`` set) the process's, host memory included."""
-        device = self.model_states + self.reference + self.activations + self.transient
+        """The device's peak; on a CPU (``runtime`` set) the process's, host memory included. The gradients are
+        freed after each step (``zero_grad(set_to_none=True)``): the peak is at the forward pass's end, with the
+        activations, its transients and the gradients there then (``forward_grads``: those kept across
+        micro-batches or in DDP's buckets, and the chunked loss's output-layer gradient), or after the
+        backward pass, with every gradient and no activations."""
+        return self.held + max(self.with_activations, self.grads)
+
+    @property
+    def held(self) -> int:
+        """What the peak holds at any point of a step: parameters, optimizer state, a frozen reference and, on a
+        CPU, the runtime and host memory."""
+        device = self.params + self.optimizer + self.reference
         return device + self.runtime + self.host if self.runtime else device
+
+    @property
+    def with_activations(self) -> int:
+        """The rest of the peak at the forward pass's end (it grows with the micro-batch)."""
+        return self.activations + self.transient + self.forward_grads
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +175,7 @@ def plan(settings: Sections) -> Plan:
     from rapidlite.models.spec import spec_of
     from rapidlite.precision import resolve_precision
     from rapidlite.resolve.world import target_world_size
+    from rapidlite.strategies.base import set_dropout
 
     world_size = target_world_size(settings.parallel)
     dims = ParallelDims(
@@ -176,12 +193,14 @@ def plan(settings: Sections) -> Plan:
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
     seq = sequence_length(settings, getattr(model, "config", None))
     probe = model.to(precision.dtype) if precision.dtype is not None else model
+    set_dropout(probe, settings.model.hidden_dropout, settings.model.attention_dropout)  # as the run sets it
     task = task_spec(settings)
     per_sample = task.inputs_per_sample if task is not None else 1
     chunked = settings.model.chunked_loss and task is not None and task.chunked_loss and dims.pp == 1
     micro = settings.training.micro_batch_size
-    profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked)
-    profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked)
+    cpu = device.type == "cpu"
+    profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked, cpu)
+    profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked, cpu)
     n_blocks = len(profile.blocks_split) or 1
 
     deepspeed = settings.parallel.deepspeed
@@ -370,6 +389,11 @@ def _rank_plan(
         activations, offloaded = offload_activations(activations, kept_on_device(settings, dims, mine, profile), on_gpu)
         grown, _ = offload_activations(grown, kept_on_device(settings, dims, mine, profile_next), on_gpu)
         host += offloaded
+    # Gradients kept from one step's start: DDP's buckets (DeepSpeed's flat buffers), or accumulated over the
+    # micro-batches; else only what the forward pass makes (the chunked loss's output-layer gradient).
+    made_in_forward = int(profile.forward_grad / dims.tp) if _head_trains(module) else 0
+    kept = deepspeed or (zero <= 1 and dp > 1) or settings.training.gradient_accumulation_steps > 1
+    forward_grads = (grads if kept else 0) + made_in_forward
     last = stage == dims.pp - 1
     held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
     per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
@@ -381,11 +405,14 @@ def _rank_plan(
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
         transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
     # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view): no second copy.
+    # FSDP2 gathers parameters into buffers of their own, beside the shards.
     if not deepspeed and zero == 2:
-        transient += param_bytes * (dp - 1)  # the unsharded parameters stay between forward and backward
+        transient += param_bytes * dp  # the unsharded parameters stay between forward and backward
     elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
         block_params = sum(_bytes(p) for p in blocks[0].parameters())
-        transient += 2 * block_params * dp  # the gathered block and the next one (prefetch)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = sum(_bytes(p) for p in params if id(p) not in in_blocks)  # embeddings, head: gathered throughout
+        transient += (root + 2 * block_params) * dp  # and the gathered block and the next one (prefetch)
     return RankPlan(
         rank=rank,
         stage=stage,
@@ -396,12 +423,24 @@ def _rank_plan(
         transient=transient,
         host=host,
         activation_per_sample=per_sample,
+        forward_grads=forward_grads,
     )
+
+
+def _head_trains(module: torch.nn.Module) -> bool:
+    """Whether the output layer the chunked loss serves is trained (LoRA freezes it)."""
+    from rapidlite.models.head import _bare, chunkable_head
+
+    head = chunkable_head(module) or getattr(_bare(module), "output", None)
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.requires_grad
 
 
 def largest_micro_batch(rank: RankPlan, budget_bytes: float, micro_batch: int) -> int:
     """The largest micro-batch whose predicted peak fits ``budget_bytes`` (activations grow linearly with it)."""
-    fixed = rank.peak - rank.activation_per_sample * micro_batch
+    if rank.held + rank.grads > budget_bytes:  # after the backward pass, whatever the micro-batch
+        return 0
+    fixed = rank.held + rank.with_activations - rank.activation_per_sample * micro_batch
     if rank.activation_per_sample <= 0:
         return 0 if fixed > budget_bytes else sys.maxsize
     return max(0, math.floor((budget_bytes - fixed) / rank.activation_per_sample))

@@ -3,11 +3,15 @@ layout scales it (see ``rapidlite.planning``)."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
+from rapidlite.chunked_loss import FORWARD_GRAD, PASSING
 from rapidlite.config.settings import Sections
 from rapidlite.planning.model import forward_loss
 
@@ -25,6 +29,41 @@ class ActivationProfile:
     block_inputs: list[int] = field(default_factory=list)
     largest: int = 0  # the largest saved tensor (its gradient is a buffer of the same size in the backward)
     largest_split: bool = False
+    forward_grad: int = 0  # parameter gradients made in the forward pass (the chunked loss's output weight)
+
+
+class FusedAttention(TorchFunctionMode):
+    """Attention as the run computes it. On ``meta`` tensors ``F.scaled_dot_product_attention`` takes its math
+    path, which saves the ``[heads, tokens, tokens]`` scores and their softmax; a run takes a fused kernel
+    (flash or memory-efficient on CUDA, flash on a CPU) that saves the query, key, value, output and one
+    log-sum-exp a row. The CPU kernel has no dropout: a CPU run with attention dropout takes the math path, so
+    ``cpu`` keeps that path for it."""
+
+    # F.scaled_dot_product_attention is a builtin without a signature: its parameters, in order.
+    _SIGNATURE = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d) for n, d in (
+            ("query", None), ("key", None), ("value", None), ("attn_mask", None), ("dropout_p", 0.0),
+            ("is_causal", False), ("scale", None), ("enable_gqa", False),
+        )]
+    )  # fmt: skip
+
+    def __init__(self, cpu: bool) -> None:
+        super().__init__()
+        self.cpu = cpu
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        bound = self._SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        q, k, v, dropout = a["query"], a["key"], a["value"], a["dropout_p"]
+        if q.device.type != "meta" or (self.cpu and dropout > 0):
+            return func(*args, **kwargs)
+        # The CPU kernel's meta function has the fused kernels' saved sizes (grouped key/value heads included).
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return fused(q, k, v, dropout, a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])[0]
 
 
 def profile_activations(
@@ -34,9 +73,11 @@ def profile_activations(
     hidden: int | None,
     inputs_per_sample: int = 1,
     chunked: bool = False,
+    cpu: bool = True,
 ) -> Any:
     """Run one meta forward and count what autograd saves (see the module docstring); ``chunked``: the loss
-    through the chunked output layer where it serves the model."""
+    through the chunked output layer where it serves the model; ``cpu``: the run's device is a CPU (its
+    attention kernel, ``FusedAttention``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rapidlite.models.spec import find_blocks
@@ -50,7 +91,8 @@ def profile_activations(
         block_inputs=[0] * len(blocks),
     )
     state = {"block": None, "done_blocks": False}
-    seen: set[int] = set()
+    # A saved parameter (a weight a matmul keeps for its backward) is the parameter's own memory.
+    seen: set[int] = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     kept_by_selective: set[int] = set()
     vocab_dims: set[int] = set()
     for m in model.modules():
@@ -77,6 +119,13 @@ def profile_activations(
             return t
         seen.add(k)
         nbytes = t.untyped_storage().nbytes()
+        if getattr(t, FORWARD_GRAD, False):
+            profile.forward_grad += nbytes
+            return t
+        if getattr(t, PASSING, False):  # a buffer the forward passes through: the largest, not kept
+            if nbytes > profile.largest:
+                profile.largest, profile.largest_split = nbytes, True
+            return t
         last = t.shape[-1] if t.dim() else 0
         split = t.dim() > 0 and last != hidden and (state["block"] is not None or last in vocab_dims)
         i = state["block"]
@@ -113,7 +162,7 @@ def profile_activations(
     with torch.device("meta"):
         ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
     try:
-        with Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FusedAttention(cpu), Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward_loss(model, ids, inputs_per_sample, chunked)
     finally:
         for h in handles:

@@ -74,6 +74,13 @@ def format_plan(p: Plan) -> str:
         if any(x.runtime for x in p.ranks):
             row += f" {_mib(r.runtime):>11}"
         lines.append(row + f" {_mib(r.peak):>11}")
+    r = max(p.ranks, key=lambda r: r.peak)
+    at = (
+        f"the forward pass's end: activations + transient + the {_mib(r.forward_grads).strip()} of gradients there"
+        if r.with_activations >= r.grads
+        else "the backward pass's end: every gradient, no activations"
+    )
+    lines.append(f"  (peak: params + optimizer + the larger of two moments, here {at})")
     if any(r.runtime for r in p.ranks):
         lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
     budget = run.memory_budget
@@ -107,6 +114,7 @@ def plan_records(p: Plan) -> list[dict[str, Any]]:
             "host_bytes": r.host,
             "runtime_bytes": r.runtime,
             "reference_bytes": r.reference,
+            "forward_grad_bytes": r.forward_grads,
             "peak_bytes": r.peak,
         }
         for r in p.ranks
