@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import math
 import resource
@@ -246,7 +247,7 @@ def plan(settings: Sections) -> Plan:
     if adapters.quantized:
         notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
     notes += _count_reference(settings, dims, ranks, total, precision, deepspeed, task)
-    runtime = _resident_bytes() if device.type == "cpu" else 0
+    runtime = _runtime_bytes(task) if device.type == "cpu" else 0
     for r in ranks:
         r.runtime = runtime
     return Plan(
@@ -294,6 +295,21 @@ def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
         else:
             total += n + 4 * m.out_features
     return total
+
+
+# What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow), its
+# metrics through torchmetrics. Their resident size (about 80 and 60 MiB) is part of the run's.
+RUN_LIBRARIES = ("datasets", "torchmetrics")
+
+
+def _runtime_bytes(task: Any) -> int:
+    """The run's resident size before its tensors: this process's (it has imported torch, transformers and
+    rapidlite as the run does), with the libraries a fine-tuning task's run loads."""
+    if task is not None and not task.from_config:
+        for name in RUN_LIBRARIES:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+    return _resident_bytes()
 
 
 def _resident_bytes() -> int:
