@@ -302,3 +302,44 @@ def test_the_whole_logits_never_exist():
     # The weight's gradient (8 MiB) and one chunk of 256 tokens' logits (32 MiB), its softmax made in place
     assert grown["chunked"] < 0.5 * logits_mib and grown["chunked"] < 0.2 * grown["plain"], grown
     print(json.dumps(grown))
+
+
+STATS_SHARDED = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from rapidlite.chunked_loss import IGNORE, token_stats
+
+
+def run(rank):
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    torch.manual_seed(0)
+    h, w, b = torch.randn(9, 8), torch.randn(21, 8), torch.randn(21)
+    targets = torch.tensor([1, IGNORE, 3, 20, 0, IGNORE, 5, 6, 7])
+    rows = slice(0, 11) if rank == 0 else slice(11, 21)  # a vocabulary-parallel output layer's shards
+    sharded = token_stats(h, w[rows], b[rows], targets, chunk=4, group=dist.group.WORLD, vocab=21)
+    for got, want in zip(sharded, token_stats(h, w, b, targets, chunk=4), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    dist.destroy_process_group()
+
+
+mp.start_processes(run, nprocs=2, start_method="fork")
+print("equal")
+"""
+
+
+def test_token_stats_equal_the_whole_logits_and_their_vocabulary_shards(tmp_path):
+    """KTO's entropy and mean logit a chunk at a time: as from the whole logits (``logits_stats``), and from two
+    vocabulary shards all-reduced (tensor parallelism) as from the whole output layer."""
+    from rapidlite.chunked_loss import token_stats
+    from rapidlite.models.head import logits_stats
+
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 7, 16), torch.randn(50, 16)
+    targets = torch.randint(0, 50, (2, 7))
+    targets[0, :3] = IGNORE
+    for got, want in zip(token_stats(h, w, None, targets, chunk=3), logits_stats(h @ w.t(), targets), strict=True):
+        assert got.shape == (2, 7) and (got[0, :3] == 0).all()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", STATS_SHARDED, str(tmp_path / "store")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0 and "equal" in proc.stdout, proc.stderr[-2000:]
