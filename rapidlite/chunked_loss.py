@@ -18,6 +18,9 @@ over ``group``, and so is the gradient of ``hidden``.
 
 A sum on a GPU with ``liger-kernel`` installed goes through Liger's Triton kernel instead (``gpu_kernel``).
 
+``token_stats`` gives, without gradient and the same chunk at a time, each scored token's entropy of the
+next-token distribution and its mean logit (KTO's metrics), all-reduced over ``group`` as the log-probabilities.
+
 Numbers: fp32 results equal the plain ``F.cross_entropy(hidden @ weight.T + bias)`` within 1e-6 relative.
 """
 
@@ -83,6 +86,49 @@ def token_logps(
     logps = _TokenLogps.apply(picked, weight, bias, picked_targets - vocab_offset, chunk, group)
     out = logps.new_zeros(targets.shape[0]).index_copy(0, rows, logps)
     return out.reshape(shape)
+
+
+@torch.no_grad()
+def token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    chunk: int | None = None,
+    group: Any = None,
+    vocab: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entropy, mean_logit)``, each shaped like ``targets``: at each token with a target (0 elsewhere), the
+    entropy of ``softmax(hidden @ weight.T + bias)`` and the mean of those logits over the vocabulary, in fp32
+    (no gradient). With ``group``, ``weight`` is this rank's shard of a ``vocab``-row output layer."""
+    shape = targets.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    rows = (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    vocab = vocab or weight.shape[0]
+    picked = hidden.index_select(0, rows)
+    chunk = chunk or chunk_rows(rows.numel(), hidden.shape[1], vocab)
+    entropy = torch.empty(rows.numel(), dtype=torch.float32, device=hidden.device)
+    mean = torch.empty_like(entropy)
+    for s in _chunks(rows.numel(), chunk):
+        z = _logits(picked[s], weight, bias)
+        total = z.sum(dim=1)
+        if group is None:
+            logp = z.log_softmax(dim=1)  # as the whole logits' path computes it (logits_stats)
+        else:
+            top = z.max(dim=1).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            shifted = z.sub_(top.unsqueeze(1))
+            sums = shifted.exp().sum(dim=1)
+            dist.all_reduce(sums, group=group)
+            logp = shifted.sub_(sums.log().unsqueeze(1))  # this shard's log-softmax, in place of its logits
+        both = torch.stack([-(logp.exp() * logp).sum(dim=1), total])
+        if group is not None:
+            dist.all_reduce(both, group=group)
+        entropy[s], mean[s] = both[0], both[1] / vocab
+    n = targets.numel()
+    out = [hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, rows, v).reshape(shape) for v in (entropy, mean)]
+    return out[0], out[1]
 
 
 def gpu_kernel(hidden: torch.Tensor) -> Any:

@@ -314,3 +314,21 @@ def assert_same_metrics(run, reference, keys, rel, at_least=1):
     assert [x[:2] for x in ours] == [x[:2] for x in expected] and len(ours) >= at_least
     for (split, key, value), (_, _, want) in zip(ours, expected, strict=True):
         assert abs(value - want) <= max(rel * abs(want), 1e-6), (split, key, value, want)
+
+
+def big_vocab_llama(model_dir, out):
+    """``model_dir``'s tokenizer with a tiny LLaMA (2 x 32) whose output layer has ``MIN_VOCAB`` rows (its ids past
+    the tokenizer's never occur), so the chunked output layer (``rapidlite.models.head``) serves it."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rapidlite.models.head import MIN_VOCAB
+
+    config = LlamaConfig.from_pretrained(model_dir)
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config.update(dict(vocab_size=MIN_VOCAB, tie_word_embeddings=False, **sizes))
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out

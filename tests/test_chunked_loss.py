@@ -302,3 +302,94 @@ def test_the_whole_logits_never_exist():
     # The weight's gradient (8 MiB) and one chunk of 256 tokens' logits (32 MiB), its softmax made in place
     assert grown["chunked"] < 0.5 * logits_mib and grown["chunked"] < 0.2 * grown["plain"], grown
     print(json.dumps(grown))
+
+
+MEASURE_DPO = """
+import sys, types, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from rapidlite.logging import peak_memory_bytes
+from rapidlite.tasks.dpo import DPOFinetuner
+from rapidlite.tasks.preference_losses import PairScores, pair_loss
+chunked, vocab = sys.argv[1] == "chunked", 32768
+torch.manual_seed(0)
+peak_memory_mb = lambda: peak_memory_bytes(torch.device("cpu")) / 2**20
+sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=1024, **sizes))
+# forward_logps reads one setting of its trainer: the flag
+trainer = types.SimpleNamespace(settings=types.SimpleNamespace(model=types.SimpleNamespace(chunked_loss=chunked)))
+
+
+def step(pairs, length):
+    ids = torch.randint(0, vocab, (pairs, 2, length))  # each pair's chosen and rejected sequence
+    labels = ids.clone()
+    labels[..., : length // 8] = -100  # the prompts
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    before = peak_memory_mb()
+    logps, tokens = DPOFinetuner.forward_logps(trainer, model, batch)
+    (chosen, rejected), (chosen_tokens, rejected_tokens) = logps.chunk(2), tokens.chunk(2)
+    ref = torch.zeros_like(chosen)
+    scores = PairScores(chosen, rejected, chosen_tokens, rejected_tokens, ref_chosen=ref, ref_rejected=ref)
+    pair_loss("sigmoid", scores, 0.1, 0.0, 0.0).losses.sum().backward()
+    return peak_memory_mb() - before
+
+
+step(1, 8)  # the kernels' first use (their libraries' pages) is not what is measured
+print(step(2, 512))
+"""
+
+
+def test_dpo_through_chunks_never_holds_the_whole_logits():
+    """DPO's forward and backward (``DPOFinetuner.forward_logps``, the sigmoid loss) of 2 pairs x 512 tokens over a
+    32k vocabulary: the whole logits are 256 MiB (and their float copies and gradients more)."""
+    grown = {}
+    for mode in ("chunked", "plain"):
+        proc = subprocess.run([sys.executable, "-c", MEASURE_DPO, mode], capture_output=True, text=True, timeout=300,
+                              cwd=REPO, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                             "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        grown[mode] = float(proc.stdout.split()[-1])
+    logits_mib = 4 * 512 * 32768 * 4 / 2**20
+    assert grown["plain"] > 1.5 * logits_mib, grown
+    assert grown["chunked"] < 0.5 * logits_mib and grown["chunked"] < 0.2 * grown["plain"], grown
+    print(json.dumps(grown))
+
+
+STATS_SHARDED = """
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from rapidlite.chunked_loss import IGNORE, token_stats
+
+
+def run(rank):
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    torch.manual_seed(0)
+    h, w, b = torch.randn(9, 8), torch.randn(21, 8), torch.randn(21)
+    targets = torch.tensor([1, IGNORE, 3, 20, 0, IGNORE, 5, 6, 7])
+    rows = slice(0, 11) if rank == 0 else slice(11, 21)  # a vocabulary-parallel output layer's shards
+    sharded = token_stats(h, w[rows], b[rows], targets, chunk=4, group=dist.group.WORLD, vocab=21)
+    for got, want in zip(sharded, token_stats(h, w, b, targets, chunk=4), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    dist.destroy_process_group()
+
+
+mp.start_processes(run, nprocs=2, start_method="fork")
+print("equal")
+"""
+
+
+def test_token_stats_equal_the_whole_logits_and_their_vocabulary_shards(tmp_path):
+    """KTO's entropy and mean logit a chunk at a time: as from the whole logits (``logits_stats``), and from two
+    vocabulary shards all-reduced (tensor parallelism) as from the whole output layer."""
+    from rapidlite.chunked_loss import token_stats
+    from rapidlite.models.head import logits_stats
+
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 7, 16), torch.randn(50, 16)
+    targets = torch.randint(0, 50, (2, 7))
+    targets[0, :3] = IGNORE
+    for got, want in zip(token_stats(h, w, None, targets, chunk=3), logits_stats(h @ w.t(), targets), strict=True):
+        assert got.shape == (2, 7) and (got[0, :3] == 0).all()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", STATS_SHARDED, str(tmp_path / "store")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0 and "equal" in proc.stdout, proc.stderr[-2000:]

@@ -10,10 +10,11 @@ import re
 import pytest
 import torch
 
-from helpers import as_layout, assert_same_metrics, read_jsonl, read_metrics, run_cli, write_jsonl
+from helpers import as_layout, assert_same_metrics, big_vocab_llama, read_jsonl, read_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
+from rapidlite.models.head import MIN_VOCAB, loss_line
 from rapidlite.tasks.causal_lm import load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 from rapidlite.tasks.dpo import DPOFinetuner
@@ -351,6 +352,76 @@ def test_lora_on_two_ranks_trains_the_adapters_of_one_process(runs, layout):
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+# ------------------------------------------------------------------ the chunked output layer
+
+CHUNKED_LINE = f"loss: the output layer's {MIN_VOCAB} logits a chunk of tokens at a time"
+
+
+@pytest.fixture(scope="module")
+def big_vocab(assets, tmp_path_factory):
+    """The pairs with a tiny LLaMA whose output layer the chunked path serves (``MIN_VOCAB`` rows)."""
+    model_dir, pairs = assets
+    return big_vocab_llama(model_dir, tmp_path_factory.mktemp("dpo-big-vocab") / "model"), pairs
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--loss-type", "sigmoid", "--rpo-alpha", "0.5"],
+        ["--loss-type", "ipo"],
+        ["--loss-type", "simpo", "--simpo-gamma", "0.3"],
+        ["--loss-type", "orpo"],
+        ["--loss-type", "orpo", "--padding-free"],
+    ],
+    ids=["sigmoid_rpo", "ipo", "simpo", "orpo", "orpo_padding_free"],
+)
+def test_chunked_output_layer_equals_the_whole_logits(big_vocab, flags):
+    """The policy's and the frozen reference's log-probabilities through the chunked output layer (ORPO's NLL over
+    every chosen token from the same per-token call): the loss, every logged metric and every gradient equal
+    ``--no-chunked-loss``'s in fp32."""
+    model_dir, pairs = big_vocab
+    ref = load_causal_lm(str(model_dir)).eval()
+    policy = _perturbed(ref)
+    widths = []  # the last dimension of each output-layer result: the vocabulary only where the logits are whole
+    for model in (policy, ref):
+        model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
+    results = {}
+    for chunked in (True, False):
+        widths.clear()
+        trainer, train, collate = _trainer(model_dir, pairs, *flags, *([] if chunked else ["--no-chunked-loss"]))
+        assert loss_line(policy, trainer.settings).startswith(CHUNKED_LINE if chunked else "loss: the whole logits")
+        trainer.ref_model = ref
+        policy.train()
+        policy.zero_grad()
+        trainer.monitor.step_metrics.clear()
+        loss_sum, _ = trainer.run_forward_step(collate(train[:6]), policy)
+        loss_sum.backward()
+        metrics = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
+        assert widths and (MIN_VOCAB not in widths if chunked else set(widths) == {MIN_VOCAB}), widths
+        results[chunked] = float(loss_sum.detach()), metrics, {n: p.grad.clone() for n, p in policy.named_parameters()}
+    (loss, metrics, grads), (plain_loss, plain_metrics, plain_grads) = results[True], results[False]
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert metrics.keys() == plain_metrics.keys() and {"nll_loss", *METRICS} <= metrics.keys()
+    for name, value in plain_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.distributed
+def test_chunked_output_layer_on_two_zero3_ranks_trains_as_the_whole_logits(big_vocab, tmp_path):
+    """FSDP2 ZeRO-3 on 2 ranks, the policy and its frozen reference sharded, with the NLL term: each step's and the
+    validation's loss and metrics equal ``--no-chunked-loss``'s, and the run says which path it took."""
+    model_dir, pairs = big_vocab
+    common = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "1e-2", "--rpo-alpha", "0.5"]
+    for name, extra in (("chunked", []), ("plain", ["--no-chunked-loss"])):
+        argv = dpo_args(model_dir, pairs, *common, *TWO, "--zero-3-memory-optimization", *extra)
+        proc = run_cli(*argv, "--save", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (CHUNKED_LINE if not extra else "loss: the whole logits") in proc.stdout + proc.stderr
+    assert_same_metrics(tmp_path / "chunked", tmp_path / "plain", ("loss", "nll_loss", *METRICS), 1e-6, at_least=8)
+
+
 # ------------------------------------------------------------------ bad data
 
 
@@ -417,6 +488,22 @@ def test_dry_run_counts_the_reference_the_run_uses(assets):
     proc = run_cli(*dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"a frozen copy, {2 * n_params / 2**20:.2f} MiB per rank in the device" in proc.stdout
+
+
+def test_dry_run_plans_the_chunked_output_layer(big_vocab):
+    """A model the chunked path serves: the plan counts no whole logits (2 x 16 sequences of 64 tokens over 8192
+    entries: 64 MiB in fp32, and their gradient), as the run computes none; --no-chunked-loss counts them."""
+    from rapidlite.planning import plan
+
+    model_dir, pairs = big_vocab
+
+    def planned(*flags):
+        argv = dpo_args(model_dir, pairs, "--micro-batch-size", "16", "--global-batch-size", "16", "--seq-length", "64")
+        rank = plan(parse_args([*argv, "--dry-run", *flags]).sections).ranks[0]
+        return rank.activations + rank.transient
+
+    logits = 2 * 16 * 64 * MIN_VOCAB * 4
+    assert planned("--no-chunked-loss") - planned() > logits
 
 
 # ------------------------------------------------------------------ the demo

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from helpers import assert_same_metrics, run_cli, write_jsonl
+from helpers import assert_same_metrics, big_vocab_llama, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, UnpairedCollator, add_kl_completions, encode_unpaired, unpaired_rows
+from rapidlite.models.head import MIN_VOCAB, loss_line
 from rapidlite.tasks.causal_lm import load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 from rapidlite.tasks.kto import KTOFinetuner
@@ -172,6 +173,49 @@ def test_loss_and_metrics_equal_trls_kto_trainer(assets):
     for name in METRICS:
         assert ours[name] == pytest.approx(trl_metrics[name], **TOL), name
     assert ours["kl"] > 0 and ours["rewards/margins"] != 0  # the KL term and rewards are exercised
+
+
+def test_chunked_output_layer_equals_the_whole_logits(assets, tmp_path):
+    """A model the chunked output layer serves (``MIN_VOCAB`` rows): the policy's, the KL sequences' and the
+    reference's log-probabilities through it, the entropy and mean-logit metrics computed a chunk at a time from
+    the hidden states: the loss, every metric and every gradient equal ``--no-chunked-loss``'s in fp32."""
+    model_dir, data = assets
+    big = big_vocab_llama(model_dir, tmp_path / "model")
+    ref = load_causal_lm(str(big)).eval()
+    policy = _perturbed(ref, scale=0.02)
+    widths = []  # the last dimension of each output-layer result: the vocabulary only where the logits are whole
+    for model in (policy, ref):
+        model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
+    results = {}
+    for chunked in (True, False):
+        widths.clear()
+        flags = [*WEIGHTS, "--micro-batch-size", "6", "--global-batch-size", "6"]
+        flags += [] if chunked else ["--no-chunked-loss"]
+        trainer = KTOFinetuner(RapidliteEngine(args=parse_args(kto_args(big, data, *flags))))
+        trainer.train_valid_test_datasets_provider()
+        line = f"loss: the output layer's {MIN_VOCAB} logits a chunk" if chunked else "loss: the whole logits"
+        assert loss_line(policy, trainer.settings).startswith(line)
+        rows = _rows(data, 6)
+        samples = encode_unpaired(unpaired_rows(rows, list(rows[0])), trainer.tokenizer, 1024, None, Counts())
+        add_kl_completions(samples, 6)
+        batch = UnpairedCollator(trainer.tokenizer.pad_token_id, 1024)(samples)
+        trainer.model, trainer.ref_model = policy, ref
+        policy.train()
+        policy.zero_grad()
+        trainer.monitor.step_metrics.clear()
+        trainer.before_step([batch])
+        loss_sum, _ = trainer.run_forward_step(batch, policy)
+        loss_sum.backward()
+        metrics = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
+        assert widths and (MIN_VOCAB not in widths if chunked else set(widths) == {MIN_VOCAB}), widths
+        results[chunked] = float(loss_sum.detach()), metrics, {n: p.grad.clone() for n, p in policy.named_parameters()}
+    (loss, metrics, grads), (plain_loss, plain_metrics, plain_grads) = results[True], results[False]
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert metrics.keys() == plain_metrics.keys() and set(METRICS) <= metrics.keys()
+    for name, value in plain_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------ splits train as one batch

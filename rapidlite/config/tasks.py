@@ -370,6 +370,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
             reference=preference_reference,
+            chunked_loss=True,
         ),
         TaskSpec(
             name="kto",
@@ -383,6 +384,7 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             reference=preference_reference,
+            chunked_loss=True,
         ),
         TaskSpec(
             name="reward_model",

@@ -6,7 +6,9 @@ output layer's forward is replaced for that call: it receives the hidden states 
 forward, so DDP, FSDP2, DeepSpeed ZeRO-3 and tensor parallelism see an ordinary forward and gather, shard
 and reduce as they always do) and returns the log-probabilities in place of the logits, which the model
 passes out as its ``logits``. Elsewhere the logits are computed whole and the log-probabilities taken from
-them, as before.
+them, as before (per token: only the scored positions' logits made fp32, ``LOGITS_CHUNK_TOKENS`` at a time).
+With ``stats`` the same forward also gives each scored position's entropy and mean logit (KTO's metrics):
+from the hidden states a chunk at a time in the chunked path, from the logits elsewhere.
 
 The chunked path serves an ``nn.Linear`` output layer of at least ``MIN_VOCAB`` rows (smaller logits are
 cheap, and their numbers stay exactly as they were) in the model families whose forward returns that layer's
@@ -25,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidlite.chunked_loss import IGNORE, token_logps
+from rapidlite.chunked_loss import IGNORE, token_logps, token_stats
 from rapidlite.losses import maybe_loss_parallel
 
 MIN_VOCAB = 8192
+# The whole logits' path (``logits_logps``): rows of logits made fp32 at a time, so their float copy is bounded by
+# this, not by the batch.
+LOGITS_CHUNK_TOKENS = 4096
 # Model types whose forward returns the output layer's result as the logits, tested in tests/test_chunked_loss.py.
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta"})
 
@@ -94,14 +99,18 @@ def causal_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def returns_logps(head: nn.Linear, targets: torch.Tensor, sum_only: bool) -> Iterator[None]:
+def returns_logps(head: nn.Linear, targets: torch.Tensor, sum_only: bool, stats: list | None = None) -> Iterator[None]:
     """For one call: ``head``'s forward returns the log-probabilities of ``targets`` instead of logits (its
-    hooks, a strategy's gathers and layouts, run as for any call)."""
+    hooks, a strategy's gathers and layouts, run as for any call). With ``stats`` (a list), the forward also
+    appends ``linear_stats``' entropy and mean logit of the scored tokens to it (no gradient), while the
+    weight is in hand (gathered by ZeRO-3 or FSDP2 for the call)."""
 
     def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != targets.shape:
             shapes = f"hidden states {list(hidden.shape)} for targets {list(targets.shape)}"
             raise RuntimeError(f"the output layer got {shapes}: run with --no-chunked-loss")
+        if stats is not None:
+            stats.append(linear_stats(self, hidden, targets))
         return linear_logps(self, hidden, targets, sum_only)
 
     head.forward = types.MethodType(forward, head)
@@ -133,33 +142,44 @@ def chunked_head_loss(
     return -head_logps(head, hidden, targets, sum_only=True), count
 
 
-def linear_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, sum_only: bool) -> torch.Tensor:
-    """The chunked log-probabilities of ``targets`` (shaped like ``hidden`` without its last dimension) through
-    ``head``. Under tensor parallelism (a vocabulary-sharded DTensor weight) each rank projects onto its shard
-    and the result, the same on every rank, leaves as a DTensor sharded along a last dimension of one element
-    per rank, which the output layer's own layout hook passes through."""
+def _local_operands(head: nn.Linear, hidden: torch.Tensor) -> tuple[torch.Tensor, Any, Any, dict[str, Any]]:
+    """``(hidden, weight, bias, keywords of token_logps)`` as this rank computes with them: under tensor
+    parallelism (a vocabulary-sharded DTensor weight) the replicated hidden states, the local shard and its
+    place in the vocabulary; else the module's own tensors."""
     weight, bias = head.weight, head.bias
     mesh = getattr(weight, "device_mesh", None)
     if mesh is None:
-        return token_logps(hidden, weight, bias, targets, sum_only=sum_only)
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+        return hidden, weight, bias, {}
+    from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()]).to_local()
     vocab = weight.shape[0]
-    group = mesh.get_group()
     per_rank = -(-vocab // mesh.size())  # torch.chunk's split of the rows, as Shard(0) lays them out
-    out = token_logps(
-        hidden,
-        weight.to_local(),
-        bias.to_local() if bias is not None else None,
-        targets,
-        group=group,
-        vocab_offset=mesh.get_local_rank() * per_rank,
-        vocab=vocab,
-        sum_only=sum_only,
-    )
+    shard = {"group": mesh.get_group(), "vocab_offset": mesh.get_local_rank() * per_rank, "vocab": vocab}
+    return hidden, weight.to_local(), bias.to_local() if bias is not None else None, shard
+
+
+def linear_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, sum_only: bool) -> torch.Tensor:
+    """The chunked log-probabilities of ``targets`` (shaped like ``hidden`` without its last dimension) through
+    ``head``. Under tensor parallelism each rank projects onto its vocabulary shard and the result, the same on
+    every rank, leaves as a DTensor sharded along a last dimension of one element per rank, which the output
+    layer's own layout hook passes through."""
+    local_hidden, weight, bias, shard = _local_operands(head, hidden)
+    out = token_logps(local_hidden, weight, bias, targets, sum_only=sum_only, **shard)
+    if not shard:
+        return out
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = head.weight.device_mesh
     return DTensor.from_local(out.unsqueeze(-1), mesh, [Shard(out.dim())], run_check=False)
+
+
+def linear_stats(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_loss.token_stats`` through ``head`` (plain tensors, the same on every tensor-parallel rank)."""
+    local_hidden, weight, bias, shard = _local_operands(head, hidden)
+    shard.pop("vocab_offset", None)
+    return token_stats(local_hidden, weight, bias, targets, **shard)
 
 
 def model_logits(out: Any) -> torch.Tensor:
@@ -183,16 +203,31 @@ def output_logps(
     shift: bool,
     sum_only: bool = False,
     chunked: bool = True,
-) -> torch.Tensor:
+    stats: bool = False,
+) -> Any:
     """``model(**inputs)``'s log-probabilities of ``labels`` (``IGNORE`` left out): per position ``[B, T]``
     (0 where ignored; with ``shift`` position t scores label t+1 and the last position is 0), or with
-    ``sum_only`` their fp32 sum. Chunked where ``chunkable_head`` serves the model and ``chunked``."""
+    ``sum_only`` their fp32 sum. Chunked where ``chunkable_head`` serves the model and ``chunked``. With
+    ``stats``, ``(logps, (entropy, mean_logit))``: also each scored position's entropy of its next-token
+    distribution and its mean logit, ``[B, T]`` fp32 without gradient (0 where ignored), from the same forward."""
     head = chunkable_head(model) if chunked else None
+    targets = causal_targets(labels) if shift else labels
     if head is not None:
-        targets = causal_targets(labels) if shift else labels
-        with returns_logps(head, targets, sum_only):
-            return local_result(model_logits(model(**inputs)))
+        found: list | None = [] if stats else None
+        with returns_logps(head, targets, sum_only, found):
+            logps = local_result(model_logits(model(**inputs)))
+        return (logps, found[0]) if stats else logps
     logits = model_logits(model(**inputs))
+    if sum_only or hasattr(logits, "full_tensor"):
+        logps = _cross_entropy_logps(logits, labels, shift, sum_only)
+    else:
+        logps = logits_logps(logits, targets)
+    return (logps, logits_stats(logits, targets)) if stats else logps
+
+
+def _cross_entropy_logps(logits: torch.Tensor, labels: torch.Tensor, shift: bool, sum_only: bool) -> torch.Tensor:
+    """``output_logps`` from the whole logits through ``F.cross_entropy`` (a vocabulary-parallel DTensor's
+    through ``loss_parallel``, its logits never gathered)."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     with maybe_loss_parallel(logits):
@@ -205,3 +240,36 @@ def output_logps(
         return -ce
     logps = -ce.view(labels.shape)
     return F.pad(logps, (0, 1)) if shift else logps
+
+
+def logits_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per position ``[B, T]``, the log-probability of ``targets`` (aligned with the positions; 0 at ``IGNORE``)
+    under the whole ``logits``: only the targeted positions' logits become fp32, ``LOGITS_CHUNK_TOKENS`` at a
+    time."""
+    mask = targets != IGNORE
+    picked, wanted = logits[mask], targets[mask]  # [targeted positions, vocab]
+    values = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, picked.shape[0], LOGITS_CHUNK_TOKENS):
+        chunk = picked[start : start + LOGITS_CHUNK_TOKENS].float()
+        idx = wanted[start : start + LOGITS_CHUNK_TOKENS]
+        values[start : start + chunk.shape[0]] = chunk.gather(1, idx[:, None]).squeeze(1) - chunk.logsumexp(-1)
+    return values.new_zeros(targets.shape).masked_scatter(mask, values)
+
+
+@torch.no_grad()
+def logits_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``output_logps``' ``(entropy, mean_logit)`` from the whole logits (gathered, under tensor parallelism), the
+    targeted positions' in fp32 ``LOGITS_CHUNK_TOKENS`` at a time."""
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    mask = targets != IGNORE
+    picked = logits[mask]
+    entropy = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
+    mean_logit = torch.empty_like(entropy)
+    for start in range(0, picked.shape[0], LOGITS_CHUNK_TOKENS):
+        chunk = picked[start : start + LOGITS_CHUNK_TOKENS].float()
+        logp = chunk.log_softmax(-1)
+        entropy[start : start + chunk.shape[0]] = -(logp.exp() * logp).sum(-1)
+        mean_logit[start : start + chunk.shape[0]] = chunk.mean(-1)
+    zeros = entropy.new_zeros(targets.shape)
+    return zeros.masked_scatter(mask, entropy), zeros.masked_scatter(mask, mean_logit)

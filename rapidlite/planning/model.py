@@ -77,7 +77,8 @@ def forward_loss(
     model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1, chunked: bool = False
 ) -> torch.Tensor:
     """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it);
-    ``chunked``: through the chunked output layer where it serves the model, as the task then computes it.
+    ``chunked``: through the chunked output layer where it serves the model, as the task then computes it (a
+    preference task's pair of sequences too).
     ``inputs_per_sample`` > 1: each sample is that many sequences: ``[questions, choices, tokens]`` for a
     multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other."""
     from rapidlite.models.gpt import GPTModel
@@ -87,15 +88,17 @@ def forward_loss(
         if chunked and model.output.weight.shape[0] >= MIN_VOCAB:
             return model(ids, labels=torch.zeros_like(ids))[0]
         logits = model(ids)
-    elif chunked and inputs_per_sample == 1 and chunkable_head(model) is not None:
-        return -output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=True)
     else:
-        # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
-        seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         if inputs_per_sample > 1:
             ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
             if "MultipleChoice" not in type(model).__name__:
                 ids = ids.flatten(0, 1)
+        if chunked and ids.dim() == 2 and chunkable_head(model) is not None:
+            # Summed: what the per-token path (the preference tasks') keeps instead of the hidden states' gradient
+            # is one number a row, so this counts at most a hidden-sized tensor more.
+            return -output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=True)
+        # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
+        seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None

@@ -3,7 +3,9 @@ ORPO), equal to TRL's trainers on the same batch (``rapidlite.tasks.preference_l
 
 The chosen and rejected sequences of a micro-batch go through one forward pass as one batch (``[2 x pairs,
 length]``, chosen rows first, as TRL orders them), or packed into one row with ``--padding-free``, each kept to
-itself by its restarting positions. Only the response tokens are scored, and only their logits become fp32.
+itself by its restarting positions. Only the response tokens are scored (ORPO's: every token), through the
+chunked output layer where it serves the model (``rapidlite.models.head.output_logps``: the whole logits never
+exist), else only their logits becoming fp32; the reference's scores take the same path.
 
 The reference model, for the losses that have one:
 
@@ -38,8 +40,9 @@ from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode
 from rapidlite.errors import ConfigError
 from rapidlite.metrics import MeanMetrics
 from rapidlite.models import lora
+from rapidlite.models.head import output_logps
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
-from rapidlite.tasks.preference_losses import PairScores, pair_loss, token_logps
+from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
 
 
 def _segments(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -206,14 +209,20 @@ class DPOFinetuner(CausalLMFinetuner):
     # ------------------------------------------------------------------ forward
     def forward_logps(self, model: Any, batch: dict[str, torch.Tensor], full_nll: bool = False):
         """``(logps, tokens)`` of every sequence (chosen ones, then rejected ones), and with ``full_nll`` also
-        the chosen sequences' summed log-probabilities and tokens over all their tokens (ORPO's NLL)."""
+        the chosen sequences' summed log-probabilities and tokens over all their tokens (ORPO's NLL). One
+        forward and one set of per-token log-probabilities (``output_logps``: chunked where it serves the
+        model), of the response tokens or, with ``full_nll``, of every token; each sum picks its own."""
         inputs, labels = forward_inputs(batch)
         segments, n = _segments(batch)
-        logits = model(**inputs, use_cache=False).logits
-        logps, tokens = token_logps(logits, labels, segments, n)
-        if not full_nll:
+        every = _sequence_labels(inputs) if full_nll else None
+        targets = labels if every is None else torch.where(labels != -100, labels, every)
+        per_token = output_logps(
+            model, {**inputs, "use_cache": False}, targets, shift=True, chunked=self.settings.model.chunked_loss
+        )
+        logps, tokens = sequence_sums(per_token, labels, segments, n)
+        if every is None:
             return logps, tokens
-        full, full_tokens = token_logps(logits, _sequence_labels(inputs), segments, n)
+        full, full_tokens = sequence_sums(per_token, every, segments, n)
         pairs = n // 2
         return (logps, tokens), (full[:pairs].sum(), full_tokens[:pairs].sum())
 

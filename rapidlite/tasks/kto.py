@@ -31,8 +31,9 @@ from rapidlite.data.preference import (
     unpaired_rows,
 )
 from rapidlite.errors import ConfigError
+from rapidlite.models.head import output_logps
 from rapidlite.tasks.dpo import DPOFinetuner
-from rapidlite.tasks.preference_losses import kto_loss, token_logps, token_stats
+from rapidlite.tasks.preference_losses import kto_loss, sequence_sums
 
 
 class KTOFinetuner(DPOFinetuner):
@@ -103,13 +104,18 @@ class KTOFinetuner(DPOFinetuner):
     # ------------------------------------------------------------------ scores
     def sequence_logps(self, model: Any, batch: dict[str, torch.Tensor], prefix: str = "", stats: bool = False):
         """The summed log-probabilities ``[rows]`` of the completions (``prefix`` "kl_": of the KL sequences), their
-        token counts, and with ``stats`` TRL's per-row entropy and mean-logit sums (``token_stats``)."""
+        token counts, and with ``stats`` TRL's per-row entropy and mean-logit sums, from one forward through the
+        chunked output layer where it serves the model (``output_logps``)."""
         ids, labels = batch[f"{prefix}input_ids"], batch[f"{prefix}labels"]
-        logits = model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"], use_cache=False).logits
+        inputs = {"input_ids": ids, "attention_mask": batch[f"{prefix}attention_mask"], "use_cache": False}
+        out = output_logps(model, inputs, labels, shift=True, chunked=self.settings.model.chunked_loss, stats=stats)
         rows = ids.shape[0]
         segments = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
-        logps, tokens = token_logps(logits, labels, segments, rows)
-        return (logps, tokens, token_stats(logits, labels)) if stats else (logps, tokens)
+        logps, tokens = sequence_sums(out[0] if stats else out, labels, segments, rows)
+        if not stats:
+            return logps, tokens
+        entropy, mean_logit = (sequence_sums(values, labels, segments, rows)[0] for values in out[1])
+        return logps, tokens, (entropy, mean_logit)
 
     def reference_logps(self, batch: dict[str, torch.Tensor], model: Any, prefix: str = "") -> torch.Tensor:
         """The reference's summed log-probabilities ``[rows]`` of the completions or (``prefix`` "kl_") the KL

@@ -11,6 +11,9 @@ run there on the same batch give the same loss and metrics:
   1.0 called it ``rpo_alpha``).
 - KTO: ``KTOTrainer._compute_loss`` (the batch's KL estimate from mismatched completions).
 
+The per-token log-probabilities come from ``rapidlite.models.head.output_logps`` (the chunked output layer where
+it serves the model, else the whole logits); ``sequence_sums`` adds them up per sequence.
+
 A loss here is a sum over the batch's pairs (rows), to be divided by the pairs of the whole global batch, so
 any split into micro-batches and ranks trains as one batch does.
 """
@@ -22,56 +25,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Rows of logits turned into fp32 log-probabilities at a time: the float copy of a micro-batch's logits is
-# bounded by this, not by the micro-batch.
-LOGPS_CHUNK_TOKENS = 4096
 
-
-def token_logps(
-    logits: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, n: int
+def sequence_sums(
+    per_token: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logps, tokens)``, each ``[n]``: the summed log-probabilities of each sequence's labelled tokens and how
-    many there are. ``logits`` ``[rows, length, vocab]`` and ``labels`` ``[rows, length]`` (-100: not scored;
-    token t predicts token t+1); ``segments`` ``[rows, length]``: the sequence (0..n-1) each position belongs to
-    (a row's index, or a packed row's sequence). Only the labelled positions' logits become fp32, a chunk at a
-    time."""
-    if hasattr(logits, "full_tensor"):  # vocabulary-parallel logits (tensor parallelism)
-        logits = logits.full_tensor()
-    targets = labels[:, 1:]
-    mask = targets != -100
-    owner = segments[:, 1:][mask]
-    picked = logits[:, :-1][mask]  # [labelled tokens, vocab]
-    wanted = targets[mask]
-    per_token = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, picked.shape[0], LOGPS_CHUNK_TOKENS):
-        chunk = picked[start : start + LOGPS_CHUNK_TOKENS].float()
-        idx = wanted[start : start + LOGPS_CHUNK_TOKENS]
-        per_token[start : start + chunk.shape[0]] = chunk.gather(1, idx[:, None]).squeeze(1) - chunk.logsumexp(-1)
-    zeros = torch.zeros(n, dtype=torch.float32, device=logits.device)
-    logps = zeros.index_add(0, owner, per_token)
-    tokens = torch.zeros(n, dtype=torch.int64, device=logits.device).index_add(0, owner, torch.ones_like(owner))
-    return logps, tokens
-
-
-@torch.no_grad()
-def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, mean_logit)``, each ``[rows]``: per row, the summed entropy of the next-token distribution and
-    the summed mean logit (over the vocabulary) at its labelled positions (TRL's ``entropy`` and ``logits/*``
-    metrics), in fp32 a chunk at a time."""
-    if hasattr(logits, "full_tensor"):
-        logits = logits.full_tensor()
+    """``(sums, tokens)``, each ``[n]``: per sequence, the sum of ``per_token`` (``[rows, length]``, position t
+    scoring token t+1: ``rapidlite.models.head.output_logps(shift=True)``'s layout) over its labelled targets
+    (``labels`` ``[rows, length]``, -100: not scored), and how many there are. ``segments`` ``[rows, length]``:
+    the sequence (0..n-1) each position belongs to (a row's index, or a packed row's sequence)."""
     mask = labels[:, 1:] != -100
-    owner = torch.arange(labels.shape[0], device=logits.device)[:, None].expand_as(mask)[mask]
-    picked = logits[:, :-1][mask]
-    entropy = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
-    mean_logit = torch.empty_like(entropy)
-    for start in range(0, picked.shape[0], LOGPS_CHUNK_TOKENS):
-        chunk = picked[start : start + LOGPS_CHUNK_TOKENS].float()
-        logp = chunk.log_softmax(-1)
-        entropy[start : start + chunk.shape[0]] = -(logp.exp() * logp).sum(-1)
-        mean_logit[start : start + chunk.shape[0]] = chunk.mean(-1)
-    zeros = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
-    return zeros.index_add(0, owner, entropy), zeros.index_add(0, owner, mean_logit)
+    owner = segments[:, 1:][mask]
+    sums = torch.zeros(n, dtype=torch.float32, device=per_token.device).index_add(0, owner, per_token[:, :-1][mask])
+    tokens = torch.zeros(n, dtype=torch.int64, device=per_token.device).index_add(0, owner, torch.ones_like(owner))
+    return sums, tokens
 
 
 @dataclass
