@@ -14,7 +14,7 @@ import argparse
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rapidlite.errors import ConfigError, first_line
 
@@ -60,7 +60,9 @@ class TaskSpec:
     named by destination or by their settings section (a ``Sections`` attribute: all of its flags): one of them set
     off its default is refused in one line rather than ignored. ``chunked_loss``: the task's loss goes through the
     chunked output layer where it serves the model (``rapidlite.models.head``; not in a pipeline, whose last
-    stage computes the whole logits), so the planner counts no whole logits there.
+    stage computes the whole logits), so the planner counts no whole logits there: ``"sum"`` a summed loss
+    (its gradients made in the forward pass), ``"tokens"`` per-token log-probabilities (each chunk recomputed in
+    the backward pass).
     """
 
     name: str
@@ -81,7 +83,7 @@ class TaskSpec:
     from_config: bool = False
     reference: Callable[[Any], str] | None = None
     ignored: tuple[str, ...] = ()
-    chunked_loss: bool = False
+    chunked_loss: Literal["sum", "tokens"] | None = None
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -282,7 +284,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             auto_class_by_model_type={"bert": "BertForPreTraining"},
             from_config=True,
-            chunked_loss=True,
+            chunked_loss="sum",
         ),
         TaskSpec(
             name="causal_lm",
@@ -294,7 +296,7 @@ TASKS: dict[str, TaskSpec] = {
             load_model_dir=True,
             eval_only=True,
             auto_class="AutoModelForCausalLM",
-            chunked_loss=True,
+            chunked_loss="sum",
         ),
         TaskSpec(
             name="question_answering",
@@ -319,7 +321,7 @@ TASKS: dict[str, TaskSpec] = {
             check=_check_masked_lm,
             eval_only=True,
             auto_class="AutoModelForMaskedLM",
-            chunked_loss=True,
+            chunked_loss="sum",
         ),
         TaskSpec(
             name="multiple_choice",
@@ -370,7 +372,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
             reference=preference_reference,
-            chunked_loss=True,
+            chunked_loss="tokens",
         ),
         TaskSpec(
             name="kto",
@@ -384,7 +386,7 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             reference=preference_reference,
-            chunked_loss=True,
+            chunked_loss="tokens",
         ),
         TaskSpec(
             name="reward_model",

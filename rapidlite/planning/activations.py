@@ -72,12 +72,12 @@ def profile_activations(
     seq_length: int,
     hidden: int | None,
     inputs_per_sample: int = 1,
-    chunked: bool = False,
+    chunked: str | None = None,
     cpu: bool = True,
 ) -> Any:
-    """Run one meta forward and count what autograd saves (see the module docstring); ``chunked``: the loss
-    through the chunked output layer where it serves the model; ``cpu``: the run's device is a CPU (its
-    attention kernel, ``FusedAttention``)."""
+    """Run one meta forward and count what autograd saves (see the module docstring). ``chunked``: the loss
+    through the chunked output layer where it serves the model, summed (``"sum"``) or per token (``"tokens"``);
+    ``cpu``: the run's device is a CPU (its attention kernel, ``FusedAttention``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rapidlite.models.spec import find_blocks

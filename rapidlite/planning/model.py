@@ -74,11 +74,12 @@ def meta_model(settings: Sections) -> torch.nn.Module:
 
 
 def forward_loss(
-    model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1, chunked: bool = False
+    model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1, chunked: str | None = None
 ) -> torch.Tensor:
     """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it);
     ``chunked``: through the chunked output layer where it serves the model, as the task then computes it (a
-    preference task's pair of sequences too).
+    preference task's pair of sequences too): a summed loss (``"sum"``) or per-token log-probabilities
+    (``"tokens"``).
     ``inputs_per_sample`` > 1: each sample is that many sequences: ``[questions, choices, tokens]`` for a
     multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other."""
     from rapidlite.models.gpt import GPTModel
@@ -94,9 +95,9 @@ def forward_loss(
             if "MultipleChoice" not in type(model).__name__:
                 ids = ids.flatten(0, 1)
         if chunked and ids.dim() == 2 and chunkable_head(model) is not None:
-            # Summed: what the per-token path (the preference tasks') keeps instead of the hidden states' gradient
-            # is one number a row, so this counts at most a hidden-sized tensor more.
-            return -output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=True)
+            sum_only = chunked == "sum"
+            logps = output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=sum_only)
+            return -logps.sum()
         # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
