@@ -132,15 +132,32 @@ def token_stats(
 
 
 def gpu_kernel(hidden: torch.Tensor) -> Any:
-    """Liger's fused linear cross-entropy (a Triton kernel: CUDA only), summing, where it is installed and
-    ``hidden`` is on a GPU; else None (the PyTorch path here)."""
-    if hidden.device.type != "cuda":
-        return None
+    """A fused kernel for the summed loss where ``hidden`` is on a GPU and one is installed (``installed_kernel``;
+    Triton kernels: CUDA only), else None (the PyTorch path here)."""
+    return installed_kernel() if hidden.device.type == "cuda" else None
+
+
+def installed_kernel() -> Any:
+    """``(weight, hidden, targets, bias) -> summed cross-entropy``: Liger's fused linear cross-entropy, else Cut
+    Cross-Entropy in its exact variant (``cce_exact``: no filtering of small gradients, fp32 accumulation, so
+    the numbers are the plain path's); None when neither is installed."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
     except ImportError:
         return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+
+    def cut_cross_entropy(weight, hidden, targets, bias):
+        return linear_cross_entropy(
+            hidden, weight, targets, bias=bias, ignore_index=IGNORE, reduction="sum", impl="cce_exact"
+        )
+
+    return cut_cross_entropy
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -71,6 +71,33 @@ def test_a_gpu_kernel_takes_the_sums_where_it_runs(monkeypatch):
     assert rows == [4]
 
 
+def test_cut_cross_entropy_serves_where_liger_is_missing(monkeypatch):
+    """Without liger-kernel, an installed cut-cross-entropy takes the sums in its exact variant."""
+    import sys
+    import types
+
+    import rapidlite.chunked_loss as chunked_loss
+
+    calls = []
+
+    def linear_cross_entropy(e, c, targets, bias=None, ignore_index=-100, reduction="mean", impl="cce"):
+        calls.append((impl, reduction, ignore_index))
+        return F.cross_entropy(F.linear(e, c, bias), targets, ignore_index=ignore_index, reduction=reduction)
+
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import fails
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    monkeypatch.setitem(
+        sys.modules, "cut_cross_entropy", types.SimpleNamespace(linear_cross_entropy=linear_cross_entropy)
+    )
+    kernel = chunked_loss.installed_kernel()
+    h, w, targets = torch.randn(6, 4), torch.randn(10, 4), torch.tensor([1, 2, 3, 9, 0, 5])
+    expected = -token_logps(h, w, None, targets, sum_only=True)
+    torch.testing.assert_close(kernel(w, h, targets, None), expected)
+    assert calls == [("cce_exact", "sum", IGNORE)]
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)
+    assert chunked_loss.installed_kernel() is None
+
+
 def tiny(model_type, vocab=VOCAB, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
