@@ -305,7 +305,9 @@ def planned_peak(w: Workload, vocab: int, seq: int, config_dir: Path, budget: in
 
 def longest_sequence(w: Workload, vocab: int, budget: int, config_dir: Path, tmp: Path, threads: int):
     """The longest ``--seq-length`` (a multiple of ``w.seq // 4``, up to 64 ``w.seq``) whose planned peak fits
-    ``budget``, and the peak a 3-step run at that length logged."""
+    ``budget`` and whose run's peak does: ``(found, checked)``, each ``(length, the peak a 3-step run at that
+    length logged)``. ``found`` is the plan's answer; where its run is over the budget, the length steps down
+    (at most three times) until a run fits: ``checked``."""
     step, cap = (w.seq // 4, 64 * w.seq) if w is M else (w.seq, 4 * w.seq)  # --quick: a few dry runs
     fits = lambda seq: planned_peak(w, vocab, seq, config_dir, budget, threads) <= budget
     low = w.seq
@@ -315,13 +317,24 @@ def longest_sequence(w: Workload, vocab: int, budget: int, config_dir: Path, tmp
     while high - low > step:
         mid = (low + high) // 2 // step * step
         low, high = (mid, high) if fits(mid) else (low, mid)
-    save = tmp / "check"
-    argv = pretraining_argv(w, vocab, low, config_dir)
+    found = checked = (low, checked_peak(w, vocab, low, config_dir, tmp, threads))
+    for _ in range(3):
+        if checked[1] <= budget or checked[0] - step < w.seq:
+            break
+        length = checked[0] - step
+        checked = (length, checked_peak(w, vocab, length, config_dir, tmp, threads))
+    return found, checked
+
+
+def checked_peak(w: Workload, vocab: int, seq: int, config_dir: Path, tmp: Path, threads: int) -> float:
+    """The peak a 3-step run at ``seq`` tokens logs, in bytes."""
+    save = tmp / f"check-{seq}"
+    argv = pretraining_argv(w, vocab, seq, config_dir)
     proc = rapidlite_cli([*argv, "--log-interval", "1", "--save", str(save)], threads)
     if proc.returncode != 0:
-        raise SystemExit(f"the check run at --seq-length {low} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"the check run at --seq-length {seq} failed:\n{proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    return low, max(r["peak_memory_mb"] for r in records if "peak_memory_mb" in r) * 2**20
+    return max(r["peak_memory_mb"] for r in records if "peak_memory_mb" in r) * 2**20
 
 
 def _write_corpus(prefix: Path, vocab: int, seq: int) -> None:
@@ -380,10 +393,12 @@ def main() -> int:
         budget = int(results[big, False, "trainer"]["peak"])
         w.config(big).save_pretrained(tmp / "llama")  # pretraining grows its position table to --seq-length
         _write_corpus(tmp / "corpus", big, 64 * w.seq)
-        longest, checked = longest_sequence(w, big, budget, tmp / "llama", tmp, args.threads)
+        (planned, planned_run), (longest, checked) = longest_sequence(w, big, budget, tmp / "llama", tmp, args.threads)
+        verdict = lambda peak: f"{peak / 2**20:.0f} MiB, {'within' if peak <= budget else 'OVER'} the budget"
         print(f"\nlongest sequence within {budget / 2**20:.0f} MiB (the Trainer's peak at {w.seq} tokens, full, "
-              f"vocabulary {big}): Trainer {w.seq}, rapidlite {longest} (--dry-run), checked by a run: peak "
-              f"{checked / 2**20:.0f} MiB ({'within' if checked <= budget else 'OVER'} the budget)")  # fmt: skip
+              f"vocabulary {big}): Trainer {w.seq}, rapidlite {longest} (--dry-run found {planned}, whose run "
+              f"peaked at {verdict(planned_run)}" + (f"; at {longest}: {verdict(checked)}" if longest != planned
+              else "") + ")")  # fmt: skip
         worst = {k: max(ratios[big, lora][k] for lora in (True, False)) for k in ("act_logits",)}
         worst["tokens_per_s"] = min(ratios[big, lora]["tokens_per_s"] for lora in (True, False))
         met = {

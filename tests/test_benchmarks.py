@@ -200,5 +200,5 @@ def test_memory_benchmark_quick():
                                             ("full", "rapidlite")] * 2  # fmt: skip
     assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
     assert sum(line.startswith("  vocabulary ") for line in lines) == 4
-    assert any(line.startswith("longest sequence within") and "checked by a run" in line for line in lines)
+    assert any(line.startswith("longest sequence within") and "--dry-run found" in line for line in lines)
     assert any(line.startswith("targets at vocabulary 32768:") for line in lines)
