@@ -75,12 +75,14 @@ def format_plan(p: Plan) -> str:
             row += f" {_mib(r.runtime):>11}"
         lines.append(row + f" {_mib(r.peak):>11}")
     r = max(p.ranks, key=lambda r: r.peak)
-    at = (
-        f"the forward pass's end: activations + transient + the {_mib(r.forward_grads).strip()} of gradients there"
+    grads = _mib(r.forward_grads).strip()
+    lines.append(
+        f"  (the peak is at the forward pass's end: params + optimizer + activations + transient + the {grads} of "
+        "gradients there by then; after the backward pass, every gradient and no activation is less)"
         if r.with_activations >= r.grads
-        else "the backward pass's end: every gradient, no activations"
+        else "  (the peak is after the backward pass: params + optimizer + every gradient; the forward pass's end, "
+        "with the activations, is less)"
     )
-    lines.append(f"  (peak: params + optimizer + the larger of two moments, here {at})")
     if any(r.runtime for r in p.ranks):
         lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
     budget = run.memory_budget
