@@ -186,13 +186,17 @@ def _lse_and_target(
     return top + sums.log(), target, sums
 
 
-def _grad_logits(softmax: torch.Tensor, local_targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``scale * d logp / d z`` for one chunk: ``scale * (onehot - softmax)``, in place of ``softmax``."""
-    grad = softmax.neg_()
-    inside = (local_targets >= 0) & (local_targets < softmax.shape[1])
+def _grad_logits(
+    exps: torch.Tensor, local_targets: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scale * d logp / d z`` for one chunk, ``scale * (onehot - exps / sums)`` (``sums`` None: ``exps`` is the
+    softmax), in place of ``exps`` and in one pass over it."""
+    factor = -scale if sums is None else -scale / sums
+    grad = exps.mul_(factor.unsqueeze(1))
+    inside = (local_targets >= 0) & (local_targets < grad.shape[1])
     rows = inside.nonzero().squeeze(1)
-    grad[rows, local_targets[rows]] += 1
-    return grad.mul_(scale.unsqueeze(1))
+    grad[rows, local_targets[rows]] += scale[rows]
+    return grad
 
 
 def _chunks(n: int, chunk: int):
@@ -208,7 +212,9 @@ def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, grad_z: torch.Tensor,
     g = grad_z.to(weight.dtype)
     if grad_h is not None:
         grad_h[s] = g @ weight
-    if grad_w is not None:
+    if grad_w is not None and s.start == 0:  # the first chunk writes it: no zeroing pass over the vocabulary
+        torch.mm(g.t(), h, out=grad_w)
+    elif grad_w is not None:
         grad_w.addmm_(g.t(), h)
     if grad_b is not None:
         grad_b.add_(grad_z.sum(0))
@@ -216,9 +222,10 @@ def _backward_chunk(h: torch.Tensor, weight: torch.Tensor, grad_z: torch.Tensor,
 
 def _new_grads(needs: tuple, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     need_h, need_w, need_b = needs[:3]
+    new_w = torch.empty_like if h.shape[0] else torch.zeros_like  # written by the first chunk (_backward_chunk)
     return (
         torch.empty_like(h) if need_h else None,
-        torch.zeros_like(weight) if need_w else None,
+        new_w(weight) if need_w else None,
         torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b and bias is not None else None,
     )
 
@@ -268,7 +275,7 @@ class _LogpSum(torch.autograd.Function):
             lse, target, sums = _lse_and_target(z, local[s], group)
             total += (target - lse).sum()
             if grads is not None:
-                grad_z = _grad_logits(z.div_(sums.unsqueeze(1)), local[s], one.expand(z.shape[0]))
+                grad_z = _grad_logits(z, local[s], one.expand(z.shape[0]), sums)
                 _backward_chunk(h[s], weight, grad_z, grads, s)
         if grads is not None:
             ctx.grads = _finish_grads(grads, bias, group)
