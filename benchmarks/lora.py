@@ -46,17 +46,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_workload import LORA_SEED, QUICK, L, LoraWorkload, build_model, dataset, peft_config  # noqa: E402
-from speed import Running, Turns, child_env, lr_lambda, max_relative_difference, take_turns  # noqa: E402
+from speed import TURN_FDS, Running, Turns, child_env, lr_lambda, max_relative_difference, start_contender, take_turns  # noqa: E402
 
 WORKLOAD_SCRIPT = Path(__file__).resolve().with_name("lora_workload.py")
 LOSS_TOLERANCE = 1e-4  # relative, every step: fp32 contenders computing the same thing in the same order
@@ -239,7 +237,7 @@ def contender_main(key: str, result: str, quick: bool) -> None:
     first = FirstStep()
     register_optimizer_step_pre_hook(first.before)
     register_optimizer_step_post_hook(first.after)  # before the turn-taking hook: measured, then wait
-    register_optimizer_step_post_hook(Turns(os.environ["LORA_TURN_FDS"]))
+    register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
     with tempfile.TemporaryDirectory(prefix=f"lora_bench_{key}_") as workdir:
         if contender.kind == "plain":
             losses = run_plain(w)
@@ -262,18 +260,9 @@ def contender_main(key: str, result: str, quick: bool) -> None:
 
 
 def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
-    go_r, go_w = os.pipe()
-    done_r, done_w = os.pipe()
-    env = child_env(threads)
-    env["LORA_TURN_FDS"] = f"{go_r},{done_w}"
     log, result = tmp / f"{c.key}.log", tmp / f"{c.key}.json"
     argv = [sys.executable, __file__, "--contender", c.key, "--result", str(result)] + (["--quick"] if quick else [])
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
-    os.close(go_r)
-    os.close(done_w)
-    go, done = os.fdopen(go_w, "wb", buffering=0), os.fdopen(done_r, "rb", buffering=0)
-    return Running(c, proc, go, done, log, result, time.perf_counter())
+    return start_contender(c, argv, log, result, child_env(threads))
 
 
 def run_interleaved(contenders: list[Contender], w: LoraWorkload, quick: bool, threads: int, tmp: Path) -> dict:

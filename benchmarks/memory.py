@@ -5,10 +5,11 @@
 
 Workload M: ``LlamaForCausalLM`` (4 layers, hidden 512, 8 heads, SwiGLU 1376, untied output layer) built with
 one seed, vocabularies of 32,000 and 128,256 tokens, sequence 1024, micro-batch 1, AdamW (lr 1e-4, no weight
-decay), fp32, 4 optimizer steps on the speed benchmark's synthetic token rows (the same rows, in the same
+decay), fp32, 8 optimizer steps on the speed benchmark's synthetic token rows (the same rows, in the same
 order, for every contender), 2 threads. Each vocabulary trains in two modes: LoRA (rank 16, alpha 32,
 dropout 0 on the seven projections of every block) and full fine-tuning. Contenders, each its own process,
-one after another:
+the two of a mode side by side for step 1 (start-up) and then taking turns step by step (the speed
+benchmark's ``take_turns``: one runs while the other waits, so both see the same machine):
 
     trainer     transformers.Trainer on the model (with peft's get_peft_model for LoRA): its own loss over the
                 whole logits
@@ -27,7 +28,7 @@ gradients and the optimizer state):
                         resident size above its size at that call, minus the gradient bytes the step
                         allocated (the Trainer's zero_grad frees them each step, rapidlite keeps them): the
                         activations and the logits with their gradients
-    tokens/s            the median over the steps
+    tokens/s            over the median wall time of steps 2..N, each timed while the other contender waits
 
 Longest sequence within a budget: the budget is the Trainer's peak at 1024 tokens (full fine-tuning, the
 larger vocabulary), so the Trainer's longest is 1024 by construction. rapidlite's is found by ``--dry-run
@@ -46,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +64,7 @@ class Workload:
     ffn: int = 1376
     seq: int = 1024
     vocabs: tuple[int, ...] = (32000, 128256)
-    steps: int = 4
+    steps: int = 8
     lr: float = 1e-4
     rank: int = 16
     alpha: float = 32.0
@@ -104,13 +104,13 @@ class StepMeter:
     with then) to its optimizer step, the rise of the resident size above that start minus the gradient bytes
     the step allocated (none where gradients are kept between steps, all of them where ``zero_grad`` frees
     them): the activations and logits with their gradients, at their peak, before the optimizer's own
-    temporaries; and each step's wall time (from the previous step's end) and the process's peak."""
+    temporaries; and the process's peak at each step's end (its time is the driver's: the contenders take
+    turns)."""
 
     def __init__(self) -> None:
         self.steps: list[dict] = []
         self.params: list = []
         self.begun = False
-        self.last_step = time.perf_counter()
 
     def _grads(self) -> int:
         return sum(p.grad.nbytes for p in self.params if p.grad is not None)
@@ -127,10 +127,9 @@ class StepMeter:
             self.act_logits = _status("VmHWM") - self.start_rss - (self._grads() - self.held)
 
     def __call__(self, optimizer, args, kwargs) -> None:
-        now = time.perf_counter()
-        if self.begun:  # the time from the previous step's end: the whole step, its batch's loading included
-            self.steps.append({"time": now - self.last_step, "peak": _status("VmHWM"), "act_logits": self.act_logits})
-        self.begun, self.last_step = False, now
+        if self.begun:
+            self.steps.append({"peak": _status("VmHWM"), "act_logits": self.act_logits})
+        self.begun = False
 
 
 def _model(w: Workload, vocab: int, lora: bool):
@@ -237,21 +236,22 @@ def contender_main(key: str, vocab: int, lora: bool, quick: bool, result: Path) 
 
     w = QUICK if quick else M
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    from speed import TURN_FDS, Turns
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     meter = StepMeter()
     register_optimizer_step_pre_hook(meter.step_pre_hook)
-    register_optimizer_step_post_hook(meter)
+    register_optimizer_step_post_hook(meter)  # before the turn-taking hook: measured, then wait
+    register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
     register_module_forward_pre_hook(meter.forward_pre_hook)
     with tempfile.TemporaryDirectory() as work:
         (run_trainer if key == "trainer" else run_rapidlite)(w, vocab, lora, Path(work))
     steps = meter.steps[1:]
-    tokens = w.seq - 1
     result.write_text(json.dumps({
         "peak": max(s["peak"] for s in steps),
         "act_logits": max(s["act_logits"] for s in steps),
-        "tokens_per_s": tokens / statistics.median(s["time"] for s in steps),
+        "tokens": w.seq - 1,  # a step's; the driver times the steps (contend)
         "steps": len(meter.steps),
         "losses": LOSSES,
     }))  # fmt: skip
@@ -265,14 +265,22 @@ def child_env(threads: int) -> dict[str, str]:
     return {**speed_env(threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def contend(key: str, vocab: int, lora: bool, quick: bool, threads: int, tmp: Path) -> dict:
-    result = tmp / f"{key}-{vocab}-{lora}.json"
-    argv = [sys.executable, __file__, "--contender", key, "--vocab", str(vocab), "--result", str(result)]
-    argv += (["--lora"] if lora else []) + (["--quick"] if quick else [])
-    proc = subprocess.run(argv, env=child_env(threads), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{key} (vocabulary {vocab}, {'LoRA' if lora else 'full'}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(result.read_text())
+def contend(vocab: int, lora: bool, quick: bool, threads: int, tmp: Path, steps: int) -> dict[str, dict]:
+    """The two contenders of a mode, taking turns (``speed.take_turns``): each one's result, its tokens/s from
+    the steps it ran alone."""
+    from speed import Contender, start_contender, take_turns
+
+    running = []
+    for key in ("trainer", "rapidlite"):
+        result, log = tmp / f"{key}-{vocab}-{lora}.json", tmp / f"{key}-{vocab}-{lora}.log"
+        argv = [sys.executable, __file__, "--contender", key, "--vocab", str(vocab), "--result", str(result)]
+        argv += (["--lora"] if lora else []) + (["--quick"] if quick else [])
+        label = f"{key} (vocabulary {vocab}, {'LoRA' if lora else 'full'})"
+        running.append(start_contender(Contender(key, label, key), argv, log, result, child_env(threads)))
+    results = take_turns(running, steps)
+    for r in results.values():
+        r["tokens_per_s"] = r.pop("tokens") / statistics.median(r["step_s"])
+    return results
 
 
 def pretraining_argv(w: Workload, vocab: int, seq: int, config_dir: Path) -> list[str]:
@@ -370,8 +378,9 @@ def main() -> int:
         print(f"{'vocabulary':>10} {'mode':5} {'contender':10} {'peak MiB':>9} {'act+logits MiB':>15} {'tokens/s':>9}")
         for vocab in w.vocabs:
             for lora in (True, False):
+                pair = contend(vocab, lora, args.quick, args.threads, tmp, w.steps)
                 for key in ("trainer", "rapidlite"):
-                    r = results[vocab, lora, key] = contend(key, vocab, lora, args.quick, args.threads, tmp)
+                    r = results[vocab, lora, key] = pair[key]
                     mode = "LoRA" if lora else "full"
                     if key == "rapidlite":
                         expected = results[vocab, lora, "trainer"]["losses"]

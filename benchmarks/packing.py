@@ -33,10 +33,8 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import Running, Turns, child_env, max_rss_bytes, take_turns  # noqa: E402  (its turn-taking, shared)
+from speed import TURN_FDS, Running, Turns, child_env, max_rss_bytes, start_contender, take_turns  # noqa: E402  (its turn-taking, shared)
 
 TARGET = 1.5
 LOSS_TOLERANCE = 1e-4  # relative, every step: rapidlite packed against padded, and the Trainer against both
@@ -191,7 +189,7 @@ def contender_main(key: str, work: Path, s: Setup, batches: int, result: Path) -
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    register_optimizer_step_post_hook(Turns(os.environ["SPEED_TURN_FDS"]))
+    register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
     if key == "trainer":
         losses = run_trainer(work, s)
     else:
@@ -221,19 +219,10 @@ CONTENDERS = [
 
 
 def spawn(c: Contender, work: Path, quick: bool, batches: int, threads: int) -> Running:
-    go_r, go_w = os.pipe()
-    done_r, done_w = os.pipe()
-    env = child_env(threads)
-    env["SPEED_TURN_FDS"] = f"{go_r},{done_w}"
     log, result = work / f"{c.key}.log", work / f"{c.key}.json"
     argv = [sys.executable, __file__, "--contender", c.key, "--work", str(work), "--batches", str(batches)]
     argv += ["--result", str(result)] + (["--quick"] if quick else [])
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
-    os.close(go_r)
-    os.close(done_w)
-    go, done = os.fdopen(go_w, "wb", buffering=0), os.fdopen(done_r, "rb", buffering=0)
-    return Running(c, proc, go, done, log, result, time.perf_counter())
+    return start_contender(c, argv, log, result, child_env(threads))
 
 
 def run_interleaved(work: Path, s: Setup, quick: bool, batches: dict[str, int], threads: int) -> dict[str, dict]:

@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import Running, Turns, child_env, max_rss_bytes, take_turns  # noqa: E402  (its turn-taking, shared)
+from speed import TURN_FDS, Running, Turns, child_env, max_rss_bytes, start_contender, take_turns  # noqa: E402  (its turn-taking, shared)
 
 TARGET = 1.5
 # Relative, every step of the first epoch: --padding-free against the same grouped batches padded. The curves
@@ -360,8 +359,8 @@ def contender_main(keys: list[str], work: Path, s: Setup, result: Path | None = 
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     clock = None
-    if "PADDING_TURN_FDS" in os.environ:
-        hook = register_optimizer_step_post_hook(Turns(os.environ["PADDING_TURN_FDS"]))
+    if TURN_FDS in os.environ:
+        hook = register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
     else:
         clock = StepClock()
         hook = register_optimizer_step_post_hook(clock)
@@ -384,19 +383,10 @@ def contender_main(keys: list[str], work: Path, s: Setup, result: Path | None = 
 
 
 def spawn(keys: list[str], work: Path, threads: int) -> Running:
-    go_r, go_w = os.pipe()
-    done_r, done_w = os.pipe()
-    env = child_env(threads)
-    env["PADDING_TURN_FDS"] = f"{go_r},{done_w}"
     name = "+".join(keys)
     log, result = work / f"{name}.log", work / f"{name}.json"
     argv = [sys.executable, __file__, "--contenders", ",".join(keys), "--work", str(work), "--result", str(result)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
-    os.close(go_r)
-    os.close(done_w)
-    go, done = os.fdopen(go_w, "wb", buffering=0), os.fdopen(done_r, "rb", buffering=0)
-    return Running(Contender(name, name), proc, go, done, log, result, time.perf_counter())
+    return start_contender(Contender(name, name), argv, log, result, child_env(threads))
 
 
 def max_relative(a: list[float], b: list[float]) -> float:

@@ -248,8 +248,8 @@ def contender_main(key: str, result: str, quick: bool, memory_seq: int | None) -
         w = replace(w, seq=memory_seq, micro_batch=4, accumulation=1, steps=3, warmup=1)
         state = StepState(at=2)
         register_optimizer_step_post_hook(state)
-    elif "SPEED_TURN_FDS" in os.environ:
-        register_optimizer_step_post_hook(Turns(os.environ["SPEED_TURN_FDS"]))
+    elif TURN_FDS in os.environ:
+        register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
     with tempfile.TemporaryDirectory(prefix=f"speed_{key}_") as workdir:
         if contender.kind == "plain":
             losses = run_plain(w, contender.bf16)
@@ -294,19 +294,29 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
+# The pipes a contender that takes turns (Turns) reads its go from and writes its step's end to.
+TURN_FDS = "BENCHMARK_TURN_FDS"
+
+
+def start_contender(c: Contender, argv: list[str], log: Path, result: Path, env: dict[str, str]) -> Running:
+    """Start a contender's process (``argv``, its output in ``log``, its result file ``result``) that takes turns
+    with the others: it registers ``Turns(os.environ[TURN_FDS])`` after its optimizer step. Shared by the
+    benchmarks that interleave their contenders (``take_turns``)."""
     go_r, go_w = os.pipe()
     done_r, done_w = os.pipe()
-    env = child_env(threads)
-    env["SPEED_TURN_FDS"] = f"{go_r},{done_w}"
-    log, result = tmp / f"{c.key}.log", tmp / f"{c.key}.json"
-    argv = [sys.executable, __file__, "--contender", c.key, "--result", str(result)] + (["--quick"] if quick else [])
+    env = {**env, TURN_FDS: f"{go_r},{done_w}"}
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(go_r, done_w))
     os.close(go_r)
     os.close(done_w)
     go, done = os.fdopen(go_w, "wb", buffering=0), os.fdopen(done_r, "rb", buffering=0)
     return Running(c, proc, go, done, log, result, time.perf_counter())
+
+
+def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
+    log, result = tmp / f"{c.key}.log", tmp / f"{c.key}.json"
+    argv = [sys.executable, __file__, "--contender", c.key, "--result", str(result)] + (["--quick"] if quick else [])
+    return start_contender(c, argv, log, result, child_env(threads))
 
 
 def take_turns(running: list[Running], steps: int) -> dict[str, dict]:

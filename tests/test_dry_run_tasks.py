@@ -179,20 +179,15 @@ def test_every_task_is_covered():
     assert set(TASKS) | {"pretraining"} == set(task_names())  # a new task is added to TASKS
 
 
-# seq2seq's run settles at about 1.2x the plan (T5, 2 x 384): the saved tensors equal the profile's exactly,
-# the rest is the backward pass's and the allocator's working memory (75 MiB more from the first step) and the
-# evaluation's generation (50 MiB), which the plan does not model yet.
-KNOWN_OVER = {"seq2seq"}
+# seq2seq's run settles at 1.15-1.2x the plan (T5, 2 x 384; it varies with the machine's load): the saved
+# tensors equal the profile's exactly, the rest is the backward pass's and the allocator's working memory
+# (75 MiB more from the first step) and the evaluation's generation (50 MiB), which the plan does not model
+# yet. Its bound is wider until then (docs/guides/dry-run.md).
+TOLERANCE = {"seq2seq": 0.25}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "task",
-    [
-        pytest.param(t, marks=pytest.mark.xfail(strict=True, reason="see KNOWN_OVER")) if t in KNOWN_OVER else t
-        for t in ["pretraining", *TASKS]
-    ],
-)
-def test_the_plan_is_within_15_percent_of_the_run(ratios, task):
+@pytest.mark.parametrize("task", ["pretraining", *TASKS])
+def test_the_plan_matches_the_run(ratios, task):
     predicted, measured = ratios[task]
-    assert abs(predicted - measured) <= 0.15 * measured, (task, predicted, measured)
+    assert abs(predicted - measured) <= TOLERANCE.get(task, 0.15) * measured, (task, predicted, measured)
