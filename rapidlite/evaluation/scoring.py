@@ -340,6 +340,10 @@ def load_reward_scorer(
     adapter = lora.adapter_directory(model)
     base = lora.adapter_base(adapter) if adapter is not None else model
     dtype = torch.bfloat16 if bf16 else torch.float32
+    if adapter is None:  # refused from its config, before its weights load around a new, random head
+        labels = _num_labels(model)
+        if labels is not None and labels != 1:
+            raise _not_a_reward_model(model, labels)
     try:
         has_tokenizer = adapter is None or (adapter / "tokenizer_config.json").is_file()
         tokenizer = AutoTokenizer.from_pretrained(str(adapter) if adapter is not None and has_tokenizer else base)
@@ -352,14 +356,29 @@ def load_reward_scorer(
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: transformers' head size mismatch
         raise ConfigError(f"--model {model}: cannot load a reward model and its tokenizer ({first_line(e)})") from None
     if net.config.num_labels != 1:
-        raise ConfigError(
-            f"--model {model}: its sequence-classification head has {net.config.num_labels} outputs; --task reward "
-            "scores with a reward model (one output, as --task reward_model exports it)"
-        )
+        raise _not_a_reward_model(model, net.config.num_labels)
     if max_length is not None:
         check_positions(net, max_length, model)
     device = device or torch.device("cpu")
     return RewardScorer(net.to(device), tokenizer, max_length, batch_size, device)
+
+
+def _num_labels(model: str) -> int | None:
+    """The outputs a sequence-classification head built from ``model``'s config has (None: no readable config;
+    loading the model then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model).num_labels
+    except (OSError, ValueError):
+        return None
+
+
+def _not_a_reward_model(model: str, labels: int) -> ConfigError:
+    return ConfigError(
+        f"--model {model}: its sequence-classification head has {labels} outputs; --task reward scores with a "
+        "reward model (one output, as --task reward_model exports it)"
+    )
 
 
 def evaluate(scorer: Any, task: str, items: Sequence[Any], ctx: DistributedContext | None = None) -> dict[str, Any]:
