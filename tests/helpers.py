@@ -244,9 +244,9 @@ TINY += ["--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size
 TINY += ["--lr", "3e-3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "2", "--hidden-dropout", "0.1"]
 
 
-def bert_run_args(root, num_layers=2):
-    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even) in
-    ``root``; returns the --task pretraining flags that train it."""
+def bert_run_args(root, num_layers=2, vocab_size=None):
+    """Sentence-split data, a WordPiece vocabulary and a tiny BERT config (vocabulary padded to even, or
+    ``vocab_size`` entries) in ``root``; returns the --task pretraining flags that train it."""
     from transformers import BertConfig
 
     from rapidlite.data.preprocess import preprocess
@@ -260,8 +260,8 @@ def bert_run_args(root, num_layers=2):
     tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=vocab)
     prefix = preprocess(source, root / "corpus", tokenizer, split_sentences=True, log=None)["text"]
     BertConfig(
-        vocab_size=tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32, num_hidden_layers=num_layers,
-        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+        vocab_size=vocab_size or tokenizer.vocab_size + tokenizer.vocab_size % 2, hidden_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
     ).save_pretrained(root / "config")  # fmt: skip
     return [
         "--task", "pretraining", "--pretrained-model-name-or-path", str(root / "config"), "--data-path", prefix,

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO, assert_close_lists, rapidlite, train_losses, write_tiny_corpus
+from helpers import (
+    REPO,
+    assert_close_lists,
+    bert_run_args,
+    rapidlite,
+    read_metrics,
+    train_losses,
+    write_tiny_corpus,
+)
 from rapidlite.chunked_loss import IGNORE, token_logps
 from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
 from rapidlite.tasks.pretraining import bert_loss
@@ -221,6 +229,9 @@ LAYOUTS = {
         "--no-chunked-loss",
     ],
     "ds_zero3": [*TWO, "--micro-batch-size", "2", "--deepspeed", "--zero-3-memory-optimization"],
+    # Each stage holds one of the two blocks; the last computes the loss in place of the logits.
+    "pp2": [*TWO, "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"],
+    "tp2_sp_pp2": [*TP2, "--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
 }
 
 
@@ -286,6 +297,69 @@ def test_deepspeed_zero3_gathers_the_output_layer_for_its_chunks(runs):
     # The partitioned weight's rows are counted from DeepSpeed's ds_shape; its data is gathered for the call.
     assert_same_run(runs("llama", "ds_zero3"), runs("llama", "ds_zero3_plain"), rtol=1e-6)
     assert_same_run(runs("llama", "ds_zero3"), runs("llama", "single"), rtol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model,layout", [("gpt", "pp2"), ("llama", "pp2"), ("llama", "tp2_sp_pp2")])
+def test_a_pipelines_last_stage_computes_the_loss_through_chunks(runs, model, layout):
+    # Training and evaluation (the forward-only schedule) both take the chunks on the last stage.
+    assert_same_run(runs(model, layout), runs(model, "single"), rtol=1e-5 if layout == "pp2" else 1e-4)
+    validation = [[r["loss"] for r in read_metrics(runs(model, name)) if r.get("split") == "validation"]
+                  for name in (layout, "single")]  # fmt: skip
+    assert len(validation[0]) == 1
+    assert_close_lists(*validation, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bert_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunked_bert")
+    argv = [*bert_run_args(root / "data", vocab_size=VOCAB), "--micro-batch-size", "2"]
+    layouts = {"single": [], "pp2": [*TWO, "--pipeline-model-parallel-size", "2"], "tp2": TP2[:-2]}
+    saves = {}
+    for name, layout in layouts.items():
+        proc = rapidlite(*argv, *layout, "--save", str(root / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"loss: the output layer's {VOCAB} logits a chunk of tokens" in proc.stdout + proc.stderr
+        saves[name] = root / name
+    return saves
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_bert_pretraining_takes_the_chunks_in_a_pipeline_and_under_tensor_parallelism(bert_runs, layout):
+    # Tensor parallelism gathers BERT's logits whole (its decoder's layout); the chunks' log-probabilities
+    # leave the layer replicated, as that layout wants them.
+    run, single = bert_runs[layout], bert_runs["single"]
+    assert len(train_losses(run)) == 5
+    assert_close_lists(train_losses(run), train_losses(single), rtol=1e-5)
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(single, "grad_norm"), rtol=1e-4)
+
+
+def test_a_gpt_pipeline_stage_returns_the_chunked_loss_not_the_logits():
+    from types import SimpleNamespace
+
+    from rapidlite.models.gpt import GPTConfig, GPTModel
+    from rapidlite.models.spec import spec_of
+
+    torch.manual_seed(0)
+    config = GPTConfig(VOCAB, num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, hidden_dropout=0)
+    model, split = GPTModel(config).eval(), spec_of(GPTModel(config)).pipeline
+    ids, labels = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
+    labels[0, :3] = IGNORE
+    loss_mask = torch.ones(2, 8)
+    loss_mask[1, 5:] = 0
+    layers = torch.nn.ModuleDict({str(i): block for i, block in enumerate(model.layers)})
+    parts = {"embedding": model.embedding, "final_norm": model.final_norm, "output": model.output}
+    stage = SimpleNamespace(first=True, last=True, config=model.config, layers=layers, **parts)  # one stage: all
+    for chunked in (True, False):
+        model.chunked_loss = chunked
+        call = split.bind(model, (ids,), {"labels": labels, "loss_mask": loss_mask})
+        out = split.run(stage, ids, call)
+        assert out.shape == (() if chunked else (2, 8, model.output.weight.shape[0]))  # the loss, or the logits
+        loss, count = split.finish(model, out, call)
+        expected, expected_count = model(ids, labels=labels, loss_mask=loss_mask)
+        assert count == expected_count == 10  # 5 labelled in the first row, 5 the mask keeps in the second
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 # ---------------------------------------------------------------- memory, measured

@@ -59,8 +59,8 @@ class TaskSpec:
     trainer and the planner (which counts its memory) read the one rule. ``ignored``: flags the task does not read,
     named by destination or by their settings section (a ``Sections`` attribute: all of its flags): one of them set
     off its default is refused in one line rather than ignored. ``chunked_loss``: the task's loss goes through the
-    chunked output layer where it serves the model (``rapidlite.models.head``; not in a pipeline, whose last
-    stage computes the whole logits), so the planner counts no whole logits there: ``"sum"`` a summed loss
+    chunked output layer where it serves the model (``rapidlite.models.head``; in a pipeline, on its last
+    stage), so the planner counts no whole logits there: ``"sum"`` a summed loss
     (its gradients made in the forward pass), ``"tokens"`` per-token log-probabilities (each chunk recomputed in
     the backward pass).
     """

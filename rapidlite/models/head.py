@@ -66,8 +66,8 @@ def loss_line(model: Any, settings: Any) -> str | None:
 
     spec = TASKS.get(settings.task.task) if settings.task.user_script is None else None
     models = model if isinstance(model, (list, tuple)) else [model]
-    if spec is None or not spec.chunked_loss or len(models) != 1 or settings.parallel.pipeline_model_parallel_size > 1:
-        return None  # a user script's own loss, or a pipeline's stages (the last computes the whole logits)
+    if spec is None or not spec.chunked_loss or len(models) != 1:
+        return None  # a user script's own loss
     bare = _bare(models[0])
     gpt_head = getattr(bare, "output", None) if hasattr(bare, "chunked_loss") else None
     head = gpt_head if isinstance(gpt_head, nn.Linear) else chunkable_head(bare)
@@ -113,11 +113,20 @@ def returns_logps(head: nn.Linear, targets: torch.Tensor, sum_only: bool, stats:
             stats.append(linear_stats(self, hidden, targets))
         return linear_logps(self, hidden, targets, sum_only)
 
+    forward.stats = stats  # where a pipeline's replay finds what its last stage's run appended (logps_override)
     head.forward = types.MethodType(forward, head)
     try:
         yield
     finally:
         del head.forward
+
+
+def logps_override(model: nn.Module) -> tuple[nn.Module, Any] | None:
+    """``(output layer, forward)`` while ``returns_logps`` is on for the model's output layer, else None. A
+    pipeline records it with the call and puts it back on the layer when its last stage runs the head."""
+    head = _output_layer(_bare(model))
+    forward = getattr(head, "__dict__", {}).get("forward")
+    return (head, forward) if forward is not None and hasattr(forward, "stats") else None
 
 
 def head_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, sum_only: bool) -> torch.Tensor:
@@ -132,14 +141,18 @@ def chunked_head_loss(
     """Megatron's loss conventions (the built-in GPT's ``head_output``) through the chunked ``head``: with
     ``per_token`` the fp32 cross-entropy of every position ``[b, s]`` (0 at label -100, ``loss_mask`` not
     applied), else ``(loss_sum, num_tokens)`` over the labelled positions ``loss_mask`` keeps."""
-    keep = labels != IGNORE
-    if loss_mask is not None and not per_token:
-        keep = keep & (loss_mask != 0)
+    keep = kept_tokens(labels, None if per_token else loss_mask)
     targets = labels.masked_fill(~keep, IGNORE)
     if per_token:
         return -head_logps(head, hidden, targets, sum_only=False)
     count = int(keep.sum().item()) if not keep.is_meta else 0  # meta: --dry-run's profile of the forward
     return -head_logps(head, hidden, targets, sum_only=True), count
+
+
+def kept_tokens(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Where ``chunked_head_loss``'s sum takes a token: a label other than -100 that ``loss_mask`` keeps."""
+    keep = labels != IGNORE
+    return keep if loss_mask is None else keep & (loss_mask != 0)
 
 
 def _local_operands(head: nn.Linear, hidden: torch.Tensor) -> tuple[torch.Tensor, Any, Any, dict[str, Any]]:
@@ -169,10 +182,22 @@ def linear_logps(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, s
     out = token_logps(local_hidden, weight, bias, targets, sum_only=sum_only, **shard)
     if not shard:
         return out
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = head.weight.device_mesh
+    if getattr(head, _REPLICATED, False):  # its layout hook wants the output replicated: it is, as it stands
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
     return DTensor.from_local(out.unsqueeze(-1), mesh, [Shard(out.dim())], run_check=False)
+
+
+_REPLICATED = "_rapidlite_replicated_output"
+
+
+def replicated_output(layer: nn.Module) -> None:
+    """Say that a tensor-parallel plan gathers ``layer``'s logits whole on every rank
+    (``ColwiseParallel(output_layouts=Replicate())``): ``linear_logps`` then returns its log-probabilities
+    replicated, which that layout hook passes through as they are."""
+    setattr(layer, _REPLICATED, True)
 
 
 def linear_stats(head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,9 @@ class Call:
     inputs: torch.Tensor  # the first stage's input (token ids)
     stage_kwargs: dict[str, Any] = field(default_factory=dict)  # every stage (positions, masks)
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # the last stage's loss (labels, loss mask)
+    # (output layer, forward) when the step asked for log-probabilities through the chunked output layer
+    # (rapidlite.models.head.returns_logps): the last stage's head call runs that forward, not the logits.
+    output_forward: tuple[nn.Module, Any] | None = None
 
 
 class PipelineSplit(Protocol):

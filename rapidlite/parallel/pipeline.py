@@ -13,9 +13,12 @@ the engine first runs the step with a stand-in model that records the call (``mo
 position_ids=..., labels=...)``) and stops it there; the schedule then runs the stages on the recorded
 inputs, and on the last stage the step runs again with the stand-in returning what the whole model would
 have returned (logits, or the loss when labels were passed), so the user's own loss code computes the
-loss the schedule back-propagates. The micro-batches of a global batch are the pipeline's micro-batches,
-as in Megatron (``--num-micro-batches`` is the accumulation), and the loss reported is the last stage's,
-shared with the pipeline's other ranks.
+loss the schedule back-propagates. Where the step takes its loss through the chunked output layer (the
+built-in GPT called with labels; ``rapidlite.models.head``'s log-probabilities, whose output-layer forward is
+recorded with the call), the last stage computes that in place of the logits, so they never exist there.
+The micro-batches of a global batch are the pipeline's micro-batches, as in Megatron
+(``--num-micro-batches`` is the accumulation), and the loss reported is the last stage's, shared with the
+pipeline's other ranks.
 
 How a model comes apart into stages is its family's pipeline split (``ModelSpec.pipeline``, declared in
 ``rapidlite/models/families/`` with the building blocks of ``rapidlite.models.staging``); a family without
@@ -37,6 +40,7 @@ from torch import nn
 
 from rapidlite.errors import ConfigError
 from rapidlite.losses import loss_parallel_context, unpack_loss
+from rapidlite.models.head import logps_override
 from rapidlite.models.spec import families_with, spec_of
 from rapidlite.models.staging import Call, PipelineSplit
 
@@ -115,7 +119,15 @@ class StageModule(nn.Module):
         runner = self._runner[0]
         call = runner.calls[int(microbatch)]
         x = call.inputs if self.first else activations[0]
-        out = runner.family.run(self, x, call)
+        if self.last and call.output_forward is not None:  # the chunked output layer's log-probabilities
+            head, forward = call.output_forward
+            head.forward = forward
+            try:
+                out = runner.family.run(self, x, call)
+            finally:
+                del head.forward
+        else:
+            out = runner.family.run(self, x, call)
         if self.last and hasattr(out, "to_local"):  # vocabulary-sharded logits cross stages as local shards
             runner.sharded_logits = True
             out = out.to_local()
@@ -167,6 +179,7 @@ class PipelineRunner:
         self._recorded: Call | None = None
         self._replays: list[Callable[[], Any]] = []
         self._replay_output: Any = None
+        self._replay_call: Call | None = None
         self._schedules: dict[tuple[int, bool], Any] = {}
         self.loss_scale = 1.0
         self.sharded_logits = False
@@ -214,9 +227,13 @@ class PipelineRunner:
     def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         if self._phase == "record":
             self._recorded = self.family.bind(self.model, args, kwargs)
+            self._recorded.output_forward = logps_override(self.model) if self.has_last else None
             raise _CallRecorded
         if self._phase == "replay":
             call = self.family.bind(self.model, args, kwargs)
+            recorded, replaying = self._replay_call.output_forward, logps_override(self.model)
+            if recorded is not None and replaying is not None and replaying[1].stats is not None:
+                replaying[1].stats.extend(recorded[1].stats)  # what the stage's run of the head appended
             return self.family.finish(self.model, self._replay_output, call)
         raise ConfigError(
             "under pipeline parallelism the model runs inside the trainer's steps (run_forward_step); "
@@ -241,11 +258,11 @@ class PipelineRunner:
             from torch.distributed.tensor import DTensor, Shard
 
             output = DTensor.from_local(output, self.tp_mesh, [Shard(-1)], run_check=False)
-        self._phase, self._replay_output = "replay", output
+        self._phase, self._replay_output, self._replay_call = "replay", output, self.calls[index]
         try:
             result = self._replays[index]()
         finally:
-            self._phase, self._replay_output = None, None
+            self._phase, self._replay_output, self._replay_call = None, None, None
         loss, items = unpack_loss(result)
         self.results[index] = (loss.detach().float(), items)
         return loss * self.loss_scale if torch.is_grad_enabled() else loss
@@ -269,7 +286,7 @@ class PipelineRunner:
                 schedule.step(microbatch=index, target=index, return_outputs=False)
             else:
                 with torch.no_grad():
-                    schedule.eval(microbatch=index, target=index)
+                    schedule.eval(microbatch=index, target=index, return_outputs=False)
         self.calls, self._replays = [], []
         return [self.results[i] for i in range(n)] if self.has_last else []
 

@@ -198,7 +198,7 @@ def plan(settings: Sections) -> Plan:
     task = task_spec(settings)
     per_sample = task.inputs_per_sample if task is not None else 1
     # The chunked output layer's mode where the run takes it ("sum" or "tokens", TaskSpec.chunked_loss).
-    chunked = task.chunked_loss if settings.model.chunked_loss and task is not None and dims.pp == 1 else None
+    chunked = task.chunked_loss if settings.model.chunked_loss and task is not None else None
     micro = settings.training.micro_batch_size
     cpu = device.type == "cpu"
     profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked, cpu)

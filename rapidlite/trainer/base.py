@@ -140,12 +140,13 @@ class BaseTrainer:
         with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
             model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         model = self.prepare_model(model)
+        line = loss_line(model, self.settings)  # the whole model's head (a pipeline's first stage holds none)
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
         self.model, self.optimizer, self.lr_scheduler = self.engine.compose(
             model, optimizer, scheduler, total_iters=max(total_iters, 1), dynamic_shapes=self.variable_length_batches
         )
         self.after_compose()
-        if (line := loss_line(self.model, self.settings)) and self.engine.is_main_process:
+        if line and self.engine.is_main_process:
             self.logger.info(line)
         if self.checkpointing.resuming:
             self.checkpointing.load()

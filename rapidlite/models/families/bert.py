@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rapidlite.errors import ConfigError
+from rapidlite.models.head import replicated_output
 from rapidlite.models.sharding import check_divisible, stack_blocks
 from rapidlite.models.spec import ModelSpec, largest_stack, layer_stack, register
 from rapidlite.models.staging import Call, Holder, bind_call
@@ -64,6 +65,7 @@ def bert_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
         parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
         parallelize_module(head.decoder, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        replicated_output(head.decoder)
     if tied_weight:
         head.decoder.weight = embedding.weight
     if tied_bias:

@@ -11,6 +11,7 @@ from torch import nn
 from rapidlite.errors import ConfigError
 from rapidlite.models.gpt import GPTModel, rope_angles
 from rapidlite.models.gpt_hf import save_for_transformers
+from rapidlite.models.head import chunked_head_loss, kept_tokens
 from rapidlite.models.sharding import check_divisible, stack_blocks
 from rapidlite.models.spec import ModelSpec, blocks_at, register
 from rapidlite.models.staging import Call, Holder, bind_call
@@ -135,11 +136,10 @@ class GPTSplit:
         mask = values["attention_mask"]
         if mask is not None and mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
-        return Call(
-            input_ids,
-            {"position_ids": position_ids, "attention_mask": mask},
-            {"labels": values["labels"], "loss_mask": values["loss_mask"]},
-        )
+        labels = values["labels"]
+        loss = {"labels": labels, "loss_mask": values["loss_mask"], "per_token": model.per_token_loss}
+        loss["chunked"] = model.chunks_loss(labels)  # as GPTModel.forward takes it (read on the last stage)
+        return Call(input_ids, {"position_ids": position_ids, "attention_mask": mask}, loss)
 
     def run(self, stage: nn.Module, x: torch.Tensor, call: Call) -> torch.Tensor:
         c = stage.config
@@ -149,12 +149,19 @@ class GPTSplit:
         rope = rope_angles(position_ids, c.head_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
         for layer in stage.layers.values():
             x = layer(x, rope, mask)
-        if stage.last:
-            return stage.output(stage.final_norm(x))
-        return x
+        if not stage.last:
+            return x
+        hidden, loss = stage.final_norm(x), call.loss_kwargs
+        if loss["chunked"]:  # the loss (per token, or summed) in place of the logits
+            result = chunked_head_loss(stage.output, hidden, loss["labels"], loss["loss_mask"], loss["per_token"])
+            return result if loss["per_token"] else result[0]
+        return stage.output(hidden)
 
-    def finish(self, model: nn.Module, logits: torch.Tensor, call: Call) -> Any:
-        return model.head_output(logits, call.loss_kwargs["labels"], call.loss_kwargs["loss_mask"])
+    def finish(self, model: nn.Module, output: torch.Tensor, call: Call) -> Any:
+        labels, loss_mask = call.loss_kwargs["labels"], call.loss_kwargs["loss_mask"]
+        if not call.loss_kwargs["chunked"]:
+            return model.head_output(output, labels, loss_mask)
+        return output if model.per_token_loss else (output, int(kept_tokens(labels, loss_mask).sum().item()))
 
 
 SPEC = register(
