@@ -92,6 +92,28 @@ def test_labels_are_the_targets_padded_with_minus_100_and_the_loss_is_the_models
     torch.testing.assert_close(loss_sum / tokens, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_large_vocabulary_trains_and_evaluates_through_the_chunked_loss(tiny_assets, tmp_path, log_lines):
+    """T5 with 8192 output rows: the training and validation losses through the chunked output layer (the
+    whole logits never made) equal --no-chunked-loss's."""
+    from transformers import AutoConfig, AutoTokenizer, T5ForConditionalGeneration
+
+    model_dir, data_dir = tiny_assets
+    config = AutoConfig.from_pretrained(model_dir)
+    config.vocab_size = 8192
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "t5")
+    flags = ["--train-iters", "3", "--hidden-dropout", "0", "--eval-interval", "3", "--eval-iters", "1"]
+    losses = {}
+    for name, extra in (("chunked", []), ("plain", ["--no-chunked-loss"])):
+        argv = task_args(tmp_path / "t5", data_dir, *flags, *extra, "--max-target-length", "8")
+        assert rapidlite_here(*argv, "--save", str(tmp_path / name)) == 0
+        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r]
+    assert len(losses["chunked"]) == 5  # three steps, the evaluation at the third, the final one
+    assert losses["chunked"] == pytest.approx(losses["plain"], rel=1e-6)
+    assert any("the output layer's 8192 logits a chunk of tokens at a time" in line for line in log_lines)
+
+
 # Sentences whose every n-gram order matches somewhere in the corpus (BLEU's usual case).
 HYPOTHESES = ["the cat sat on the mat today", "a quick brown fox jumps over the lazy dog!", "Hello, world. Bye now."]
 REFERENCES = ["the cat is on the mat today", "the quick brown fox jumped over the lazy dog.", "Hello world! Bye now."]

@@ -62,7 +62,8 @@ class TaskSpec:
     chunked output layer where it serves the model (``rapidlite.models.head``; in a pipeline, on its last
     stage), so the planner counts no whole logits there: ``"sum"`` a summed loss
     (its gradients made in the forward pass), ``"tokens"`` per-token log-probabilities (each chunk recomputed in
-    the backward pass).
+    the backward pass). ``libraries``: the modules the task's run imports beyond torch and transformers (its data
+    pipeline's, its metrics'), which the planner loads before it reads a CPU run's resident size.
     """
 
     name: str
@@ -84,6 +85,7 @@ class TaskSpec:
     reference: Callable[[Any], str] | None = None
     ignored: tuple[str, ...] = ()
     chunked_loss: Literal["sum", "tokens"] | None = None
+    libraries: tuple[str, ...] = ("datasets", "torchmetrics")
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -285,6 +287,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class_by_model_type={"bert": "BertForPreTraining"},
             from_config=True,
             chunked_loss="sum",
+            libraries=(),  # Megatron's memory-mapped data, no metrics library
         ),
         TaskSpec(
             name="causal_lm",
@@ -358,6 +361,8 @@ TASKS: dict[str, TaskSpec] = {
             check=_check_seq2seq,
             eval_only=True,
             auto_class="AutoModelForSeq2SeqLM",
+            chunked_loss="sum",
+            libraries=("datasets", "torchmetrics", "rouge_score.rouge_scorer"),  # ROUGE (with nltk): about 40 MiB
         ),
         TaskSpec(
             name="dpo",

@@ -47,7 +47,7 @@ from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.head import MIN_VOCAB, chunked_head_loss
+from rapidlite.models.head import chunked_head_loss, chunks_loss
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -388,15 +388,9 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, attention_mask)
         hidden = self.final_norm(x)
-        if self.chunks_loss(labels):
+        if chunks_loss(self.output, labels, self.chunked_loss):
             return chunked_head_loss(self.output, hidden, labels, loss_mask, self.per_token_loss)
         return self.head_output(self.output(hidden), labels, loss_mask)
-
-    def chunks_loss(self, labels: torch.Tensor | None) -> bool:
-        """Whether a call with ``labels`` takes its loss through the chunked output layer (a pipeline's last
-        stage decides the same way)."""
-        head = self.output
-        return labels is not None and self.chunked_loss and head is not None and head.weight.shape[0] >= MIN_VOCAB
 
     def head_output(
         self, logits: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None = None

@@ -35,7 +35,7 @@ MIN_VOCAB = 8192
 # this, not by the batch.
 LOGITS_CHUNK_TOKENS = 4096
 # Model types whose forward returns the output layer's result as the logits, tested in tests/test_chunked_loss.py.
-FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta"})
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta", "t5", "mt5"})
 
 
 def _bare(model: nn.Module) -> nn.Module:
@@ -147,6 +147,12 @@ def chunked_head_loss(
         return -head_logps(head, hidden, targets, sum_only=False)
     count = int(keep.sum().item()) if not keep.is_meta else 0  # meta: --dry-run's profile of the forward
     return -head_logps(head, hidden, targets, sum_only=True), count
+
+
+def chunks_loss(head: nn.Module | None, labels: torch.Tensor | None, enabled: bool) -> bool:
+    """Whether a call of the built-in GPT with ``labels`` takes its loss through the chunked ``head`` (its
+    forward, or a pipeline's last stage, which decides the same way)."""
+    return labels is not None and enabled and head is not None and head.weight.shape[0] >= MIN_VOCAB
 
 
 def kept_tokens(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

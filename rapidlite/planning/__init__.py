@@ -300,16 +300,12 @@ def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
 
 # What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow), its
 # metrics through torchmetrics. Their resident size (about 80 and 60 MiB) is part of the run's.
-RUN_LIBRARIES = ("datasets", "torchmetrics")
-
-
 def _runtime_bytes(task: Any) -> int:
     """The run's resident size before its tensors: this process's (it has imported torch, transformers and
-    rapidlite as the run does), with the libraries a fine-tuning task's run loads."""
-    if task is not None and not task.from_config:
-        for name in RUN_LIBRARIES:
-            with contextlib.suppress(ImportError):
-                importlib.import_module(name)
+    rapidlite as the run does), with the libraries the task's run loads (``TaskSpec.libraries``)."""
+    for name in task.libraries if task is not None else ():
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     return _resident_bytes()
 
 

@@ -94,13 +94,14 @@ def forward_loss(
             ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
             if "MultipleChoice" not in type(model).__name__:
                 ids = ids.flatten(0, 1)
-        if chunked and ids.dim() == 2 and chunkable_head(model) is not None:
-            sum_only = chunked == "sum"
-            logps = output_logps(model, {"input_ids": ids}, torch.zeros_like(ids), shift=False, sum_only=sum_only)
-            return -logps.sum()
         # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-        out = model(input_ids=ids, decoder_input_ids=ids) if seq2seq else model(input_ids=ids)
+        inputs = {"input_ids": ids, "decoder_input_ids": ids} if seq2seq else {"input_ids": ids}
+        if chunked and ids.dim() == 2 and chunkable_head(model) is not None:
+            sum_only = chunked == "sum"
+            logps = output_logps(model, inputs, torch.zeros_like(ids), shift=False, sum_only=sum_only)
+            return -logps.sum()
+        out = model(**inputs)
         logits = next(
             (getattr(out, k) for k in ("logits", "prediction_logits") if getattr(out, k, None) is not None), None
         )

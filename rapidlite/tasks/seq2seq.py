@@ -25,7 +25,7 @@ from rapidlite.data.collate import PadCollator
 from rapidlite.data.seq2seq import build_seq2seq_data
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
-from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
@@ -231,22 +231,20 @@ class Seq2SeqFinetuner(Finetuner):
 
         return lora.unwrap(self.engine.strategy.module(model))
 
-    def _logits(self, batch: dict[str, torch.Tensor], model: torch.nn.Module) -> torch.Tensor:
+    def _logps(self, batch: dict[str, torch.Tensor], model: torch.nn.Module, sum_only: bool) -> torch.Tensor:
+        """The log-probabilities of the targets: per position ``[B, T]`` (0 at -100), or ``sum_only`` their sum;
+        through the chunked output layer where it serves the model (``output_logps``)."""
         # The decoder reads the targets shifted right (the model's own rule: its start token first, -100 as
         # padding), and the loss is taken here, so the model computes none.
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         shift = self._hf_model(model).prepare_decoder_input_ids_from_labels
         inputs["decoder_input_ids"] = shift(labels=batch["labels"])
-        return model(**inputs, use_cache=False).logits
+        inputs["use_cache"] = False
+        chunked = self.settings.model.chunked_loss
+        return output_logps(model, inputs, batch["labels"], shift=False, sum_only=sum_only, chunked=chunked)
 
     def run_forward_step(self, batch, model):
-        logits = self._logits(batch, model)
-        targets = batch["labels"].flatten()
-        with maybe_loss_parallel(logits):
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-        if hasattr(loss_sum, "full_tensor"):
-            loss_sum = loss_sum.full_tensor()
-        return loss_sum, int((targets != -100).sum().item())
+        return -self._logps(batch, model, sum_only=True), int((batch["labels"] != -100).sum().item())
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         """The token-exact loss and the generation metrics of every validation pair, over all ranks."""
@@ -255,10 +253,8 @@ class Seq2SeqFinetuner(Finetuner):
         width = self.target_length + 1  # the decoder's start token and at most --max-target-length more
         losses, counts, generated, references = [], [], [], []
         for batch in eval_dataloader:
-            logits = self._logits(batch, model).float()
             labels = batch["labels"]
-            per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-            losses.append(self.gather(per_token.sum(dim=1).double()))
+            losses.append(self.gather(-self._logps(batch, model, sum_only=False).sum(dim=1).double()))
             counts.append(self.gather((labels != -100).sum(dim=1)))
             ids = self.generate(model, batch["input_ids"], batch["attention_mask"])
             generated.append(self.gather(_pad_columns(ids, width, pad)))

@@ -11,7 +11,7 @@ from torch import nn
 from rapidlite.errors import ConfigError
 from rapidlite.models.gpt import GPTModel, rope_angles
 from rapidlite.models.gpt_hf import save_for_transformers
-from rapidlite.models.head import chunked_head_loss, kept_tokens
+from rapidlite.models.head import chunked_head_loss, chunks_loss, kept_tokens
 from rapidlite.models.sharding import check_divisible, stack_blocks
 from rapidlite.models.spec import ModelSpec, blocks_at, register
 from rapidlite.models.staging import Call, Holder, bind_call
@@ -138,7 +138,7 @@ class GPTSplit:
             raise TypeError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
         labels = values["labels"]
         loss = {"labels": labels, "loss_mask": values["loss_mask"], "per_token": model.per_token_loss}
-        loss["chunked"] = model.chunks_loss(labels)  # as GPTModel.forward takes it (read on the last stage)
+        loss["chunked"] = chunks_loss(model.output, labels, model.chunked_loss)  # read on the last stage
         return Call(input_ids, {"position_ids": position_ids, "attention_mask": mask}, loss)
 
     def run(self, stage: nn.Module, x: torch.Tensor, call: Call) -> torch.Tensor:
