@@ -72,7 +72,20 @@ def dry_run(config: RunConfig) -> int:
     from rapidlite.planning import plan
     from rapidlite.planning.report import format_plan
 
-    print(format_plan(plan(config.sections)), flush=True)
+    settings = config.sections
+    profile = None
+    if settings.training.device_profile:  # read first: a bad profile is refused before the plan's work
+        from rapidlite.planning.devices import device_profile
+
+        profile = device_profile(settings.training.device_profile)
+    the_plan = plan(settings, gpu=None if profile is None else not profile.shared_by_node)
+    print(format_plan(the_plan), flush=True)
+    if profile is not None:
+        from rapidlite.planning.timing import format_throughput, step_time
+        from rapidlite.resolve.world import nproc_per_node
+
+        throughput = step_time(the_plan, profile, nproc_per_node(settings.parallel))
+        print("\n".join(format_throughput(throughput, profile)), flush=True)
     return 0
 
 

@@ -114,6 +114,18 @@ def test_packing_benchmark_quick():
 
 
 @pytest.mark.slow
+def test_step_time_benchmark_quick():
+    """A torchtitan row and a Megatron-LM row planned from their published set-ups and predicted (the
+    calibration row lands on its published figure by construction)."""
+    proc = run_quick("step_time.py", "--calibrate", timeout=300)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| torchtitan") or line.startswith("| Meg")]
+    assert len(rows) == 2, proc.stdout
+    calibration = rows[0].split("|")
+    assert "(calibration row)" in calibration[2] and float(calibration[5]) == pytest.approx(1.0, abs=0.02)
+    assert "calibration: matched at matmul_efficiency" in proc.stdout
+    assert float(rows[1].split("|")[5]) > 0
+
+
 def test_checkpoint_hashing_benchmark_quick():
     proc = run_quick("checkpoint_hashing.py", timeout=300)
     for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):

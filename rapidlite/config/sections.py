@@ -323,6 +323,14 @@ class TrainingConfig:
         metavar="GIB",
         group=CHECKPOINTS_AND_LOGGING,
     )
+    device_profile: str | None = flag(
+        None,
+        "with --dry-run: predict the step time, tokens/s per device, MFU and time to train on these devices: "
+        "h100-sxm, h200, a100-80g, l40s, cpu (this machine, measured once and cached) or a JSON/YAML FILE "
+        "(docs/guides/step-time.md); --nnodes and --nproc-per-node give the cluster",
+        metavar="NAME|FILE",
+        group=CHECKPOINTS_AND_LOGGING,
+    )
     train_samples: int | None = flag(None, "train for this many samples (instead of iters)", group=MEGATRON)
     exit_interval: int | None = flag(
         None, "stop after an iteration divisible by this, saving a checkpoint (--save) to resume from", group=MEGATRON

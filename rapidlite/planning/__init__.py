@@ -44,6 +44,7 @@ import torch
 
 from rapidlite.config.sections import LoraConfig
 from rapidlite.config.settings import Sections
+from rapidlite.flops import ModelFlops
 from rapidlite.optim import optimizer_state_bytes
 from rapidlite.planning.activations import (
     ActivationProfile,
@@ -76,6 +77,10 @@ class RankPlan:
     reference: int = 0  # a preference task's frozen reference model, laid out as the policy
     activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
     forward_grads: int = 0  # the gradients there at the forward pass's end (see ``peak``)
+    # Elements the rank computes with (its tensor/pipeline share, whole over data parallelism), trains, and steps.
+    compute_params: int = 0
+    trainable_params: int = 0
+    stepped_params: int = 0
 
     @property
     def model_states(self) -> int:
@@ -154,6 +159,7 @@ class Plan:
     ranks: list[RankPlan]
     notes: list[str] = field(default_factory=list)
     seq_length: int | None = None  # the length the activations were measured at
+    flops: Any = None  # the model's FLOPs per token (rapidlite.flops.ModelFlops, adapters' frozen base counted)
 
 
 def _stage_rank(stage: int, dims: Any) -> int:
@@ -169,12 +175,13 @@ def _in_flight(settings: Sections, stage: int, pp: int) -> int:
     return min(pp - stage, m)
 
 
-def plan(settings: Sections) -> Plan:
-    """The plan and memory prediction of the run ``settings`` describe (see the module docstring)."""
+def plan(settings: Sections, gpu: bool | None = None) -> Plan:
+    """The plan and memory prediction of the run ``settings`` describe (see the module docstring), on this
+    machine's device, or (``gpu``) on a GPU or a CPU whatever this machine has (``--device-profile``)."""
     from rapidlite.distributed import ParallelDims
     from rapidlite.models import lora
     from rapidlite.models.spec import spec_of
-    from rapidlite.precision import resolve_precision
+    from rapidlite.precision import Precision, resolve_precision
     from rapidlite.resolve.world import target_world_size
     from rapidlite.strategies.base import set_dropout
 
@@ -182,8 +189,13 @@ def plan(settings: Sections) -> Plan:
     dims = ParallelDims(
         world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
     )
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    precision, _ = resolve_precision(settings.precision.precision, device)
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    device = torch.device("cuda" if gpu else "cpu")
+    if gpu and not torch.cuda.is_available():  # planned for GPUs elsewhere: mixed precision is bf16 there
+        name = {"auto": "bf16"}.get(settings.precision.precision, settings.precision.precision)
+        precision = Precision({"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name], "cuda")
+    else:
+        precision, _ = resolve_precision(settings.precision.precision, device)
     adapters = settings.lora
     notes: list[str] = []
 
@@ -225,6 +237,8 @@ def plan(settings: Sections) -> Plan:
         unquantised = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
         model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
         trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if stage == 0:
+            flops = ModelFlops.of(model)  # the whole model, before a pipeline prunes it
         optimizer = None
         if deepspeed:
             module, strategy_name = model, "DeepSpeed"
@@ -252,6 +266,7 @@ def plan(settings: Sections) -> Plan:
     for r in ranks:
         r.runtime = runtime
     return Plan(
+        flops=flops,
         seq_length=seq,
         settings=settings,
         world_size=world_size,
@@ -384,6 +399,12 @@ def _rank_plan(
         stepped = [_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad]
     grads = grad_elems * 4
     optimizer = optimizer_state_bytes(settings.optim, stepped)
+    whole = dp if not deepspeed and zero >= 2 else 1  # FSDP2's shards are local here; the rank computes with all
+    counts = {
+        "compute_params": sum(_local(p).numel() for p in params) * whole,
+        "trainable_params": trainable * whole,
+        "stepped_params": sum(stepped),
+    }
     host = 0
     if dp_cfg.cpu_offload:
         host, optimizer = optimizer, 0
@@ -437,6 +458,7 @@ def _rank_plan(
         host=host,
         activation_per_sample=per_sample,
         forward_grads=forward_grads,
+        **counts,
     )
 
 

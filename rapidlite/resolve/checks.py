@@ -95,6 +95,8 @@ def check_rest(args: argparse.Namespace) -> None:
         )
     if args.memory_budget is not None and not args.dry_run:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
+    if args.device_profile is not None and not args.dry_run:
+        raise ConfigError("--device-profile is read by the plan: add --dry-run")
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
     check_wandb_flags(section_of(args, "logging"))
@@ -310,7 +312,13 @@ def check_data_parallel(args: argparse.Namespace) -> None:
             "there); drop the flag under --deepspeed"
         )
     nnodes = num_nodes(section_of(args, "parallel"))
-    if nnodes > 1 and not env_int("WORLD_SIZE", 0) and not (args.master_addr or launch_value("MASTER_ADDR")):
+    launching = not args.dry_run  # a plan of a cluster needs no rendezvous
+    if (
+        launching
+        and nnodes > 1
+        and not env_int("WORLD_SIZE", 0)
+        and not (args.master_addr or launch_value("MASTER_ADDR"))
+    ):
         raise ConfigError(f"--nnodes {nnodes}: give --master-addr (or MASTER_ADDR), the host of node 0")
     if args.per_rank_logs and args.save is None:
         raise ConfigError("--per-rank-logs writes to --save DIR/logs: add --save DIR")

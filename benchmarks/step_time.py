@@ -1,0 +1,190 @@
+"""``--dry-run --device-profile`` against published throughput: torchtitan's Llama 3.1 tables and Megatron-LM's
+weak-scaling table, each row planned from its published set-up and predicted by the step-time model.
+
+    python benchmarks/step_time.py            # every row (about a minute: large models are planned on meta)
+    python benchmarks/step_time.py --quick    # two small rows: checks the script works
+
+Sources (docs/guides/step-time.md has the table and what each row leaves out):
+
+- torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (H100 96 GB HBM2e at 500 W, 8 a node, NVLink,
+  400 Gb/s per GPU; sequence 8192, bf16): tokens/s per GPU.
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", Table 1 (A100 80 GB,
+  Selene; GPT, vocabulary 51200, sequence 2048, fp16, full recomputation): TFLOP/s per GPU counted as the paper
+  counts them, ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` per iteration (recomputation's forward included).
+
+Megatron's rows use the built-in ``a100-80g`` profile as it is. torchtitan's H100s are 500 W parts with HBM2e,
+whose peak is not published: their profile (``benchmarks/profiles/h100-96g-500w.yaml``, on ``h100-sxm``) has its
+efficiencies calibrated on one row, the 8-GPU FSDP one; ``--calibrate`` prints what each calibration row needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+H100 = str(REPO / "benchmarks" / "profiles" / "h100-96g-500w.yaml")  # torchtitan's 500 W HBM2e H100
+
+LLAMA = {  # Llama 3.1: (layers, hidden, heads, key/value heads, MLP, vocabulary)
+    "8B": (32, 4096, 32, 8, 14336, 128256),
+    "70B": (80, 8192, 64, 8, 28672, 128256),
+    "405B": (126, 16384, 128, 8, 53248, 128256),
+}
+
+
+@dataclass
+class Row:
+    source: str
+    name: str
+    profile: str
+    flags: list[str]
+    published: float
+    metric: str  # "tokens/s/GPU" or "TFLOP/s/GPU"
+    gpt: tuple[int, int, int] | None = None  # Megatron's (layers, hidden, batch) for its TFLOP/s count
+    calibration: bool = False
+    not_modelled: str = ""  # what the row depends on that the model cannot know
+
+
+def _llama_dir(root: Path, size: str) -> str:
+    from transformers import LlamaConfig
+
+    layers, hidden, heads, kv, mlp, vocab = LLAMA[size]
+    path = root / f"llama-{size}"
+    if not path.exists():
+        LlamaConfig(
+            num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+            intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=False,
+        ).save_pretrained(path)  # fmt: skip
+    return str(path)
+
+
+def torchtitan_rows(root: Path) -> list[Row]:
+    def llama(size: str, gpus: int, local: int, ac: str, *extra: str) -> list[str]:
+        layers, hidden, heads, _, mlp, _ = LLAMA[size]
+        recompute = ["--checkpoint-activations", "--recompute-granularity", ac]
+        return [
+            "--pretrained-model-name-or-path", _llama_dir(root, size), "--num-layers", str(layers),
+            "--hidden-size", str(hidden), "--num-attention-heads", str(heads), "--ffn-hidden-size", str(mlp),
+            "--seq-length", "8192", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128000",
+            "--mixed-precision", *recompute,
+            "--nnodes", str(max(1, gpus // 8)), "--nproc-per-node", str(min(gpus, 8)), "--micro-batch-size", str(local),
+            *extra,
+        ]  # fmt: skip
+
+    src = "torchtitan"
+    fp8 = "torch.compile, Float8 matmuls"
+    return [
+        Row(src, "8B, 8 GPUs, FSDP, local batch 2", H100,
+            llama("8B", 8, 2, "selective", "--zero-3-memory-optimization", "--global-batch-size", "16"),
+            5762, "tokens/s/GPU", calibration=True),
+        Row(src, "8B, 128 GPUs, FSDP, local batch 2", H100,
+            llama("8B", 128, 2, "selective", "--zero-3-memory-optimization", "--global-batch-size", "256"),
+            5605, "tokens/s/GPU"),
+        Row(src, "8B, 8 GPUs, FSDP + compile", H100,
+            llama("8B", 8, 2, "selective", "--zero-3-memory-optimization", "--global-batch-size", "16"),
+            6667, "tokens/s/GPU", not_modelled="torch.compile"),
+        Row(src, "70B, 256 GPUs, FSDP 32 x TP 8, local batch 16", H100,
+            llama("70B", 256, 16, "full", "--zero-3-memory-optimization", "--tensor-model-parallel-size", "8",
+                  "--sequence-parallel", "--global-batch-size", "512"),
+            829, "tokens/s/GPU", not_modelled=fp8),
+        Row(src, "405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B", H100,
+            llama("405B", 512, 1, "full", "--zero-3-memory-optimization", "--tensor-model-parallel-size", "8",
+                  "--sequence-parallel", "--pipeline-model-parallel-size", "8", "--global-batch-size", "256"),
+            100, "tokens/s/GPU", not_modelled=fp8 + ", async TP"),
+    ]  # fmt: skip
+
+
+MEGATRON = [  # params (B), heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def megatron_rows() -> list[Row]:
+    rows = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON:
+        flags = [
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "51200", "--make-vocab-size-divisible-by", "128",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", "2048", "--max-position-embeddings", "2048", "--fp16", "--checkpoint-activations",
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--nnodes", str(gpus // 8), "--nproc-per-node", "8", "--global-batch-size", str(batch),
+            "--micro-batch-size", "1",
+        ]  # fmt: skip
+        name = f"{params:g}B, TP {tp} x PP {pp}, {gpus} GPUs, batch {batch}"
+        rows.append(Row("Megatron-LM", name, "a100-80g", flags, tflops, "TFLOP/s/GPU", (layers, hidden, batch)))
+    return rows
+
+
+def predict(row: Row, profiles: dict) -> tuple[float, str]:
+    """(the predicted figure in the row's metric, the dominant terms)."""
+    from rapidlite.arguments import parse_args
+    from rapidlite.planning import plan
+    from rapidlite.planning.timing import step_time
+
+    argv = ["--task", "pretraining", "--data-path", "unused", "--train-iters", "1", "--dry-run", *row.flags]
+    settings = parse_args(argv).sections
+    per_node = settings.parallel.nproc_per_node
+    t = step_time(plan(settings, gpu=True), profiles[row.profile], per_node)
+    terms = sorted(t.step.terms.items(), key=lambda kv: -kv[1])
+    shares = ", ".join(f"{k} {100 * v / t.step.seconds:.0f}%" for k, v in terms[:3] if v > 0)
+    if row.metric == "tokens/s/GPU":
+        return t.tokens_per_second_per_device, shares
+    layers, hidden, batch = row.gpt  # the paper's count of a step's FLOPs
+    s, v = 2048, 51200
+    flops = 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
+    return flops / (t.step.seconds * t.world_size) / 1e12, shares
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two small rows: checks the script works")
+    parser.add_argument("--calibrate", action="store_true", help="print the efficiency each calibration row needs")
+    args = parser.parse_args()
+    import logging
+
+    logging.disable(logging.WARNING)
+    from rapidlite.planning.devices import device_profile
+
+    profiles = {name: device_profile(name) for name in (H100, "a100-80g")}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [*torchtitan_rows(Path(tmp)), *megatron_rows()]
+        if args.quick:
+            rows = [rows[0], next(r for r in rows if r.source == "Megatron-LM")]
+        print("| source | row | published | predicted | predicted / published | what dominates |")
+        print("|---|---|---|---|---|---|")
+        ratios = []
+        for row in rows:
+            predicted, shares = predict(row, profiles)
+            ratio = predicted / row.published
+            note = " (calibration row)" if row.calibration else ""
+            note += f" (not modelled: {row.not_modelled})" if row.not_modelled else ""
+            print(f"| {row.source} | {row.name}{note} | {row.published:,.0f} {row.metric} | {predicted:,.0f} | "
+                  f"{ratio:.2f} | {shares} |", flush=True)  # fmt: skip
+            if not row.not_modelled and not row.calibration:
+                ratios.append(ratio)
+            if args.calibrate and row.calibration:
+                profile, factor = profiles[row.profile], row.published / predicted
+                matmul, attention = factor * profile.matmul_efficiency, factor * profile.attention_efficiency
+                print(f"  calibration: matched at matmul_efficiency {matmul:.3f}, attention_efficiency {attention:.3f}")
+        if ratios:
+            within = sum(abs(r - 1) <= 0.25 for r in ratios)
+            print(f"\npredicted rows within 25% of the published figure: {within} of {len(ratios)} "
+                  f"(ratios {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

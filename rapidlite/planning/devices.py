@@ -1,0 +1,149 @@
+"""Device profiles for ``--dry-run --device-profile``: what the step-time model (``rapidlite.planning.timing``)
+knows of a device and its cluster.
+
+A profile is a handful of numbers: the dense peak FLOP/s per precision, the memory bandwidth, how much of the
+peak large matrix multiplies and attention reach, and the bandwidth and latency of the links between devices
+(within a node: NVLink or PCIe; across nodes: InfiniBand/RoCE, per device), the host link (PCIe, for CPU
+offload) and the host's optimizer speed. The built-in GPU profiles take their peaks from the datasheet table
+``rapidlite.flops.GPU_PEAKS``; ``FILE`` (JSON or YAML) gives the same fields for another device (a built-in
+profile's name under ``base`` fills what the file leaves out); ``cpu`` is measured on this machine
+(``rapidlite.planning.cpu_profile``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rapidlite.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device and its cluster's links. Bandwidths are bytes/s per device (a collective's bus bandwidth),
+    latencies seconds per message."""
+
+    name: str
+    flops: dict[str, float]  # dense peak FLOP/s by precision name ("bf16", "fp16", "fp32", "tf32")
+    memory_bandwidth: float  # device memory, bytes/s
+    matmul_efficiency: float  # the fraction of the peak large matrix multiplies reach
+    attention_efficiency: float  # the fraction fused attention (forward and backward) reaches
+    devices_per_node: int
+    intra_node_bandwidth: float  # NVLink (or PCIe without it)
+    intra_node_latency: float
+    inter_node_bandwidth: float  # the node's network bandwidth per device
+    inter_node_latency: float
+    host_bandwidth: float  # device <-> host (CPU offload)
+    optimizer_rate: float  # parameters per second an AdamW step updates on the device
+    host_optimizer_rate: float  # parameters per second an AdamW step updates on the host (CPU offload)
+    # The node's processes share one device's compute and memory (a CPU: each process gets its share of cores).
+    shared_by_node: bool = False
+    source: str = ""  # where the numbers come from
+
+    def peak(self, precision: str) -> float:
+        """The dense peak at a run's precision (``fp32`` on a GPU counts TF32 when the profile has it)."""
+        key = "bf16" if precision in ("bf16", "fp16") and "bf16" in self.flops else precision
+        if key not in self.flops:
+            key = "fp32"
+        return self.flops[key]
+
+
+def _gpu(name: str, datasheet: str, memory_tbs: float, nvlink_gbs: float, network_gbs: float, **extra: Any) -> Any:
+    from rapidlite.flops import GPU_PEAKS
+
+    half, tf32, fp32 = next((h, t, f) for key, h, t, f in GPU_PEAKS if key == datasheet)
+    flops = {"bf16": half, "fp16": half, "fp32": fp32, **({"tf32": tf32} if tf32 else {})}
+    fields = {
+        "name": name,
+        "flops": flops,
+        "memory_bandwidth": memory_tbs * 1e12,
+        "matmul_efficiency": 0.70,
+        "attention_efficiency": 0.45,
+        "devices_per_node": 8,
+        "intra_node_bandwidth": nvlink_gbs * GB,
+        "intra_node_latency": 10e-6,
+        "inter_node_bandwidth": network_gbs * GB,
+        "inter_node_latency": 20e-6,
+        "host_bandwidth": 25 * GB,
+        # AdamW reads a parameter, its gradient and two moments and writes three of them: 28 bytes in fp32.
+        "optimizer_rate": memory_tbs * 1e12 / 28,
+        "host_optimizer_rate": 1.5e9,
+        "source": f"datasheet peaks ({datasheet}), {memory_tbs} TB/s memory, {nvlink_gbs} GB/s bus bandwidth in a "
+        f"node, {network_gbs} GB/s per device across nodes",
+    }
+    return fields | extra
+
+
+# Bus bandwidths are what NCCL's tests reach (about 80% of the links' unidirectional rate): H100/H200 NVLink 4
+# 450 GB/s -> 360, A100 NVLink 3 300 -> 240; across nodes one 400 Gb/s NIC per H100 (50 GB/s -> 40), 200 Gb/s per
+# A100 (25 -> 20); L40S has no NVLink: PCIe 4.0 x16 (32 GB/s -> 25).
+BUILT_IN: dict[str, dict[str, Any]] = {
+    "h100-sxm": _gpu("h100-sxm", "H100 SXM", 3.35, 360, 40),
+    "h200": _gpu("h200", "H200", 4.8, 360, 40),
+    "a100-80g": _gpu("a100-80g", "A100", 2.0, 240, 20),
+    "l40s": _gpu("l40s", "L40S", 0.864, 25, 20, devices_per_node=8),
+}
+
+
+def device_profile(spec: str) -> DeviceProfile:
+    """The profile ``--device-profile`` names: a built-in name, ``cpu`` (measured here, cached), or a file."""
+    if spec in BUILT_IN:
+        return DeviceProfile(**BUILT_IN[spec])
+    if spec == "cpu":
+        from rapidlite.planning.cpu_profile import cpu_profile
+
+        return cpu_profile()
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"--device-profile {spec}: not a profile name ({', '.join([*BUILT_IN, 'cpu'])}) nor a file; "
+            "give one of these or a JSON/YAML file with the fields of rapidlite.planning.devices.DeviceProfile"
+        )
+    return _from_file(path)
+
+
+def _from_file(path: Path) -> DeviceProfile:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"--device-profile {path}: cannot read it ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--device-profile {path}: expected a mapping of the profile's fields")
+    base = data.pop("base", None)
+    if base is not None and base not in BUILT_IN:
+        raise ConfigError(f"--device-profile {path}: base {base!r} is not one of {', '.join(BUILT_IN)}")
+    names = [f.name for f in dataclasses.fields(DeviceProfile)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"--device-profile {path}: unknown fields {', '.join(unknown)}; the fields: {sorted(names)}")
+    data = {key: _number(path, key, value) for key, value in data.items()}
+    fields = {**(BUILT_IN[base] if base else {}), "name": path.stem, "source": str(path), **data}
+    required = {f.name for f in dataclasses.fields(DeviceProfile) if f.default is dataclasses.MISSING}
+    missing = sorted(required - set(fields))
+    if missing:
+        raise ConfigError(f"--device-profile {path}: missing {', '.join(missing)} (or name a built-in under base)")
+    return DeviceProfile(**fields)
+
+
+def _number(path: Path, key: str, value: Any) -> Any:
+    """A numeric field as a number (YAML reads ``1.0e10`` as a string), ``flops`` as numbers by precision."""
+    if key in ("name", "source", "shared_by_node"):
+        return value
+    if key == "flops":
+        if not isinstance(value, dict):
+            raise ConfigError(f"--device-profile {path}: flops is a mapping of precision to FLOP/s, e.g. bf16: 989e12")
+        return {str(k): _number(path, f"flops.{k}", v) for k, v in value.items()}
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--device-profile {path}: {key} is {value!r}, not a number") from None
+    if number <= 0:
+        raise ConfigError(f"--device-profile {path}: {key} is {value!r}; it must be positive")
+    return int(number) if key == "devices_per_node" else number

@@ -1,0 +1,239 @@
+"""The step-time model of ``--dry-run --device-profile``: how long one optimizer step takes on each rank of a
+layout, from the plan (``rapidlite.planning.plan``) and a device profile (``rapidlite.planning.devices``).
+
+A step is the sum of terms, each shown so a user sees what dominates:
+
+- **compute**: the rank's share of the model's FLOPs (``rapidlite.flops``: ``6 N + 12 L d T`` per token, a
+  LoRA base's frozen weights without their weight gradient) for the step's micro-batches, divided by tensor and
+  pipeline parallelism; matrix multiplies at the profile's matmul efficiency, attention at its attention
+  efficiency. Activation recomputation adds a forward pass of the recomputed blocks (``full``) or of their
+  attention (``selective``).
+- **pipeline bubble**: ``(pp - 1) / v`` micro-batch times (1F1B and GPipe: ``v = 1``; interleaved 1F1B: ``v``
+  virtual stages per rank).
+- **tensor parallel**: per block and micro-batch, two all-reduces of the activations in the forward pass and
+  two in the backward (with sequence parallelism the same bytes move as all-gathers and reduce-scatters), two
+  more with full recomputation; not overlapped with compute.
+- **pipeline send/receive**: each micro-batch's activations forward and their gradient backward, per stage
+  boundary.
+- **data parallel** (exposed): DDP and ZeRO-1 all-reduce the gradients once a step, overlapped with the last
+  micro-batch's backward pass (ZeRO-1 then all-gathers the updated parameters); FSDP2's ZeRO-2 gathers the
+  parameters once per micro-batch and reduce-scatters the gradients, ZeRO-3 gathers them again for the backward
+  pass; FSDP2's prefetching overlaps them with the compute, so only what exceeds it is exposed.
+- **optimizer**: the rank's stepped parameters at the profile's AdamW rate; with ``--cpu-offload`` on the host,
+  plus the gradients' and parameters' trips over the host link.
+
+Collectives are ring formulas over the link the group spans: within a node (``--nproc-per-node`` ranks) the
+profile's intra-node bandwidth and latency, else the inter-node ones. ``all_reduce`` moves ``2 (n-1)/n`` of
+the bytes through each rank, ``all_gather``/``reduce_scatter`` ``(n-1)/n``.
+
+What the model leaves out: kernel launch overheads and small-kernel inefficiency, the data loader, imbalance
+between stages (the slowest rank is taken), FP8 and custom kernels, and compute slowed by communication sharing
+the device's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rapidlite.planning.devices import DeviceProfile
+
+_ACT_BYTES = {"bf16": 2, "fp16": 2}  # else 4
+
+
+def all_reduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def all_gather(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Also a reduce-scatter: ``nbytes`` is the whole (gathered) tensor."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def send(nbytes: float, bandwidth: float, latency: float) -> float:
+    return nbytes / bandwidth + latency
+
+
+@dataclass
+class StepTime:
+    """One rank's predicted step, in seconds per term (``terms``), and what follows from it."""
+
+    rank: int
+    terms: dict[str, float] = field(default_factory=dict)
+    overlapped: dict[str, float] = field(default_factory=dict)  # communication hidden behind compute
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass
+class Throughput:
+    """The layout's step (its slowest rank's), tokens per second per device, MFU, and the time to train."""
+
+    step: StepTime
+    ranks: list[StepTime]
+    tokens_per_step: int
+    world_size: int
+    model_flops_per_step: float
+    peak_flops: float  # one device's
+    iterations: int | None
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.tokens_per_step / self.step.seconds / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.step.seconds * self.world_size * self.peak_flops)
+
+    @property
+    def time_to_train(self) -> float | None:
+        return None if self.iterations is None else self.iterations * self.step.seconds
+
+
+def _link(profile: DeviceProfile, span: int, per_node: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a group whose ranks lie within ``span`` consecutive ranks."""
+    if span <= per_node:
+        return profile.intra_node_bandwidth, profile.intra_node_latency
+    return profile.inter_node_bandwidth, profile.inter_node_latency
+
+
+def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
+    """The predicted step of ``plan``'s layout on ``profile`` devices, ``per_node`` ranks a node."""
+    from rapidlite.distributed import ParallelDims
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    s = plan.settings
+    dims = ParallelDims(plan.world_size, s.parallel.tensor_model_parallel_size, s.parallel.pipeline_model_parallel_size)
+    micro, m, seq = s.training.micro_batch_size, s.training.gradient_accumulation_steps, plan.seq_length
+    flops = plan.flops
+    shared = min(per_node, plan.world_size) if profile.shared_by_node else 1
+    peak = profile.peak(plan.precision) / shared
+    memory_bandwidth = profile.memory_bandwidth / shared
+    layers, hidden = flops.num_layers or 0, flops.hidden_size or 0
+    act = _ACT_BYTES.get(plan.precision, 4) * micro * seq * hidden  # one block's activations, whole
+
+    # Compute of one micro-batch on one stage (its share of the blocks and of tensor parallelism).
+    matmul = 6.0 * flops.matmul_params - 2.0 * flops.frozen_params
+    attention = 12.0 * layers * hidden * seq
+    recompute = _recomputed_fraction(s, layers)
+    if s.model.recompute_granularity == "full":
+        matmul += 2.0 * flops.matmul_params * recompute
+        attention += 4.0 * layers * hidden * seq * recompute
+    else:
+        attention += 4.0 * layers * hidden * seq * recompute
+    tokens = micro * seq
+    per_micro = tokens * (
+        matmul / (peak * profile.matmul_efficiency) + attention / (peak * profile.attention_efficiency)
+    )
+    per_micro /= dims.tp * dims.pp
+    virtual = _virtual_stages(s, layers, dims.pp)
+
+    dp_cfg = DataParallelConfig.of(s.parallel)
+    tp_link = _link(profile, dims.tp, per_node)
+    dp_link = _link(profile, dims.dp * dims.tp, per_node)
+    pp_link = _link(profile, plan.world_size, per_node)
+    ranks = []
+    for r in plan.ranks:
+        t = StepTime(rank=r.rank)
+        t.terms["compute"] = m * per_micro
+        t.terms["pipeline bubble"] = (dims.pp - 1) / virtual * per_micro if dims.pp > 1 else 0.0
+        per_layer = 4 + (2 * recompute if s.model.recompute_granularity == "full" else 0)
+        t.terms["tensor parallel"] = m * (layers / dims.pp) * per_layer * all_reduce(act, dims.tp, *tp_link)
+        t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
+        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, per_micro, plan.precision, dp_link)
+        t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm
+        t.terms["optimizer"] = _optimizer(r, dp_cfg, profile, memory_bandwidth)
+        ranks.append(t)
+    slowest = max(ranks, key=lambda t: t.seconds)
+    global_batch = s.training.global_batch_size or micro * m * dims.dp
+    return Throughput(
+        step=slowest,
+        ranks=ranks,
+        tokens_per_step=global_batch * seq,
+        world_size=plan.world_size,
+        model_flops_per_step=global_batch * seq * flops.per_token(seq),
+        peak_flops=peak,
+        iterations=_iterations(s, global_batch),
+    )
+
+
+def _recomputed_fraction(settings: Any, layers: int) -> float:
+    model = settings.model
+    if not model.checkpoint_activations or not layers:
+        return 0.0
+    return min(model.recompute_num_layers, layers) / layers if model.recompute_num_layers else 1.0
+
+
+def _virtual_stages(settings: Any, layers: int, pp: int) -> int:
+    per_virtual = settings.parallel.num_layers_per_virtual_pipeline_stage
+    if pp == 1 or not per_virtual or not layers:
+        return 1
+    return max(1, layers // (per_virtual * pp))
+
+
+def _data_parallel(
+    r: Any, dp_cfg: Any, dp: int, m: int, per_micro: float, precision: str, link: tuple[float, float]
+) -> tuple[float, float]:
+    """(exposed, overlapped) seconds of the data-parallel collectives of one step."""
+    if dp <= 1:
+        return 0.0, 0.0
+    grads = r.trainable_params * 4  # fp32 gradients, reduced as they are kept
+    backward = per_micro * 2 / 3  # the last micro-batch's backward pass, which the reduction overlaps
+    if dp_cfg.deepspeed or dp_cfg.zero_stage <= 1:
+        total = all_reduce(grads, dp, *link)
+        after = all_gather(r.compute_params * 4, dp, *link) if dp_cfg.zero_stage == 1 else 0.0
+        exposed = max(0.0, total - backward)
+        return exposed + after, total - exposed
+    gathered = r.compute_params * _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
+    gathers = (2 if dp_cfg.zero_stage == 3 else 1) * m * all_gather(gathered, dp, *link)
+    total = gathers + all_gather(grads, dp, *link)  # the reduce-scatter of the summed gradients
+    exposed = max(0.0, total - m * per_micro)
+    return exposed, total - exposed
+
+
+def _optimizer(r: Any, dp_cfg: Any, profile: DeviceProfile, memory_bandwidth: float) -> float:
+    if dp_cfg.cpu_offload:
+        trips = (r.trainable_params * 4 + r.compute_params * 4) / profile.host_bandwidth
+        return r.stepped_params / profile.host_optimizer_rate + trips
+    rate = profile.optimizer_rate * memory_bandwidth / profile.memory_bandwidth
+    return r.stepped_params / rate
+
+
+def _iterations(settings: Any, global_batch: int) -> int | None:
+    if settings.training.train_iters:
+        return settings.training.train_iters
+    samples = getattr(settings.training, "train_samples", None)
+    return -(-samples // global_batch) if samples else None
+
+
+def format_time(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def format_throughput(t: Throughput, profile: DeviceProfile) -> list[str]:
+    """The printed lines: the slowest rank's terms, then tokens/s per device, MFU and the time to train."""
+    step = t.step
+    lines = [
+        f"predicted step time on {profile.name} ({profile.source}): {format_time(step.seconds)} (rank {step.rank})"
+    ]
+    for name, seconds in sorted(step.terms.items(), key=lambda kv: -kv[1]):
+        if seconds > 0 or name == "compute":
+            share = 100 * seconds / step.seconds if step.seconds else 0
+            hidden = step.overlapped.get(name, 0.0)
+            extra = f" (+{format_time(hidden)} overlapped with compute)" if hidden > 0 else ""
+            lines.append(f"  {name:<22} {format_time(seconds):>10} {share:5.1f}%{extra}")
+    lines.append(
+        f"throughput: {t.tokens_per_second_per_device:,.0f} tokens/s per device, MFU {100 * t.mfu:.1f}% "
+        f"(model FLOPs over {t.world_size} x {t.peak_flops / 1e12:.3g} TFLOP/s peak)"
+    )
+    if t.time_to_train is not None:
+        lines.append(f"time to train {t.iterations:,} iterations: {format_time(t.time_to_train)}")
+    return lines

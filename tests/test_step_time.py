@@ -1,0 +1,151 @@
+"""``--dry-run --device-profile``: the step-time model's terms, its device profiles, and the printed plan."""
+
+import json
+import re
+
+import pytest
+
+from helpers import rapidlite
+from rapidlite.arguments import parse_args
+from rapidlite.errors import ConfigError
+from rapidlite.flops import GPU_PEAKS
+from rapidlite.planning import plan
+from rapidlite.planning.devices import BUILT_IN, DeviceProfile, device_profile
+from rapidlite.planning.timing import all_gather, all_reduce, send, step_time
+
+MODEL = ["--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "4"]
+MODEL += ["--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2"]
+MODEL += ["--data-path", "unused", "--train-iters", "100"]
+
+
+def _plan(*flags, gpu=True):
+    return plan(parse_args([*MODEL, *flags]).sections, gpu=gpu)
+
+
+def test_ring_collectives_move_what_their_formulas_say():
+    mib = 2**20
+    assert all_reduce(mib, 1, 1e9, 1e-5) == 0 and all_gather(mib, 1, 1e9, 1e-5) == 0
+    assert all_reduce(mib, 2, 1e9, 0) == pytest.approx(mib / 1e9)  # each rank sends and receives half, twice
+    assert all_reduce(mib, 8, 1e9, 1e-5) == pytest.approx(2 * 7 / 8 * mib / 1e9 + 14e-5)
+    assert all_gather(mib, 8, 1e9, 1e-5) == pytest.approx(7 / 8 * mib / 1e9 + 7e-5)
+    assert send(mib, 1e9, 1e-5) == pytest.approx(mib / 1e9 + 1e-5)
+
+
+def test_built_in_profiles_take_their_peaks_from_the_datasheet_table():
+    peaks = {key: (half, fp32) for key, half, _, fp32 in GPU_PEAKS}
+    h100 = device_profile("h100-sxm")
+    assert h100.peak("bf16") == peaks["H100 SXM"][0] == 989e12
+    assert device_profile("a100-80g").peak("fp16") == peaks["A100"][0]
+    assert h100.peak("fp32") == peaks["H100 SXM"][1]
+    assert set(BUILT_IN) == {"h100-sxm", "h200", "a100-80g", "l40s"}
+
+
+def test_a_profile_file_overrides_a_built_in_one_and_bad_files_are_one_line(tmp_path):
+    good = tmp_path / "my-h100.yaml"
+    good.write_text("base: h100-sxm\nmatmul_efficiency: 0.5\ninter_node_bandwidth: 1.0e10\n")
+    profile = device_profile(str(good))
+    assert profile.name == "my-h100" and profile.matmul_efficiency == 0.5 and profile.inter_node_bandwidth == 1e10
+    assert profile.peak("bf16") == 989e12  # from its base
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({k: v for k, v in BUILT_IN["l40s"].items() if k not in ("name", "source")}))
+    assert device_profile(str(whole)).flops == BUILT_IN["l40s"]["flops"]
+    cases = {
+        "unknown.yaml": ("base: h100-sxm\nmatmul_eficiency: 0.5\n", "unknown fields matmul_eficiency"),
+        "missing.json": ('{"matmul_efficiency": 0.5}', "missing attention_efficiency"),
+        "base.yaml": ("base: tpu\n", "base 'tpu' is not one of"),
+        "broken.json": ("{", "cannot read it"),
+        "text.yaml": ("base: h100-sxm\nmemory_bandwidth: fast\n", "memory_bandwidth is 'fast', not a number"),
+        "zero.yaml": ("base: h100-sxm\nmatmul_efficiency: 0\n", "must be positive"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            device_profile(str(tmp_path / name))
+    with pytest.raises(ConfigError, match="not a profile name"):
+        device_profile("h100")
+
+
+def _by_hand_compute(p, profile, tokens, tp=1, pp=1):
+    """Matrix multiplies at the matmul efficiency, attention at the attention efficiency."""
+    f, seq = p.flops, p.seq_length
+    matmul = 6 * f.matmul_params - 2 * f.frozen_params
+    attention = 12 * f.num_layers * f.hidden_size * seq
+    peak = profile.peak(p.precision)
+    per_token = matmul / (peak * profile.matmul_efficiency) + attention / (peak * profile.attention_efficiency)
+    return tokens * per_token / (tp * pp)
+
+
+def test_one_gpu_step_is_its_compute_and_optimizer_and_the_rest_follows():
+    profile = device_profile("h100-sxm")
+    p = _plan("--global-batch-size", "8", "--mixed-precision")  # micro 2 x accumulation 4
+    assert p.precision == "bf16" and p.ranks[0].runtime == 0  # planned for a GPU on this CPU machine
+    t = step_time(p, profile, per_node=8)
+    terms = t.step.terms
+    assert terms["compute"] == pytest.approx(_by_hand_compute(p, profile, 8 * 256))
+    assert terms["optimizer"] == pytest.approx(p.ranks[0].stepped_params * 28 / profile.memory_bandwidth)
+    assert sum(v for k, v in terms.items() if k not in ("compute", "optimizer")) == 0
+    assert t.tokens_per_second_per_device == pytest.approx(8 * 256 / t.step.seconds)
+    assert t.mfu == pytest.approx(8 * 256 * p.flops.per_token(256) / (t.step.seconds * 989e12))
+    assert t.time_to_train == pytest.approx(100 * t.step.seconds)
+
+
+def test_the_layouts_terms_move_as_their_parallelism_says():
+    profile = device_profile("a100-80g")
+    base = ["--nproc-per-node", "2", "--global-batch-size", "8", "--mixed-precision"]
+    single = step_time(_plan("--global-batch-size", "8", "--mixed-precision"), profile, 8).step.terms
+    ddp = step_time(_plan(*base), profile, 8).step.terms
+    zero3 = step_time(_plan(*base, "--zero-3-memory-optimization"), profile, 8)
+    assert ddp["compute"] == pytest.approx(single["compute"] / 2)  # half the micro-batches each
+    gathers = zero3.step.overlapped["data parallel"] + zero3.step.terms["data parallel"]
+    ddp_total = step_time(_plan(*base), profile, 8).step.overlapped["data parallel"] + ddp["data parallel"]
+    assert gathers > ddp_total  # ZeRO-3 gathers the parameters twice a micro-batch besides the reduction
+
+    tp = step_time(_plan(*base, "--tensor-model-parallel-size", "2"), profile, 8).step.terms
+    assert tp["compute"] == pytest.approx(single["compute"] / 2) and tp["tensor parallel"] > 0
+    across_nodes = step_time(_plan(*base, "--tensor-model-parallel-size", "2"), profile, 1).step.terms
+    # Four all-reduces of a block's bf16 activations per block and micro-batch, over the link the pair spans.
+    act = 2 * 2 * 256 * 256
+    for terms, link in ((tp, "intra"), (across_nodes, "inter")):
+        bandwidth, latency = getattr(profile, f"{link}_node_bandwidth"), getattr(profile, f"{link}_node_latency")
+        assert terms["tensor parallel"] == pytest.approx(4 * 4 * 4 * all_reduce(act, 2, bandwidth, latency))
+
+    pp = step_time(_plan(*base, "--pipeline-model-parallel-size", "2"), profile, 8).step.terms
+    micro = pp["compute"] / 4  # 4 micro-batches a step
+    assert pp["pipeline bubble"] == pytest.approx(micro) and pp["pipeline send/receive"] > 0
+    interleaved = _plan(*base, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+    assert step_time(interleaved, profile, 8).step.terms["pipeline bubble"] == pytest.approx(micro / 2)
+
+    checkpointed = step_time(_plan("--global-batch-size", "8", "--mixed-precision", "--checkpoint-activations"),
+                             profile, 8).step.terms  # fmt: skip
+    assert single["compute"] < checkpointed["compute"] < 4 / 3 * single["compute"] * 1.01  # one more forward
+    offload = step_time(_plan(*base, "--zero-3-memory-optimization", "--cpu-offload"), profile, 8).step.terms
+    assert offload["optimizer"] > 10 * zero3.step.terms["optimizer"]  # the host's Adam and the trips over PCIe
+
+
+def test_dry_run_prints_the_terms_and_refuses_a_profile_without_a_plan(tmp_path):
+    proc = rapidlite(*MODEL, "--dry-run", "--device-profile", "h100-sxm", "--nproc-per-node", "8",
+                     "--global-batch-size", "16", "--mixed-precision", "--zero-3-memory-optimization")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert re.search(r"predicted step time on h100-sxm .*: [\d.]+ ms \(rank 0\)", out), out
+    for term in ("compute", "data parallel", "optimizer"):
+        assert re.search(rf"\n  {term} +[\d.]+ [mµ]?s +[\d.]+%", out), (term, out)
+    assert re.search(r"throughput: [\d,]+ tokens/s per device, MFU [\d.]+%", out)
+    assert "time to train 100 iterations:" in out
+    assert "runtime" not in out  # a GPU's peak: no CPU runtime in it
+    bad = rapidlite(*MODEL, "--device-profile", "h100-sxm")
+    assert bad.returncode == 2 and "--device-profile is read by the plan: add --dry-run" in bad.stderr
+    bad = rapidlite(*MODEL, "--dry-run", "--device-profile", str(tmp_path / "none.yaml"))
+    assert bad.returncode == 2 and "not a profile name" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_cpu_profile_is_measured_once_then_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAPIDLITE_CACHE", str(tmp_path))
+    first = device_profile("cpu")
+    assert isinstance(first, DeviceProfile) and first.shared_by_node
+    assert first.peak("fp32") > 1e9 and first.intra_node_bandwidth > 1e7 and first.optimizer_rate > 1e6
+    (cached,) = (tmp_path / "device-profiles").glob("cpu-*.json")
+    data = json.loads(cached.read_text())
+    data["matmul_efficiency"] = 0.123  # read back, not measured again
+    cached.write_text(json.dumps(data))
+    assert device_profile("cpu").matmul_efficiency == 0.123
