@@ -148,16 +148,87 @@ def predict(row: Row, profiles: dict) -> tuple[float, str]:
     return flops / (t.step.seconds * t.world_size) / 1e12, shares
 
 
+# ------------------------------------------------------------------------------------------ this machine
+HERE_MODEL = [
+    "--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "4",
+    "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512", "--global-batch-size", "4",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "1000",
+    "--eval-iters", "1",
+]  # fmt: skip
+TWO = ["--nproc-per-node", "2"]
+HERE_LAYOUTS = {
+    "DDP": TWO,
+    "ZeRO-1": [*TWO, "--zero-1-memory-optimization"],
+    "ZeRO-2": [*TWO, "--zero-2-memory-optimization"],
+    "ZeRO-3": [*TWO, "--zero-3-memory-optimization"],
+    "TP2": [*TWO, "--tensor-model-parallel-size", "2"],
+    "PP2": [*TWO, "--pipeline-model-parallel-size", "2"],
+}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected among step times)."""
+
+    def ranks(xs: list[float]) -> list[int]:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        out = [0] * len(xs)
+        for rank, i in enumerate(order):
+            out[i] = rank
+        return out
+
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1))
+
+
+def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: int, data: str, root: Path) -> list:
+    """Each layout at each micro-batch size: (name, predicted s, measured s), measured as the median step time
+    of a run's iterations after the first two."""
+    import json
+    import os
+    import statistics
+    import subprocess
+
+    from rapidlite.arguments import parse_args
+    from rapidlite.planning import plan
+    from rapidlite.planning.devices import device_profile
+    from rapidlite.planning.timing import step_time
+
+    profile = device_profile("cpu")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    rows = []
+    for name, flags in layouts.items():
+        for micro in micro_batches:
+            argv = [*HERE_MODEL, "--data-path", data, *flags, "--micro-batch-size", str(micro)]
+            argv += ["--train-iters", str(iters)]
+            t = step_time(plan(parse_args(argv).sections, gpu=False), profile, 2)
+            save = root / f"{name}-{micro}"
+            cmd = [sys.executable, "-m", "rapidlite", *argv, "--save", str(save), "--no-progress"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
+            records = [json.loads(line) for line in open(save / "metrics.jsonl")]
+            times = [r["step_time_s"] for r in records if "step_time_s" in r and r.get("iteration", 0) > 2]
+            measured = statistics.median(times)
+            top = max(t.step.terms.items(), key=lambda kv: kv[1])[0]
+            rows.append((f"{name}, micro-batch {micro}", t.step.seconds, measured, top))
+            print(f"| {name} | {micro} | {t.step.seconds:.3f} | {measured:.3f} | {t.step.seconds / measured:.2f} | "
+                  f"{top} |", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small rows: checks the script works")
     parser.add_argument("--calibrate", action="store_true", help="print the efficiency each calibration row needs")
+    parser.add_argument("--here", action="store_true", help="the 2-rank layouts on this machine, run and predicted")
     args = parser.parse_args()
     import logging
 
     logging.disable(logging.WARNING)
     from rapidlite.planning.devices import device_profile
 
+    if args.here:
+        return main_here(args.quick)
     profiles = {name: device_profile(name) for name in (H100, "a100-80g")}
     with tempfile.TemporaryDirectory() as tmp:
         rows = [*torchtitan_rows(Path(tmp)), *megatron_rows()]
@@ -183,6 +254,24 @@ def main() -> int:
             within = sum(abs(r - 1) <= 0.25 for r in ratios)
             print(f"\npredicted rows within 25% of the published figure: {within} of {len(ratios)} "
                   f"(ratios {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+    return 0
+
+
+def main_here(quick: bool) -> int:
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import write_tiny_corpus
+
+    layouts = {k: HERE_LAYOUTS[k] for k in ("DDP", "TP2")} if quick else HERE_LAYOUTS
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "corpus"
+        write_tiny_corpus(data, docs=400)
+        print("| layout | micro-batch | predicted s/step | measured s/step | predicted / measured | largest term |")
+        print("|---|---|---|---|---|---|")
+        rows = here(layouts, (1, 2), 3 if quick else 6, str(data), Path(tmp))
+    predicted, measured = [r[1] for r in rows], [r[2] for r in rows]
+    within = sum(abs(p / m - 1) <= 0.30 for p, m in zip(predicted, measured, strict=True))
+    print(f"\nSpearman rank correlation of predicted and measured step times: {spearman(predicted, measured):.2f}")
+    print(f"predicted within 30% of measured: {within} of {len(rows)}")
     return 0
 
 

@@ -1,10 +1,12 @@
 """``--device-profile cpu``: this machine measured in a few seconds, then cached.
 
-The matrix-multiply peak at fp32 and bf16 (``rapidlite.flops.measure_matmul_peak``), the memory bandwidth (a
-large copy), the speed of an AdamW step, and gloo's loopback all-reduce bandwidth and latency between two
-processes. The processes of a CPU run share the machine's cores (``DeviceProfile.shared_by_node``). The result
-is kept in the cache (``rapidlite.cache``) under the CPU's model name, core count and torch version, so later
-plans read it; delete the file to measure again.
+Timed on one thread, as each process of a multi-process CPU run computes: the matrix-multiply peak at fp32
+(and its efficiency at sizes from 128 to 2048) and at bf16 (``rapidlite.flops.measure_matmul_peak``), causal
+attention's speed, the memory bandwidth (a large copy) and the speed of an AdamW step, each times the cores for
+the machine; and gloo's loopback all-reduce bandwidth and latency between two processes. The processes of a CPU
+run share the machine's cores (``DeviceProfile.shared_by_node``). The result is kept in the cache
+(``rapidlite.cache``) under the CPU's model name, core count and torch version, so later plans read it; delete
+the file to measure again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.planning.devices import DeviceProfile
 
 _PORT_BASE = 29600
+SIZES = (128, 256, 512, 1024, 2048)  # the multiplies timed: a CPU's efficiency falls steeply below 1024
 
 
 def _cpu_name() -> str:
@@ -64,9 +67,22 @@ def _timed(fn, repeats: int = 5) -> float:
 
 
 def measure() -> DeviceProfile:
+    """Timed on one thread, as each process of a multi-process CPU run computes (``OMP_NUM_THREADS`` = cores /
+    processes); the machine's peak is one thread's times the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure() -> DeviceProfile:
     from rapidlite.flops import measure_matmul_peak
 
-    fp32, _ = measure_matmul_peak(torch.float32, sizes=(1024, 2048))
+    cores = os.cpu_count() or 1
+    by_size = {n: measure_matmul_peak(torch.float32, sizes=(n,), repeats=3 if n > 512 else 9)[0] for n in SIZES}
+    fp32 = max(by_size.values())
     bf16, _ = measure_matmul_peak(torch.bfloat16, sizes=(512,), repeats=3)  # some CPUs run bf16 40x slower
     big = torch.empty(32 * 2**20, dtype=torch.float32)  # 128 MiB
     out = torch.empty_like(big)
@@ -78,23 +94,39 @@ def measure() -> DeviceProfile:
     adam = torch.optim.AdamW(params, lr=1e-4)
     optimizer_rate = 4 * 2**20 / _timed(adam.step)
     bandwidth, latency = _gloo_loopback()
+    attention = _attention_flops() / fp32
     return DeviceProfile(
         name="cpu",
-        flops={"fp32": fp32, "bf16": bf16, "fp16": bf16},
-        memory_bandwidth=memory_bandwidth,
+        flops={"fp32": fp32 * cores, "bf16": bf16 * cores, "fp16": bf16 * cores},
+        memory_bandwidth=memory_bandwidth * cores,
         matmul_efficiency=1.0,  # the measured peak is what large matrix multiplies reach
-        attention_efficiency=0.5,
-        devices_per_node=os.cpu_count() or 1,
+        matmul_efficiency_by_size={str(n): flops / fp32 for n, flops in by_size.items()},
+        attention_efficiency=attention,
+        devices_per_node=cores,
         intra_node_bandwidth=bandwidth,
         intra_node_latency=latency,
         inter_node_bandwidth=bandwidth,
         inter_node_latency=latency,
-        host_bandwidth=memory_bandwidth,
-        optimizer_rate=optimizer_rate,
-        host_optimizer_rate=optimizer_rate,
+        host_bandwidth=memory_bandwidth * cores,
+        optimizer_rate=optimizer_rate * cores,
+        host_optimizer_rate=optimizer_rate * cores,
         shared_by_node=True,
         source=f"measured on {_cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}",
     )
+
+
+def _attention_flops() -> float:
+    """FLOP/s of causal scaled-dot-product attention, forward and backward (``12 T^2 d`` per sequence and head
+    counted as the model counts it, not halved for the mask)."""
+    import torch.nn.functional as F
+
+    heads, tokens, dim = 4, 512, 64
+    q, k, v = (torch.randn(1, heads, tokens, dim, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return 12 * tokens**2 * dim * heads / _timed(step)
 
 
 def _gloo_loopback() -> tuple[float, float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,22 @@ class DeviceProfile:
     # The node's processes share one device's compute and memory (a CPU: each process gets its share of cores).
     shared_by_node: bool = False
     source: str = ""  # where the numbers come from
+    # Measured matmul efficiency by the size n of an n x n x n multiply (a CPU's, whose small multiplies fall far
+    # below its peak); matmul_efficiency is taken where this is absent.
+    matmul_efficiency_by_size: dict[str, float] | None = None
+
+    def matmul_efficiency_at(self, size: int) -> float:
+        """The efficiency of multiplies whose smallest side is ``size`` (log-linear between measured sizes)."""
+        table = sorted((int(k), v) for k, v in (self.matmul_efficiency_by_size or {}).items())
+        if not table:
+            return self.matmul_efficiency
+        if size <= table[0][0]:
+            return table[0][1]
+        for (n0, e0), (n1, e1) in zip(table, table[1:], strict=False):
+            if size <= n1:
+                w = math.log(size / n0) / math.log(n1 / n0)
+                return e0 + w * (e1 - e0)
+        return table[-1][1]
 
     def peak(self, precision: str) -> float:
         """The dense peak at a run's precision (``fp32`` on a GPU counts TF32 when the profile has it)."""
@@ -136,6 +153,10 @@ def _number(path: Path, key: str, value: Any) -> Any:
     """A numeric field as a number (YAML reads ``1.0e10`` as a string), ``flops`` as numbers by precision."""
     if key in ("name", "source", "shared_by_node"):
         return value
+    if key == "matmul_efficiency_by_size":
+        if not isinstance(value, dict):
+            raise ConfigError(f"--device-profile {path}: {key} maps a multiply's size to its efficiency, e.g. 512: 0.4")
+        return {str(k): _number(path, f"{key}.{k}", v) for k, v in value.items()}
     if key == "flops":
         if not isinstance(value, dict):
             raise ConfigError(f"--device-profile {path}: flops is a mapping of precision to FLOP/s, e.g. bf16: 989e12")

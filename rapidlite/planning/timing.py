@@ -124,9 +124,8 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     else:
         attention += 4.0 * layers * hidden * seq * recompute
     tokens = micro * seq
-    per_micro = tokens * (
-        matmul / (peak * profile.matmul_efficiency) + attention / (peak * profile.attention_efficiency)
-    )
+    matmul_efficiency = profile.matmul_efficiency_at(hidden // dims.tp if hidden else 4096)  # a block's narrowest
+    per_micro = tokens * (matmul / (peak * matmul_efficiency) + attention / (peak * profile.attention_efficiency))
     per_micro /= dims.tp * dims.pp
     virtual = _virtual_stages(s, layers, dims.pp)
 
@@ -225,7 +224,7 @@ def format_throughput(t: Throughput, profile: DeviceProfile) -> list[str]:
         f"predicted step time on {profile.name} ({profile.source}): {format_time(step.seconds)} (rank {step.rank})"
     ]
     for name, seconds in sorted(step.terms.items(), key=lambda kv: -kv[1]):
-        if seconds > 0 or name == "compute":
+        if seconds > 0 or step.overlapped.get(name, 0.0) > 0 or name == "compute":
             share = 100 * seconds / step.seconds if step.seconds else 0
             hidden = step.overlapped.get(name, 0.0)
             extra = f" (+{format_time(hidden)} overlapped with compute)" if hidden > 0 else ""
