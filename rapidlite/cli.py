@@ -19,7 +19,7 @@ from rapidlite.arguments import parse_known
 from rapidlite.entry import end_process, run_command
 from rapidlite.errors import ConfigError
 from rapidlite.launcher import launch_or_join
-from rapidlite.resolve import RunConfig, resolve, with_embedded_demo
+from rapidlite.resolve import RunConfig, resolve_command
 from rapidlite.time_budget import mark_start
 
 
@@ -48,7 +48,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
         quiet_deepspeed_accelerator()  # the demo's model is written with save_pretrained
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
-        return dry_run(config)
+        return dry_run(config, argv)
     code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
     if code is not None:
         return code
@@ -67,8 +67,9 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
     return 0
 
 
-def dry_run(config: RunConfig) -> int:
-    """``--dry-run``: the plan and memory prediction, printed in this process; no worker starts."""
+def dry_run(config: RunConfig, argv: list[str]) -> int:
+    """``--dry-run``: the plan and memory prediction (with ``--device-profile`` the step time, with ``--search``
+    the fastest layouts that fit), printed in this process; no worker starts."""
     from rapidlite.planning import plan
     from rapidlite.planning.report import format_plan
 
@@ -84,8 +85,13 @@ def dry_run(config: RunConfig) -> int:
         from rapidlite.planning.timing import format_throughput, step_time
         from rapidlite.resolve.world import nproc_per_node
 
-        throughput = step_time(the_plan, profile, nproc_per_node(settings.parallel))
-        print("\n".join(format_throughput(throughput, profile)), flush=True)
+        per_node = nproc_per_node(settings.parallel)
+        print("\n".join(format_throughput(step_time(the_plan, profile, per_node), profile)), flush=True)
+        if settings.training.search:
+            from rapidlite.planning.search import format_search, search
+
+            results = search(list(argv), settings, profile, per_node, the_plan)
+            print("\n".join(format_search(results, settings.training.memory_budget)), flush=True)
     return 0
 
 
@@ -107,11 +113,11 @@ def _run(argv: list[str]) -> int:
     if script is None:
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see 'rapidlite --help')")
-        return run_task(resolve(with_embedded_demo(namespace)), argv)
+        return run_task(resolve_command(namespace), argv)
     # The flags rapidlite knows are checked here, before any worker starts.
-    config = resolve(namespace, require_task=False)
+    config = resolve_command(namespace)
     if config.dry_run:
-        return dry_run(config)
+        return dry_run(config, argv)
     code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
     return code if code is not None else run_user_script(script, argv)
 

@@ -60,7 +60,7 @@ FLAGS = """
 --precompute-ref-logprobs --desirable-weight --undesirable-weight
 --chunked-loss --no-chunked-loss
 --offload-activations
---device-profile
+--device-profile --search
 """.split()
 
 

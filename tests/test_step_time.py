@@ -149,3 +149,45 @@ def test_the_cpu_profile_is_measured_once_then_read(tmp_path, monkeypatch):
     data["matmul_efficiency"] = 0.123  # read back, not measured again
     cached.write_text(json.dumps(data))
     assert device_profile("cpu").matmul_efficiency == 0.123
+
+
+# ---------------------------------------------------------------- --search
+def _peak_gib(*flags):
+    p = _plan("--global-batch-size", "8", "--mixed-precision", *flags)
+    return max(r.peak for r in p.ranks) / 2**30
+
+
+def test_search_finds_the_layout_known_by_construction_and_prints_runnable_commands():
+    # One process, DDP, micro-batch 2 given: only the checkpointing is open. Recomputing costs compute, so the
+    # fastest layout is the one recomputing least that fits; the budget lies between the peaks with none and
+    # with selective recomputation, so the answer is selective.
+    micro = ["--micro-batch-size", "2"]
+    off = _peak_gib(*micro)
+    selective = _peak_gib(*micro, "--checkpoint-activations", "--recompute-granularity", "selective")
+    assert _peak_gib(*micro, "--checkpoint-activations", "--recompute-granularity", "full") < selective < off
+    budget = f"{(off + selective) / 2:.4f}"
+    argv = [*MODEL, "--global-batch-size", "8", "--mixed-precision", "--micro-batch-size", "2"]
+    proc = rapidlite(*argv, "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget, "--search")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("--search:"))
+    ranked = [line.strip() for line in lines[start + 1 :] if re.match(r"\s+\d\. ", line)]
+    commands = [line.strip().removeprefix("rapidlite ") for line in lines[start + 1 :] if "rapidlite --task" in line]
+    assert ranked[0].startswith("1. one data-parallel replica, micro-batch 2, checkpointing selective"), proc.stdout
+    assert len(ranked) == len(commands) == 2  # selective and full fit; none without recomputation does
+    assert "why 1 wins" in proc.stdout and "compute" in proc.stdout.split("why 1 wins")[1]
+    for i, command in enumerate(commands):  # each runs as a dry run, unchanged; the best fits its own plan
+        args = [*command.split(), "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget]
+        run = rapidlite(*args)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert i > 0 or f"--memory-budget {float(budget):g} GiB: this layout fits" in run.stdout
+
+
+def test_search_over_two_ranks_ranks_fitting_layouts_by_speed():
+    argv = [*MODEL, "--global-batch-size", "8", "--mixed-precision", "--nproc-per-node", "2"]
+    proc = rapidlite(*argv, "--dry-run", "--device-profile", "h100-sxm", "--memory-budget", "80", "--search")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [float(m) for m in re.findall(r"^  \d\. .*: ([\d.]+) ms a step", proc.stdout, re.M)]
+    assert len(steps) == 5 and steps == sorted(steps), proc.stdout
+    bad = rapidlite(*argv, "--dry-run", "--device-profile", "h100-sxm", "--search")
+    assert bad.returncode == 2 and "--search ranks the layouts that fit a device" in bad.stderr

@@ -331,6 +331,13 @@ class TrainingConfig:
         metavar="NAME|FILE",
         group=CHECKPOINTS_AND_LOGGING,
     )
+    search: bool = flag(
+        False,
+        "with --dry-run, --device-profile and --memory-budget: the 5 fastest layouts that fit, among those the "
+        "other flags leave open (parallel sizes, ZeRO stage, micro-batch, checkpointing, offload), each with its "
+        "command line",
+        group=CHECKPOINTS_AND_LOGGING,
+    )
     train_samples: int | None = flag(None, "train for this many samples (instead of iters)", group=MEGATRON)
     exit_interval: int | None = flag(
         None, "stop after an iteration divisible by this, saving a checkpoint (--save) to resume from", group=MEGATRON

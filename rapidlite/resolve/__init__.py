@@ -159,6 +159,14 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     return RunConfig(vars(args), notices, deepspeed_notices)
 
 
+def resolve_command(namespace: argparse.Namespace) -> RunConfig:
+    """What a parsed command line asks for: a task's run (with its embedded demo's flags where it takes them),
+    or a user script's (whose task, if any, is the script's own)."""
+    if namespace.user_script is None:
+        return resolve(with_embedded_demo(namespace))
+    return resolve(namespace, require_task=False)
+
+
 def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
     """The command line's flags for the run it asks for: with ``--task T --demo`` (or a task whose embedded run
     starts without ``--data-path``) a new namespace holding the demo's flag values for the flags not given (as

@@ -97,6 +97,11 @@ def check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--memory-budget is read by the plan: add --dry-run")
     if args.device_profile is not None and not args.dry_run:
         raise ConfigError("--device-profile is read by the plan: add --dry-run")
+    if args.search and (not args.dry_run or args.device_profile is None or args.memory_budget is None):
+        raise ConfigError(
+            "--search ranks the layouts that fit a device: give it with --dry-run --device-profile NAME "
+            "--memory-budget GIB"
+        )
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
     check_wandb_flags(section_of(args, "logging"))
