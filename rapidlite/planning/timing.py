@@ -15,10 +15,11 @@ A step is the sum of terms, each shown so a user sees what dominates:
   more with full recomputation; not overlapped with compute.
 - **pipeline send/receive**: each micro-batch's activations forward and their gradient backward, per stage
   boundary.
-- **data parallel** (exposed): DDP and ZeRO-1 all-reduce the gradients once a step, overlapped with the last
-  micro-batch's backward pass (ZeRO-1 then all-gathers the updated parameters); FSDP2's ZeRO-2 gathers the
-  parameters once per micro-batch and reduce-scatters the gradients, ZeRO-3 gathers them again for the backward
-  pass; FSDP2's prefetching overlaps them with the compute, so only what exceeds it is exposed.
+- **data parallel** (exposed): DDP and ZeRO-1 all-reduce the gradients once a step in 25 MiB buckets, overlapped
+  with the last micro-batch's backward pass but the last bucket (ZeRO-1 then all-gathers the updated
+  parameters); FSDP2's ZeRO-2 gathers the parameters once per micro-batch and reduce-scatters the gradients,
+  ZeRO-3 gathers them again for the backward pass; FSDP2's prefetching overlaps them with the compute, so only
+  what exceeds it is exposed.
 - **optimizer**: the rank's stepped parameters at the profile's AdamW rate; with ``--cpu-offload`` on the host,
   plus the gradients' and parameters' trips over the host link.
 
@@ -39,6 +40,7 @@ from typing import Any
 from rapidlite.planning.devices import DeviceProfile
 
 _ACT_BYTES = {"bf16": 2, "fp16": 2}  # else 4
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb
 
 
 def all_reduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -183,7 +185,9 @@ def _data_parallel(
     if dp_cfg.deepspeed or dp_cfg.zero_stage <= 1:
         total = all_reduce(grads, dp, *link)
         after = all_gather(r.compute_params * 4, dp, *link) if dp_cfg.zero_stage == 1 else 0.0
-        exposed = max(0.0, total - backward)
+        # The bucket holding the first layers' gradients is reduced after the backward pass ends.
+        last_bucket = all_reduce(min(grads, DDP_BUCKET_BYTES), dp, *link)
+        exposed = min(total, max(total - backward, last_bucket))
         return exposed + after, total - exposed
     gathered = r.compute_params * _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
     gathers = (2 if dp_cfg.zero_stage == 3 else 1) * m * all_gather(gathered, dp, *link)
