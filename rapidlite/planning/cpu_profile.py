@@ -111,6 +111,7 @@ def _measure() -> DeviceProfile:
         optimizer_rate=optimizer_rate * cores,
         host_optimizer_rate=optimizer_rate * cores,
         shared_by_node=True,
+        overlaps_communication=False,
         source=f"measured on {_cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}",
     )
 

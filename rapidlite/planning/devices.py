@@ -44,6 +44,8 @@ class DeviceProfile:
     host_optimizer_rate: float  # parameters per second an AdamW step updates on the host (CPU offload)
     # The node's processes share one device's compute and memory (a CPU: each process gets its share of cores).
     shared_by_node: bool = False
+    # Collectives run beside the compute (a GPU's streams); on a CPU they take the same cores, so nothing hides.
+    overlaps_communication: bool = True
     source: str = ""  # where the numbers come from
     # Measured matmul efficiency by the size n of an n x n x n multiply (a CPU's, whose small multiplies fall far
     # below its peak); matmul_efficiency is taken where this is absent.
@@ -151,7 +153,7 @@ def _from_file(path: Path) -> DeviceProfile:
 
 def _number(path: Path, key: str, value: Any) -> Any:
     """A numeric field as a number (YAML reads ``1.0e10`` as a string), ``flops`` as numbers by precision."""
-    if key in ("name", "source", "shared_by_node"):
+    if key in ("name", "source", "shared_by_node", "overlaps_communication"):
         return value
     if key == "matmul_efficiency_by_size":
         if not isinstance(value, dict):

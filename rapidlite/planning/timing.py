@@ -143,7 +143,8 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
         per_layer = 4 + (2 * recompute if s.model.recompute_granularity == "full" else 0)
         t.terms["tensor parallel"] = m * (layers / dims.pp) * per_layer * all_reduce(act, dims.tp, *tp_link)
         t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
-        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, per_micro, plan.precision, dp_link)
+        overlap = per_micro if profile.overlaps_communication else 0.0
+        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, overlap, plan.precision, dp_link)
         t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm
         t.terms["optimizer"] = _optimizer(r, dp_cfg, profile, memory_bandwidth)
         ranks.append(t)
@@ -177,7 +178,8 @@ def _virtual_stages(settings: Any, layers: int, pp: int) -> int:
 def _data_parallel(
     r: Any, dp_cfg: Any, dp: int, m: int, per_micro: float, precision: str, link: tuple[float, float]
 ) -> tuple[float, float]:
-    """(exposed, overlapped) seconds of the data-parallel collectives of one step."""
+    """(exposed, overlapped) seconds of the data-parallel collectives of one step; ``per_micro``: the compute of a
+    micro-batch they can hide behind (0 where collectives take the compute's cores)."""
     if dp <= 1:
         return 0.0, 0.0
     grads = r.trainable_params * 4  # fp32 gradients, reduced as they are kept
