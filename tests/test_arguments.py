@@ -61,6 +61,7 @@ FLAGS = """
 --chunked-loss --no-chunked-loss
 --offload-activations
 --device-profile --search
+--use-dora --use-rslora --loraplus-lr-ratio --lora-init
 """.split()
 
 

@@ -373,6 +373,12 @@ class OptimizerConfig:
         None, "warmup as a fraction of --lr-decay-iters (exclusive with --lr-warmup-iters)"
     )
     weight_decay: float = flag(0.01)
+    loraplus_lr_ratio: float | None = flag(
+        None,
+        "LoRA+ (with --lora-rank): the B matrices (and 1-D trainable tensors, as peft groups them) learn at RATIO x "
+        "the learning rate (e.g. 16)",
+        metavar="RATIO",
+    )
     clip_grad: float = flag(1.0, "max global gradient norm; 0 disables")
     adam_beta1: float = flag(0.9)
     adam_beta2: float = flag(0.999)
@@ -403,6 +409,16 @@ class LoraConfig:
         None, "modules trained in full beside the adapters (e.g. a classification head)", metavar="NAME"
     )
     merge_lora: bool = flag(False, "also export the adapters merged into the base weights as one model in SAVE/hf")
+    use_dora: bool = flag(
+        False, "DoRA: each adapted weight is a trained magnitude times the direction of W + BA (peft's use_dora)"
+    )
+    use_rslora: bool = flag(False, "rank-stabilised LoRA: scale the adapters by alpha / sqrt(rank), not alpha / rank")
+    lora_init: str = flag(
+        "default",
+        "how the adapters start: default (A Kaiming-uniform, B zero), gaussian (A normal), pissa (A and B from the "
+        "weight's principal singular vectors; the base keeps the residual), olora (from a QR decomposition)",
+        choices=("default", "gaussian", "pissa", "olora"),
+    )
     load_in_4bit: bool = flag(
         False, "frozen base weights in 4-bit NF4 (QLoRA); the compute dtype follows the precision flags"
     )

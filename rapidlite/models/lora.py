@@ -65,6 +65,9 @@ _TASK_TYPES = {
 }
 
 
+MUTATING_INITS = ("pissa", "olora")  # --lora-init values that rewrite the base weights (to their residual)
+
+
 def split_names(values: Iterable[str] | None) -> tuple[str, ...]:
     """Module names given as separate words or comma-separated (``q_proj,v_proj``); none for ``None``."""
     return tuple(name for value in values or () for name in value.replace(",", " ").split())
@@ -325,16 +328,27 @@ def prepare(
         target_modules=targets,
         modules_to_save=list(modules_to_save) or None,
         task_type=_task_type(model),
+        use_dora=settings.use_dora,
+        use_rslora=settings.use_rslora,
+        init_lora_weights=True if settings.lora_init == "default" else settings.lora_init,
     )
     with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in transformers 5
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         peft_model = get_peft_model(model, config)
+    if settings.lora_init in MUTATING_INITS:  # the adapters' start, to export them as a plain LoRA later
+        from peft import get_peft_model_state_dict
+
+        initial = get_peft_model_state_dict(peft_model)
+        peft_model.rapidlite_initial_adapter = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
     _keep_trainable_fp32(peft_model)
     if logger is not None:
         bits = settings.quant_flag[len("--load-in-") :]
         what = f"; {quantized} linear layers quantised to {bits}" if quantized else ""
+        variants = [n for n, on in (("DoRA", config.use_dora), ("rsLoRA", config.use_rslora)) if on]
+        variants += [f"{settings.lora_init} initialisation"] if settings.lora_init != "default" else []
         logger.info(
-            f"LoRA: rank {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on "
+            f"LoRA{' (' + ', '.join(variants) + ')' if variants else ''}: rank {config.r}, alpha "
+            f"{config.lora_alpha:g}, dropout {config.lora_dropout:g} on "
             f"{len(targets)} layers ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}){what}; "
             f"{trainable_summary(peft_model)}"
         )
@@ -399,8 +413,34 @@ def trainable_only(model: nn.Module) -> bool:
 def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
     """The adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``):
     ``PeftModel.from_pretrained(base, directory)`` loads it. ``state_dict``: the model's full trainable
-    tensors, gathered."""
+    tensors, gathered. Adapters started from the weights' decomposition (``--lora-init pissa|olora``, whose base
+    holds the residual) are saved as peft converts them, a plain LoRA of twice the rank on the original base."""
     model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
+    initial = getattr(model, "rapidlite_initial_adapter", None)
+    if initial is not None:
+        _as_plain_lora(directory, initial)
+
+
+def _as_plain_lora(directory: Path, initial: dict[str, torch.Tensor]) -> None:
+    """A PiSSA/OLoRA adapter (``B A`` on the residual ``W - B0 A0``) as a plain LoRA on the original weights:
+    ``W + [B | -B0] [A ; A0]``, rank and alpha doubled (rsLoRA: alpha times sqrt 2), as peft converts them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = directory / "adapter_model.safetensors"
+    trained = load_file(str(weights))
+    for key, value in trained.items():
+        if "lora_A" in key:
+            trained[key] = torch.cat([value, initial[key].to(value.dtype)], dim=0)
+        elif "lora_B" in key:
+            trained[key] = torch.cat([value, -initial[key].to(value.dtype)], dim=1)
+    save_file(trained, str(weights), metadata={"format": "pt"})
+    config_file = directory / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["r"], config["init_lora_weights"] = 2 * config["r"], True
+    config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -421,12 +461,15 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         a = state_dict[f"{name}.lora_A.{ADAPTER_NAME}.weight"].float()
         b = state_dict[f"{name}.lora_B.{ADAPTER_NAME}.weight"].float()
         delta = (b @ a) * layer.scaling[ADAPTER_NAME]
-        if getattr(layer, "fan_in_fan_out", False):
-            delta = delta.T
         weight_key = f"{name}.base_layer.weight"
         weight = _dequantized_weight(base) if _is_bnb_linear(base) else state_dict[weight_key].float()
+        flip = getattr(layer, "fan_in_fan_out", False)  # Conv1D: the weight is [in, out]
+        merged = (weight.T if flip else weight) + delta  # [out, in]
+        magnitude = state_dict.get(f"{name}.lora_magnitude_vector.{ADAPTER_NAME}.weight")
+        if magnitude is not None:  # DoRA: the trained magnitude times each output row's direction
+            merged = merged * (magnitude.float() / torch.linalg.norm(merged, dim=1))[:, None]
         dtype = state_dict[weight_key].dtype if state_dict[weight_key].is_floating_point() else float_dtype
-        out[_base_key(name[len(prefix) :] + ".weight")] = (weight + delta).to(dtype or torch.float32)
+        out[_base_key(name[len(prefix) :] + ".weight")] = (merged.T if flip else merged).to(dtype or torch.float32)
         skip.append(weight_key + ".")  # bitsandbytes' quantisation state
     for key, value in state_dict.items():
         if ".lora_" in key or ".original_module." in key or any(key.startswith(s) for s in skip):

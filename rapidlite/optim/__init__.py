@@ -20,19 +20,29 @@ from rapidlite.optim import eight_bit
 from rapidlite.precision import LossScaler
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, lr: float = 0.0, loraplus_lr_ratio: float | None = None
+) -> list[dict[str, Any]]:
     """Decay matrices and embeddings; never biases or norm weights (the tensors of rank < 2).
 
     Under tensor parallelism some parameters are sharded (DTensor) and others plain: they go in separate
-    groups, since one fused/foreach kernel call cannot mix the two."""
-    groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
-    for param in model.parameters():
+    groups, since one fused/foreach kernel call cannot mix the two. With ``loraplus_lr_ratio`` (LoRA+), the
+    adapters' B matrices and the 1-D trainable tensors (peft's ``create_loraplus_optimizer`` grouping: a DoRA
+    magnitude among them) learn at that multiple of ``lr``: their groups carry ``lr_mult``, which the schedule
+    keeps."""
+    groups: dict[tuple[bool, bool, float], list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            groups.setdefault((param.ndim >= 2, hasattr(param, "placements")), []).append(param)
-    return [
-        {"params": params, "weight_decay": weight_decay if decay else 0.0}
-        for (decay, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
-    ]
+            fast = loraplus_lr_ratio is not None and ("lora_B" in name or param.ndim == 1)
+            mult = loraplus_lr_ratio if fast else 1.0
+            groups.setdefault((param.ndim >= 2, hasattr(param, "placements"), mult), []).append(param)
+    out = []
+    for (decay, _, mult), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1], item[0][2])):
+        group = {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        if mult != 1.0:
+            group |= {"lr_mult": mult, "lr": lr * mult}
+        out.append(group)
+    return out
 
 
 def _fused_supported(params: Iterable[torch.Tensor]) -> bool:
@@ -108,7 +118,7 @@ def build_optimizer(
     CUDA when Apex is installed (see ``apex_adamw_class``; ``allow_apex=False`` keeps torch's), else torch's
     fused or foreach kernels; bitsandbytes' 8-bit AdamW (``eight_bit``) over the same groups. With
     ``zero1_group`` the optimizer state is sharded over that process group (ZeRO-1)."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.loraplus_lr_ratio)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
     params = [p for g in groups for p in g["params"]]

@@ -122,6 +122,10 @@ def check_lora(args: argparse.Namespace) -> None:
                 ("--lora-target-modules", args.lora_target_modules is not None),
                 ("--lora-modules-to-save", args.lora_modules_to_save is not None),
                 ("--merge-lora", args.merge_lora),
+                ("--use-dora", args.use_dora),
+                ("--use-rslora", args.use_rslora),
+                ("--loraplus-lr-ratio", args.loraplus_lr_ratio is not None),
+                ("--lora-init", args.lora_init != "default"),
             )
             if on
         ]
@@ -131,6 +135,13 @@ def check_lora(args: argparse.Namespace) -> None:
             raise ConfigError(f"{quant} freezes the base weights: add --lora-rank R to train LoRA adapters on them")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise ConfigError(f"--lora-alpha {args.lora_alpha}: must be positive")
+    if args.loraplus_lr_ratio is not None and args.loraplus_lr_ratio <= 0:
+        raise ConfigError(f"--loraplus-lr-ratio {args.loraplus_lr_ratio:g}: must be positive (LoRA+ suggests 16)")
+    if args.lora_init in ("pissa", "olora") and (args.load_in_4bit or args.load_in_8bit):
+        raise ConfigError(
+            f"--lora-init {args.lora_init} rewrites the base weights from their decomposition, which quantised "
+            "weights do not allow: drop --load-in-4bit/--load-in-8bit or use --lora-init default"
+        )
     if not 0 <= args.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
     if args.load_in_4bit and args.load_in_8bit:
