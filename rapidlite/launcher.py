@@ -251,7 +251,11 @@ def launch_or_join(cfg: ParallelConfig, entry: str, argv: list[str], module: boo
 def launch_script_or_join(cfg: ParallelConfig) -> None:
     """``python my_trainer.py ... --nproc-per-node N``: the script becomes the launcher of its own workers and
     this process ends here with their exit code (``sys.exit``); in a worker, or on one process, it returns and
-    the script runs."""
-    code = launch_or_join(cfg, sys.argv[0], sys.argv[1:], module=False)
+    the script runs.
+
+    The workers run the script as ``rapidlite --user-script`` does (``cli.run_user_script``), which catches its
+    ``sys.exit(code)``: run as ``python my_trainer.py``, a worker ends through the engine's exit handler
+    (``distributed.shutdown``), which cannot see that code and ended with 0."""
+    code = launch_or_join(cfg, "rapidlite", ["--user-script", sys.argv[0], *sys.argv[1:]], module=True)
     if code is not None:
         sys.exit(code)

@@ -59,9 +59,8 @@ def test_a_crash_exits_non_zero_and_success_exits_zero(tmp_path, how, layout):
     assert "a mistake the user can fix" in user_error.stderr and "Traceback" not in user_error.stderr
     done = run(tmp_path, how, argv, "finish")
     assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]
-    if "--nproc-per-node" not in argv:  # one process: the script's own exit code
-        exit3 = run(tmp_path, how, argv, "exit-3")
-        assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
+    exit3 = run(tmp_path, how, argv, "exit-3")  # the script's own exit code, also from launched workers
+    assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
 
 
 ENDING = """
