@@ -22,8 +22,8 @@ import torch
 from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
-from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import DataError
+from rapidlite.engine import RapidliteEngine, require_module
+from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
 from rapidlite.models.head import loss_line
 from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
@@ -138,7 +138,7 @@ class BaseTrainer:
         self.total_iters = total_iters
         self.checkpointing.prepare()
         with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
-            model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+            model, optimizer, scheduler = split_model_provided(self.model_optimizer_lr_scheduler_provider())
         model = self.prepare_model(model)
         line = loss_line(model, self.settings)  # the whole model's head (a pipeline's first stage holds none)
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
@@ -332,6 +332,19 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
         if dataset is not None:
             require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
+
+
+def split_model_provided(provided: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, optimizer, lr_scheduler)`` from a model provider, with a clear error otherwise."""
+    hook = "model_optimizer_lr_scheduler_provider"
+    if not isinstance(provided, (tuple, list)) or len(provided) != 3:
+        got = f"{len(provided)} values" if isinstance(provided, (tuple, list)) else f"a {type(provided).__name__}"
+        raise ConfigError(
+            f"{hook} must return (model, optimizer, lr_scheduler) (None for the optimizer or scheduler builds it "
+            f"from the flags), got {got}"
+        )
+    require_module(provided[0], f"{hook} returned")
+    return provided[0], provided[1], provided[2]
 
 
 def perplexity(loss: float) -> float:
