@@ -157,6 +157,26 @@ def test_a_save_path_that_is_a_file_or_read_only_is_refused_up_front(tmp_path, c
         locked.chmod(stat.S_IRWXU)
 
 
+def test_a_run_refused_at_its_first_step_leaves_nothing_so_the_fixed_command_runs(tmp_path):
+    """A refusal raised once the model is built (here the forward step's return) wrote an empty metrics.jsonl
+    into the new --save directory, and the corrected command was then refused as "another run"."""
+    from rapidlite.errors import RapidliteError
+
+    class Refused(ToyFinetuner):
+        def run_forward_step(self, batch, model):
+            return 0.5  # not a tensor: refused in one line
+
+    save = tmp_path / "run"
+    argv = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--save", str(save)]
+    argv += ["--tensorboard-dir", str(tmp_path / "tb")]
+    with pytest.raises(RapidliteError, match="got float"):
+        Refused(RapidliteEngine(argv=argv)).train()
+    assert not save.exists() and not (tmp_path / "tb").exists()
+    ToyFinetuner(RapidliteEngine(argv=argv)).train()
+    records = read_metrics(save)
+    assert records and max(r.get("iteration", 0) for r in records) == 2 and len({r["run_id"] for r in records}) == 1
+
+
 # ------------------------------------------------------------------------------------------------ input
 def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path, capsys):
     argv = ["--task", "pretraining", "--data-path", corpus(tmp_path, vocab=200, eod=199)]
