@@ -186,6 +186,25 @@ def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path,
     assert "outside the tokenizer's vocabulary (97 ids)" in line and "token id 199" in line
 
 
+def test_a_model_vocabulary_smaller_than_the_datas_is_one_line_before_training(tmp_path, capsys):
+    """Pretrained weights (which are not grown, unlike a config trained from scratch) with 50 embedding rows, on
+    data whose tokenizer has 97 ids: it was an IndexError at the first step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "gpt2-50"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=64, vocab_size=50)).save_pretrained(
+        model_dir
+    )
+    save = tmp_path / "run"
+    argv = pretrain(tmp_path, "--train-iters", "1", "--pretrained-model-name-or-path", str(model_dir))
+    assert main([*argv, "--load-pretrained-weights", "--save", str(save)]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"rapidlite: error: --pretrained-model-name-or-path {model_dir}")
+    assert "embeddings have 50 rows" in line and "the data's tokenizer has 97 ids" in line
+    assert not save.exists()
+
+
 def test_a_scribbled_index_is_one_line(tmp_path, capsys):
     prefix = corpus(tmp_path)
     with open(f"{prefix}.idx", "r+b") as f:
