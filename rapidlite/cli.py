@@ -46,10 +46,11 @@ def run_user_script(script: str, argv: list[str]) -> int:
     except RapidliteError:
         raise
     except Exception as e:
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            raise  # a worker records the whole traceback for the launcher, which prints one rank's
         own = script_traceback(e, script)
         if own is None:
+            raise
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            e.script_traceback = own  # a worker records it for the launcher, which prints one rank's
             raise
         close_bars()
         sys.stdout.flush()

@@ -139,3 +139,14 @@ def test_a_user_scripts_own_error_shows_its_frames_then_one_line(tmp_path, case)
     assert f'File "{script}", line 2' in proc.stderr
     assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr
     assert len(lines) <= 8, proc.stderr
+
+
+def test_a_user_scripts_own_error_on_two_ranks_shows_its_frames(tmp_path):
+    """Under the launcher, the failing rank's traceback starts at the script too."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nimport no_such_module_xyz\n")
+    proc = run_cli("--user-script", str(script), "--nproc-per-node", "2")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "failed: ModuleNotFoundError: No module named 'no_such_module_xyz'" in proc.stderr
+    assert f'File "{script}", line 2' in proc.stderr
+    assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr
