@@ -8,8 +8,10 @@ the frozen ``RunConfig`` every other module reads. ``parse_args`` is the two in 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rapidlite import config_file
 from rapidlite.config import sections
@@ -39,7 +41,13 @@ GROUPS: dict[str, str | None] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ``ConfigError`` (one line) instead of printing usage and exiting."""
+    """argparse that raises ``ConfigError`` (one line) instead of printing usage and exiting, and that reads every
+    negative number as a value: argparse's own pattern knows ``-1`` and ``-.5`` but takes ``-1e-3`` for a flag
+    (``--lr -1e-3`` was "expected one argument" instead of the check that names the bad value)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"{message} (see 'rapidlite --help')")

@@ -13,28 +13,89 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Sequence
 
 from rapidlite.arguments import parse_known
 from rapidlite.entry import end_process, run_command
-from rapidlite.errors import ConfigError
+from rapidlite.errors import ConfigError, RapidliteError, first_line
 from rapidlite.launcher import launch_or_join
+from rapidlite.progress import close_bars
 from rapidlite.resolve import RunConfig, resolve_command
 from rapidlite.time_budget import mark_start
 
 
 def run_user_script(script: str, argv: list[str]) -> int:
-    """Run the script as ``__main__`` with the flags in ``sys.argv``; its engine parses them (and its own)."""
+    """Run the script as ``__main__`` with the flags in ``sys.argv``; its engine parses them (and its own).
+
+    A script that ends without having created a ``RapidliteEngine`` trained nothing: one line says how to start
+    its training. An exception the script raises is its own traceback, from the script's frame on (not the
+    frames of rapidlite and runpy that ran it), and one line naming it (``ScriptFailed``, exit code 1)."""
+    from rapidlite.global_vars import args_or_none
+
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    engine_before = args_or_none()
     try:
-        runpy.run_path(script, run_name="__main__")
+        names = runpy.run_path(script, run_name="__main__")
     except SystemExit as e:  # a script ending with sys.exit(...)
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
         print(e.code, file=sys.stderr)
         return 1
+    except RapidliteError:
+        raise
+    except Exception as e:
+        own = script_traceback(e, script)
+        if own is None:
+            raise
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            e.script_traceback = own  # a worker records it for the launcher, which prints one rank's
+            raise
+        close_bars()
+        sys.stdout.flush()
+        print(own, end="", file=sys.stderr, flush=True)
+        raise ScriptFailed(f"--user-script {script} raised {type(e).__name__}: {first_line(e)}") from None
+    if args_or_none() is engine_before:
+        raise ConfigError(f"--user-script {script} ran but started no training: {_how_to_train(names)}")
     return 0
+
+
+class ScriptFailed(RapidliteError):
+    """A ``--user-script`` raised: its traceback is printed above the line, and the run ends as a crash does."""
+
+    exit_code = 1
+
+
+def script_traceback(error: BaseException, script: str) -> str | None:
+    """``error``'s traceback from the first frame in ``script`` on (a syntax error in it: the offending line),
+    or None when the error did not arise in the script."""
+    path = os.path.realpath(script)
+    if isinstance(error, SyntaxError) and error.filename and os.path.realpath(error.filename) == path:
+        return "".join(traceback.format_exception_only(error))
+    tb = error.__traceback__
+    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _how_to_train(names: dict) -> str:
+    """What a script that created no engine lacks: the call that trains its trainer class, or one."""
+    base = sys.modules.get("rapidlite.trainer.base")
+    trainers = [
+        name
+        for name, value in names.items()
+        if base is not None and isinstance(value, type) and issubclass(value, base.BaseTrainer)
+        and value.__module__ == "__main__"
+    ]  # fmt: skip
+    if trainers:
+        return f"it defines {trainers[0]} but never runs it; end it with {trainers[0]}().train()"
+    return (
+        "it defines no Finetuner or PreTrainer subclass and creates no RapidliteEngine; subclass one and end "
+        "the script with MyTrainer().train() (or train in a loop of your own with RapidliteEngine().compose)"
+    )
 
 
 def run_task(config: RunConfig, argv: list[str]) -> int:

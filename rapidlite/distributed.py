@@ -259,6 +259,13 @@ def shutdown(exit_code: int = 0) -> None:
         os._exit(exit_code)
 
 
+def _callstack(exc: BaseException) -> str:
+    """A bug's traceback for the launcher to print: a ``--user-script``'s own frames where it raised
+    (``cli.run_user_script``), else the whole of it."""
+    own = getattr(exc, "script_traceback", None)
+    return own if isinstance(own, str) else "".join(traceback.format_exception(exc))
+
+
 def report_worker_error(exc: BaseException) -> int:
     """Record a worker's failure for the launcher (one line for user errors, the traceback for bugs) and
     return the exit code. Printing is left to the launcher, so N ranks never print N tracebacks."""
@@ -271,7 +278,7 @@ def report_worker_error(exc: BaseException) -> int:
         "message": {
             "message": str(exc) if user_error else f"{type(exc).__name__}: {exc}",
             "extraInfo": {
-                "py_callstack": "" if user_error else "".join(traceback.format_exception(exc)),
+                "py_callstack": "" if user_error else _callstack(exc),
                 "timestamp": str(int(time.time())),
             },
         },

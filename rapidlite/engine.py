@@ -64,6 +64,16 @@ def _excepthook(previous: Callable) -> Callable:
     return hook
 
 
+def require_module(model: Any, source: str) -> None:
+    """One line for a model that is not a ``torch.nn.Module`` (a function, a tuple), from ``source`` ("compose()
+    was given", a provider "returned"): it would fail deep in the FLOPs count or the wrapping."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{source} a {type(model).__name__} as the model, not a torch.nn.Module; give the model itself (an "
+            "nn.Module, such as a transformers model)"
+        )
+
+
 class RapidliteEngine:
     """Parses the flags (or takes them), picks the device, seeds every RNG, and applies the flags.
 
@@ -168,6 +178,7 @@ class RapidliteEngine:
         model = model if model is not None else model_obj
         if model is None:
             raise TypeError("compose() needs a model")
+        require_module(model, "compose() was given")
         if model in self._composed:
             raise TypeError("compose() was given a model it has composed already: compose each model once")
         given = model

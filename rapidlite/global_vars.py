@@ -42,6 +42,11 @@ def get_args() -> argparse.Namespace:
     return _ARGS
 
 
+def args_or_none() -> argparse.Namespace | None:
+    """The flags of the engine created last, or None before any (``get_args`` raises then)."""
+    return _ARGS
+
+
 def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
 

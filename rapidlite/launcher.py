@@ -1,12 +1,13 @@
 """One command from 1 to N ranks: re-execute under ``torch.distributed.run`` (torchrun) when needed.
 
 ``rapidlite ... --nproc-per-node N`` (or ``python my_trainer.py ... --nproc-per-node N``) in a process that
-no launcher started re-runs the same command as N workers through torchrun's elastic agent, in this
-process: ``--max-restarts`` restarts the worker group after a failure, ``--nnodes``/``--node-rank``/
-``--master-addr``/``--master-port`` (or the ``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``
-variables of Megatron-style scripts) span nodes; in a task of a multi-node ``srun`` step the unset ones follow
-from Slurm's variables (``rapidlite.slurm``). A process that a launcher already started (torchrun, Slurm
-``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is set) just joins.
+no launcher started re-runs the same command as N workers (a script's as ``rapidlite --user-script`` runs it)
+through torchrun's elastic agent, in this process: ``--max-restarts`` restarts the worker group after a
+failure, ``--nnodes``/``--node-rank``/``--master-addr``/``--master-port`` (or the ``NNODES``/``NODE_RANK``/
+``MASTER_ADDR``/``MASTER_PORT`` variables of Megatron-style scripts) span nodes; in a task of a multi-node
+``srun`` step the unset ones follow from Slurm's variables (``rapidlite.slurm``). A process that a launcher
+already started (torchrun, Slurm ``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is
+set) just joins.
 
 Workers do not print their failures; they record them (``distributed.report_worker_error``) and the
 launcher prints the first one: one line for a user error, the failing rank's traceback for a bug, one line
@@ -251,7 +252,11 @@ def launch_or_join(cfg: ParallelConfig, entry: str, argv: list[str], module: boo
 def launch_script_or_join(cfg: ParallelConfig) -> None:
     """``python my_trainer.py ... --nproc-per-node N``: the script becomes the launcher of its own workers and
     this process ends here with their exit code (``sys.exit``); in a worker, or on one process, it returns and
-    the script runs."""
-    code = launch_or_join(cfg, sys.argv[0], sys.argv[1:], module=False)
+    the script runs.
+
+    The workers run the script as ``rapidlite --user-script`` does (``cli.run_user_script``), which catches its
+    ``sys.exit(code)``: run as ``python my_trainer.py``, a worker ends through the engine's exit handler
+    (``distributed.shutdown``), which cannot see that code and ended with 0."""
+    code = launch_or_join(cfg, "rapidlite", ["--user-script", sys.argv[0], *sys.argv[1:]], module=True)
     if code is not None:
         sys.exit(code)

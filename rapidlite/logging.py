@@ -137,7 +137,11 @@ def _json_safe(value: Any) -> Any:
 
 class MetricsWriter:
     """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard and to a Weights & Biases run
-    (``wandb``: a started ``rapidlite.tracking.WandbRun``, which ``close`` finishes). Rank 0 only."""
+    (``wandb``: a started ``rapidlite.tracking.WandbRun``, which ``close`` finishes). Rank 0 only.
+
+    The file and the TensorBoard writer are opened with the first record: a run refused before it has one (at
+    its first step, say) leaves no empty ``metrics.jsonl`` in a new --save directory, which would make the
+    corrected command "another run's" directory."""
 
     def __init__(
         self,
@@ -151,17 +155,21 @@ class MetricsWriter:
         self._tb = None
         self.run_id = run_id  # on every record: two runs' lines in one file stay apart
         self.wandb = wandb
-        if not enabled:
-            return
-        if save_dir is not None:
-            Path(save_dir).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(save_dir) / "metrics.jsonl", "a")
-        if tensorboard_dir is not None:
+        self._save_dir = save_dir if enabled else None
+        self._tensorboard_dir = tensorboard_dir if enabled else None
+
+    def _open(self) -> None:
+        if self._save_dir is not None:
+            Path(self._save_dir).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(self._save_dir) / "metrics.jsonl", "a")
+        if self._tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=self._tensorboard_dir)
+        self._save_dir = self._tensorboard_dir = None
 
     def write(self, record: dict[str, Any], tb_prefix: str = "train") -> None:
+        self._open()
         if self._file is not None:
             line = _json_safe({**record, "run_id": self.run_id} if self.run_id else record)
             self._file.write(json.dumps(line, allow_nan=False) + "\n")
@@ -185,6 +193,7 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        self._save_dir = self._tensorboard_dir = None  # nothing opens after the end
 
 
 def format_record(record: dict[str, Any]) -> str:

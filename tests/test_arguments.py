@@ -206,6 +206,9 @@ BAD_INPUTS = [
     (["--task", "sequence_classification", "--demo", "--finetune"], "--finetune needs --load"),
     (["--task", "sequence_classification", "--demo", "--load", "/nonexistent/ck"], "--load /nonexistent/ck: directory"),
     ([], "no task given"),
+    # argparse takes "-1e-3" for a flag ("expected one argument"): read as a value, it meets the check
+    (["--task", "pretraining", "--lr", "-1e-3"], "--lr -0.001: must be positive"),
+    (["--task", "pretraining", "--min-lr", "-2E-5"], "--min-lr -2e-05: must be >= 0"),
     (["--task", "pretraining", "--demo", "--eval-only"], "--eval-only evaluates fine-tuning tasks"),
     (
         ["--task", "causal_lm", "--demo", "--eval-only", "--save", "/tmp/x", "--save-interval", "5"],

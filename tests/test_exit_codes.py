@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +59,8 @@ def test_a_crash_exits_non_zero_and_success_exits_zero(tmp_path, how, layout):
     assert "a mistake the user can fix" in user_error.stderr and "Traceback" not in user_error.stderr
     done = run(tmp_path, how, argv, "finish")
     assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]
-    if "--nproc-per-node" not in argv:  # one process: the script's own exit code
-        exit3 = run(tmp_path, how, argv, "exit-3")
-        assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
+    exit3 = run(tmp_path, how, argv, "exit-3")  # the script's own exit code, also from launched workers
+    assert exit3.returncode == 3, (exit3.returncode, exit3.stderr[-2000:])
 
 
 ENDING = """
@@ -94,3 +93,60 @@ def test_the_fast_end_of_a_command_keeps_exit_handlers_output_and_threads(tmp_pa
     assert proc.stdout.endswith("buffered")
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").exists() == (thread == "non-daemon")
+
+
+NO_TRAINING = {
+    "a trainer never run": (
+        "from rapidlite import Finetuner\n\nclass MyTrainer(Finetuner):\n    pass\n",
+        "ran but started no training: it defines MyTrainer but never runs it; end it with MyTrainer().train()",
+    ),
+    "nothing at all": ("print('hello')\n", "it defines no Finetuner or PreTrainer subclass"),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_TRAINING))
+def test_a_user_script_that_starts_no_training_is_one_line(tmp_path, case):
+    """It ended with 0 and nothing said: the run looked done."""
+    source, says = NO_TRAINING[case]
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    proc = run_cli("--user-script", str(script), "--train-iters", "2", "--save", str(tmp_path / "run"))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rapidlite: error: --user-script {script} ") and says in last, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+OWN_ERRORS = {
+    "syntax": ("import os\ndef f(:\n    pass\n", "SyntaxError: invalid syntax"),
+    "import": ("import os\nimport no_such_module_xyz\n", "ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    "runtime": ("def f():\n    return 1 / 0\n\nf()\n", "ZeroDivisionError: division by zero"),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_ERRORS))
+def test_a_user_scripts_own_error_shows_its_frames_then_one_line(tmp_path, case):
+    """The traceback starts at the script (it was about 20 lines of rapidlite's and runpy's frames first); the
+    last line names the script and the error; the exit code is a crash's."""
+    source, error = OWN_ERRORS[case]
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    proc = run_cli("--user-script", str(script), "--train-iters", "2")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"rapidlite: error: --user-script {script} raised {error.split(':')[0]}"), lines
+    assert error in lines[-2], lines
+    assert f'File "{script}", line 2' in proc.stderr
+    assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr
+    assert len(lines) <= 8, proc.stderr
+
+
+def test_a_user_scripts_own_error_on_two_ranks_shows_its_frames(tmp_path):
+    """Under the launcher, the failing rank's traceback starts at the script too."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nimport no_such_module_xyz\n")
+    proc = run_cli("--user-script", str(script), "--nproc-per-node", "2")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "failed: ModuleNotFoundError: No module named 'no_such_module_xyz'" in proc.stderr
+    assert f'File "{script}", line 2' in proc.stderr
+    assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr

@@ -157,6 +157,26 @@ def test_a_save_path_that_is_a_file_or_read_only_is_refused_up_front(tmp_path, c
         locked.chmod(stat.S_IRWXU)
 
 
+def test_a_run_refused_at_its_first_step_leaves_nothing_so_the_fixed_command_runs(tmp_path):
+    """A refusal raised once the model is built (here the forward step's return) wrote an empty metrics.jsonl
+    into the new --save directory, and the corrected command was then refused as "another run"."""
+    from rapidlite.errors import RapidliteError
+
+    class Refused(ToyFinetuner):
+        def run_forward_step(self, batch, model):
+            return 0.5  # not a tensor: refused in one line
+
+    save = tmp_path / "run"
+    argv = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--save", str(save)]
+    argv += ["--tensorboard-dir", str(tmp_path / "tb")]
+    with pytest.raises(RapidliteError, match="got float"):
+        Refused(RapidliteEngine(argv=argv)).train()
+    assert not save.exists() and not (tmp_path / "tb").exists()
+    ToyFinetuner(RapidliteEngine(argv=argv)).train()
+    records = read_metrics(save)
+    assert records and max(r.get("iteration", 0) for r in records) == 2 and len({r["run_id"] for r in records}) == 1
+
+
 # ------------------------------------------------------------------------------------------------ input
 def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path, capsys):
     argv = ["--task", "pretraining", "--data-path", corpus(tmp_path, vocab=200, eod=199)]
@@ -164,6 +184,25 @@ def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path,
     assert main(argv) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "outside the tokenizer's vocabulary (97 ids)" in line and "token id 199" in line
+
+
+def test_a_model_vocabulary_smaller_than_the_datas_is_one_line_before_training(tmp_path, capsys):
+    """Pretrained weights (which are not grown, unlike a config trained from scratch) with 50 embedding rows, on
+    data whose tokenizer has 97 ids: it was an IndexError at the first step."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path / "gpt2-50"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=64, vocab_size=50)).save_pretrained(
+        model_dir
+    )
+    save = tmp_path / "run"
+    argv = pretrain(tmp_path, "--train-iters", "1", "--pretrained-model-name-or-path", str(model_dir))
+    assert main([*argv, "--load-pretrained-weights", "--save", str(save)]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"rapidlite: error: --pretrained-model-name-or-path {model_dir}")
+    assert "embeddings have 50 rows" in line and "the data's tokenizer has 97 ids" in line
+    assert not save.exists()
 
 
 def test_a_scribbled_index_is_one_line(tmp_path, capsys):

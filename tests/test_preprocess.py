@@ -253,3 +253,20 @@ def test_cli(corpus, tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"rapidlite-preprocess: error: --input {tmp_path / 'nope.jsonl'}: no such file"
     ]
+
+
+def test_an_output_prefix_under_a_file_is_one_line(corpus, tmp_path):
+    """A prefix whose directory is an existing file: one line naming it (it was makedirs' FileExistsError
+    traceback), the file untouched and nothing written beside it."""
+    a_file = tmp_path / "notes"
+    a_file.write_text("mine")
+    result = run_preprocess(
+        "--input", corpus["jsonl"], "--output-prefix", str(a_file / "corpus"), "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "300", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"rapidlite-preprocess: error: --output-prefix {a_file / 'corpus'}: {a_file} is a file, not a directory; "
+        "pass a directory for the .bin/.idx files"
+    ]
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes"]

@@ -132,6 +132,44 @@ def test_missing_model_and_data_errors_are_one_line(tmp_path, tiny_assets, capsy
     assert err.count("\n") == 1 and "--data-path" in err
 
 
+def test_a_tokenizer_larger_than_the_models_embeddings_is_one_line(tmp_path, tiny_assets, capsys):
+    """The model directory's tokenizer has more tokens than its model's embeddings (which this task does not
+    grow): it was an IndexError at the first batch holding a high id."""
+    from transformers import AutoConfig
+
+    model_dir, data_dir = tiny_assets
+    small = tmp_path / "small-vocab"
+    config = AutoConfig.from_pretrained(model_dir)
+    config.vocab_size = 20
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(small)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(small)
+    save = tmp_path / "run"
+    assert main(task_args(small, data_dir, "--train-iters", "1", "--save", str(save))) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"rapidlite: error: --pretrained-model-name-or-path {small}")
+    assert "embeddings have 20 rows" in line and f"the tokenizer has {len(tokenizer)} tokens" in line
+    assert not save.exists()
+
+
+def test_a_model_directory_without_tokenizer_files_is_one_line(tmp_path, tiny_assets, capsys):
+    """transformers builds a tokenizer of the special tokens alone from the config: the run trained on [UNK]s."""
+    import shutil
+
+    model_dir, data_dir = tiny_assets
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, bare / name)
+    save = tmp_path / "run"
+    assert main(task_args(bare, data_dir, "--train-iters", "1", "--save", str(save))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"rapidlite: error: --pretrained-model-name-or-path {bare}: holds no tokenizer files")
+    assert "tokenizer.save_pretrained" in err and not save.exists()
+
+
 def test_activation_checkpointing_on_hugging_face_model(tiny_assets):
     model_dir, data_dir = tiny_assets
     argv = task_args(model_dir, data_dir, "--train-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0")

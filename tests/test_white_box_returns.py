@@ -104,3 +104,25 @@ def test_a_script_flag_rapidlite_already_has_is_one_line(flag, dest):
         "adding it, or give the script's flag another name"
     )
     assert build_parser(lambda parser: parser.add_argument("--my-flag")).parse_args(["--my-flag", "x"]).my_flag == "x"
+
+
+@pytest.mark.parametrize(
+    "provided, says",
+    [
+        ((lambda x: x, None, None), "model_optimizer_lr_scheduler_provider returned a function as the model"),
+        (("model.pt", None, None), "returned a str as the model, not a torch.nn.Module"),
+        ((torch.nn.Linear(8, 1), None), "must return (model, optimizer, lr_scheduler)"),
+    ],
+)
+def test_a_model_provider_that_returns_no_module_is_one_line(tmp_path, capsys, provided, says):
+    """It was an AttributeError traceback from the FLOPs count (or an unpacking error)."""
+    from helpers import ToyFinetuner, engine
+
+    class Provider(ToyFinetuner):
+        def model_optimizer_lr_scheduler_provider(self):
+            return provided
+
+    trainer = Provider(engine("--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4"))
+    with pytest.raises(RapidliteError) as caught:
+        trainer.train()
+    assert says in str(caught.value) and "\n" not in str(caught.value)

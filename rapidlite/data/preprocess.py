@@ -47,6 +47,7 @@ from rapidlite.data.indexed_dataset import (
 from rapidlite.data.tokenizers import TOKENIZER_TYPES, AbstractTokenizer, build_tokenizer
 from rapidlite.errors import ConfigError, DataError, RapidliteError
 from rapidlite.progress import Bar, progress_bar
+from rapidlite.resolve.run_dirs import check_writable_dir
 
 CHUNKSIZE = 32
 
@@ -221,6 +222,7 @@ def preprocess(
     level = "sentence" if split_sentences else "document"
     prefixes = {key: f"{os.fspath(output_prefix)}_{key}_{level}" for key in keys}
     directory = os.path.dirname(os.fspath(output_prefix))
+    check_writable_dir("--output-prefix", directory or ".", "the .bin/.idx files", given=os.fspath(output_prefix))
     if directory:
         os.makedirs(directory, exist_ok=True)
     dtype = best_dtype(tokenizer.vocab_size)

@@ -169,6 +169,12 @@ class BertWordPieceTokenizer(_BackendTokenizer):
         self.eod = self.sep
 
 
+def special_tokens_only(tokenizer: Any) -> bool:
+    """Whether a ``transformers`` tokenizer holds its special tokens alone: what ``AutoTokenizer`` builds from a
+    directory without tokenizer files (a model config saved on its own), so every word is unknown."""
+    return len(tokenizer) <= max(1, len(set(tokenizer.all_special_ids)))
+
+
 class HuggingFaceTokenizer(AbstractTokenizer):
     """``transformers.AutoTokenizer`` without added special tokens; ``eod`` = eos (else sep) token."""
 
@@ -185,9 +191,8 @@ class HuggingFaceTokenizer(AbstractTokenizer):
                 "give a local directory holding the tokenizer files"
             ) from None
         tok = self._tokenizer
-        # transformers builds a tokenizer of its special tokens alone from a directory without tokenizer files
-        # (a model config saved on its own): every data id would then be "outside the vocabulary".
-        if len(tok) <= max(1, len(set(tok.all_special_ids))):
+        # Every data id would be "outside the vocabulary" of a tokenizer of special tokens alone.
+        if special_tokens_only(tok):
             raise ConfigError(
                 f"{tokenizer_model}: holds no tokenizer files (its tokenizer has {len(tok)} ids, its special tokens "
                 "alone); save the tokenizer the data was made with there, or pass it with --tokenizer-type and its "

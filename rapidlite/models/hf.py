@@ -129,13 +129,23 @@ def head_labels(config: Any) -> list[str] | None:
 
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
-    not. A tokenizer without a padding token gets one from ``ensure_pad_token`` in the task that pads."""
+    not (a directory without tokenizer files too). A tokenizer without a padding token gets one from
+    ``ensure_pad_token`` in the task that pads."""
     from transformers import AutoTokenizer
 
+    from rapidlite.data.tokenizers import special_tokens_only
+
     try:
-        return AutoTokenizer.from_pretrained(name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("tokenizer", name, e) from None
+    if special_tokens_only(tokenizer):  # it would train on unknown tokens alone
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {name}: holds no tokenizer files (its tokenizer has {len(tokenizer)} "
+            "ids, its special tokens alone); save the model's tokenizer there (tokenizer.save_pretrained(DIR)): "
+            "fine-tuning reads it from the model directory"
+        )
+    return tokenizer
 
 
 # Models whose learned positions start after the padding id (``padding_idx + 1``), so a table of N rows holds

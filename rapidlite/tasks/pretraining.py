@@ -92,6 +92,12 @@ def _need_seq_length(settings: Sections) -> None:
         raise ConfigError("pretraining needs --seq-length N (--task pretraining defaults it to 1024, 512 for BERT)")
 
 
+def data_token_ids(data_tokenizer: Any) -> tuple[int, str]:
+    """What the data's ids need of a pretraining model: the data tokenizer's vocabulary (every id was checked
+    against it when the data was opened)."""
+    return data_tokenizer.vocab_size, f"the data's tokenizer has {data_tokenizer.vocab_size} ids"
+
+
 class GPTPretrainer(PreTrainer):
     """Causal language modelling on the GPT dataset, for the built-in GPT and Hugging Face causal LMs."""
 
@@ -115,6 +121,9 @@ class GPTPretrainer(PreTrainer):
             skip_warmup=not settings.data.mmap_warmup,
             vocab_size=self.data_tokenizer.vocab_size,
         )
+
+    def token_ids_needed(self) -> tuple[int, str]:
+        return data_token_ids(self.data_tokenizer)
 
     def model_optimizer_lr_scheduler_provider(self):
         settings = self.settings
@@ -186,6 +195,9 @@ class BertPretrainer(PreTrainer):
             short_seq_prob=settings.data.short_seq_prob,
             binary_head=settings.data.binary_head,
         )
+
+    def token_ids_needed(self) -> tuple[int, str]:
+        return data_token_ids(self.data_tokenizer)
 
     def model_optimizer_lr_scheduler_provider(self):
         return hf_bert_pretraining(self.settings, self.data_tokenizer.vocab_size), None, None

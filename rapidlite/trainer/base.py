@@ -22,8 +22,8 @@ import torch
 from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
-from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import DataError
+from rapidlite.engine import RapidliteEngine, require_module
+from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
 from rapidlite.models.head import loss_line
 from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
@@ -84,6 +84,17 @@ class BaseTrainer:
         """Called once the model is composed (wrapped, sharded, on its device) and before a checkpoint is loaded
         into it: what must see the starting weights (a reference model's scores) is made here."""
 
+    def token_ids_needed(self) -> tuple[int, str] | None:
+        """The embedding rows the run's token ids need, and what says so: the data's largest id + 1 where the task
+        looked (``max_token_id``), else the size of ``self.tokenizer``; None when neither is known (a script's own
+        model and data). ``setup_model`` refuses a model with fewer rows before any step."""
+        largest = getattr(self, "max_token_id", None)
+        if isinstance(largest, int) and largest >= 0:
+            return largest + 1, f"the data has token id {largest}"
+        if self.tokenizer is not None and hasattr(self.tokenizer, "__len__"):
+            return len(self.tokenizer), f"the tokenizer has {len(self.tokenizer)} tokens"
+        return None
+
     # ------------------------------------------------------------------ helpers for subclasses
     def pretrained_load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` arguments for the model to fine-tune: fp32 weights for full fine-tuning; with
@@ -138,7 +149,8 @@ class BaseTrainer:
         self.total_iters = total_iters
         self.checkpointing.prepare()
         with hf_transformers_progress(self.show_progress):  # from_pretrained's bars: on a terminal only
-            model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+            model, optimizer, scheduler = split_model_provided(self.model_optimizer_lr_scheduler_provider())
+        check_vocabulary(model, self.token_ids_needed(), self.settings.model.pretrained_model_name_or_path)
         model = self.prepare_model(model)
         line = loss_line(model, self.settings)  # the whole model's head (a pipeline's first stage holds none)
         # --eval-only (0 iterations) builds a schedule it never steps; one needs a length.
@@ -332,6 +344,38 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
         if dataset is not None:
             require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
+
+
+def check_vocabulary(model: torch.nn.Module, needed: tuple[int, str] | None, name: str | None) -> None:
+    """One line, before any step, for a model whose input embeddings have fewer rows than the token ids need (it
+    was an IndexError at the first batch that held such an id). A task that grows them (causal LM fine-tuning)
+    has done so in its provider."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        rows = getattr(get(), "num_embeddings", None) if callable(get) else None
+    except (AttributeError, NotImplementedError):  # a model without the accessor
+        rows = None
+    if needed is None or not isinstance(rows, int) or rows >= needed[0]:
+        return
+    model_name = f"--pretrained-model-name-or-path {name}" if name else "the model"
+    raise ConfigError(
+        f"{model_name}: its input embeddings have {rows} rows (token ids 0-{rows - 1}) but {needed[1]}: use the "
+        f"tokenizer the model was trained with, or a model whose vocabulary holds {needed[0]} tokens (grown with "
+        "resize_token_embeddings and saved; --task pretraining grows a config it trains from scratch)"
+    )
+
+
+def split_model_provided(provided: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, optimizer, lr_scheduler)`` from a model provider, with a clear error otherwise."""
+    hook = "model_optimizer_lr_scheduler_provider"
+    if not isinstance(provided, (tuple, list)) or len(provided) != 3:
+        got = f"{len(provided)} values" if isinstance(provided, (tuple, list)) else f"a {type(provided).__name__}"
+        raise ConfigError(
+            f"{hook} must return (model, optimizer, lr_scheduler) (None for the optimizer or scheduler builds it "
+            f"from the flags), got {got}"
+        )
+    require_module(provided[0], f"{hook} returned")
+    return provided[0], provided[1], provided[2]
 
 
 def perplexity(loss: float) -> float:
