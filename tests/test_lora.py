@@ -373,9 +373,11 @@ TWO = ["--micro-batch-size", "4", "--nproc-per-node", "2"]
 # SGD: Adam's normalised step turns the rounding noise of near-zero gradients (lora_A's, while lora_B is still near
 # its zero start) into steps of the full learning rate.
 COMMON = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--hidden-dropout", "0", "--merge-lora"]
-# DeepSpeed scales each micro-batch's loss itself, so a (loss_sum, num_items) step is averaged per micro-batch there
-# (the run warns): it is compared on the pretraining example, whose micro-batches hold equal token counts (LoRA on
-# a user's own model, which is not a Hugging Face model: the adapter alone is exported).
+# DeepSpeed divides each micro-batch's loss itself: the causal-LM task counts its tokens up front (count_items), so
+# its micro-batches of unequal token counts still average token-exactly there (the layout and JSON that LLaMA
+# fine-tuning posts use, 2 micro-batches a rank). A step without that count is averaged per micro-batch (the run
+# warns): the pretraining example, whose micro-batches hold equal token counts (LoRA on a user's own model, which is
+# not a Hugging Face model: the adapter alone is exported).
 SCRIPT = ["--user-script", str(REPO / "examples" / "pretrain_custom_model.py"), "--global-batch-size", "8"]
 SCRIPT += ["--seq-length", "16", "--hidden-size", "32", "--log-interval", "1", "--lora-rank", "4"]
 LAYOUTS = {
@@ -383,6 +385,10 @@ LAYOUTS = {
     "ddp": TWO,
     "zero3": [*TWO, "--zero-3-memory-optimization"],
     "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
+    "deepspeed_zero3_offload": [
+        "--micro-batch-size", "2", "--nproc-per-node", "2",
+        "--deepspeed-config", str(REPO / "examples" / "deepspeed_zero3_offload.json"),
+    ],
     "script_one": ["--micro-batch-size", "4"],
     "script_deepspeed_zero3_offload": [
         "--micro-batch-size", "2", "--nproc-per-node", "2",
@@ -414,7 +420,9 @@ def layout_run(assets, tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ddp", "zero3", "zero3_offload", "script_deepspeed_zero3_offload"])
+@pytest.mark.parametrize(
+    "layout", ["ddp", "zero3", "zero3_offload", "deepspeed_zero3_offload", "script_deepspeed_zero3_offload"]
+)
 def test_lora_on_two_ranks_equals_one_process(layout_run, layout):
     if "deepspeed" in layout:
         pytest.importorskip("deepspeed")

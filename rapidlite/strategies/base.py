@@ -150,9 +150,13 @@ class Strategy:
         """Called before ``setup`` when the run resumes from ``load_dir``."""
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, model: Any, optimizer: Any, micro_steps: Sequence[Any]) -> tuple[torch.Tensor, float]:
+    def forward_backward(
+        self, model: Any, optimizer: Any, micro_steps: Sequence[Any], items: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, float]:
         """Run the forward and backward pass of each micro-batch of one global batch. Returns the sum of the
-        micro-batch losses and what the summed gradients are to be divided by (see ``grad_divisor``).
+        micro-batch losses and what the summed gradients are to be divided by (see ``grad_divisor``). ``items``:
+        each micro-batch's item count, where the task knows it up front (a backend that divides the losses itself
+        reads it, see ``strategies.deepspeed``).
 
         Gradients are reduced over data-parallel ranks only with the last micro-batch."""
         losses, num_items, mode = [], 0, None

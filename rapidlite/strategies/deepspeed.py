@@ -4,6 +4,7 @@ keeps the flags, the data, the optimizer it builds, the LR schedule and the chec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 from rapidlite.checkpoint import dcp, layout, selection
 from rapidlite.checkpoint.export import export_hf
-from rapidlite.errors import CheckpointError
+from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.models import lora
 from rapidlite.optim import build_optimizer
 from rapidlite.parallel import deepspeed_backend
@@ -26,6 +27,7 @@ class DeepSpeed(Strategy):
         self._resume_weights: dict[str, torch.Tensor] | None = None
         self._resume_from: tuple[int, Path] | None = None  # the checkpoint prepare_resume verified
         self._per_micro_mean_warned = False
+        self._counted: tuple[list[int], float] | None = None  # this step's item counts and loss scale
         self._weights_loaded = False  # the resume's weights went in before deepspeed.initialize
 
     @property
@@ -99,12 +101,35 @@ class DeepSpeed(Strategy):
         ds_engine.eval()
         return ds_engine
 
+    def forward_backward(
+        self, model: Any, optimizer: Any, micro_steps: Sequence[Any], items: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """DeepSpeed divides every micro-batch's loss by the accumulation steps and averages the gradients over
+        the data-parallel ranks itself. Where the task counts each micro-batch's items up front (``items``), a
+        summed loss is scaled by ``steps x ranks / the global batch's items`` before that, so the gradients are
+        the token-exact mean over the global batch, as on every other backend."""
+        self._counted = None
+        if items is not None:
+            total = self.dist.all_reduce(torch.tensor(float(sum(items)), dtype=torch.float64), "sum")
+            scale = len(micro_steps) * self.dist.dp_size / max(float(total), 1.0)
+            self._counted = (list(items), scale)
+        return super().forward_backward(model, optimizer, micro_steps, items)
+
     def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
-        # DeepSpeed divides every micro-batch's loss by the accumulation steps itself: a summed loss is turned
-        # into its micro-batch mean (exact when micro-batches hold equal item counts).
         loss, items = super()._micro_loss(result)
         if items is None:
             return loss, None
+        if self._counted is not None:
+            counts, scale = self._counted
+            expected = counts.pop(0)
+            if items != expected:
+                raise ConfigError(
+                    f"count_items said {expected} items for a micro-batch whose run_forward_step returned {items}: "
+                    "make the two count alike"
+                )
+            return loss * scale, None
+        # Not counted up front: a summed loss becomes its micro-batch mean (exact when micro-batches hold equal
+        # item counts).
         if not self._per_micro_mean_warned and self.ctx.is_main_process:
             self._per_micro_mean_warned = True
             self.logger.warning(

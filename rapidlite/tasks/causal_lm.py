@@ -219,7 +219,11 @@ class CausalLMFinetuner(Finetuner):
         logp_sum = output_logps(
             model, inputs, labels, shift=True, sum_only=True, chunked=self.settings.model.chunked_loss
         )
-        return -logp_sum, int((labels[:, 1:] != -100).sum().item())
+        return -logp_sum, self.count_items(batch)
+
+    def count_items(self, batch: dict[str, Any]) -> int:
+        """The targets the loss sums over: every labelled token but a row's first (token t predicts t+1)."""
+        return int((batch["labels"][:, 1:] != -100).sum().item())
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         metrics = super().run_compute_metrics(model, eval_dataloader)

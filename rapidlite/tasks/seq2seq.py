@@ -244,7 +244,11 @@ class Seq2SeqFinetuner(Finetuner):
         return output_logps(model, inputs, batch["labels"], shift=False, sum_only=sum_only, chunked=chunked)
 
     def run_forward_step(self, batch, model):
-        return -self._logps(batch, model, sum_only=True), int((batch["labels"] != -100).sum().item())
+        return -self._logps(batch, model, sum_only=True), self.count_items(batch)
+
+    def count_items(self, batch: dict[str, Any]) -> int:
+        """The target tokens the loss sums over (padding is -100)."""
+        return int((batch["labels"] != -100).sum().item())
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         """The token-exact loss and the generation metrics of every validation pair, over all ranks."""

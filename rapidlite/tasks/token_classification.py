@@ -159,7 +159,11 @@ class TokenClassificationFinetuner(Finetuner):
             )
         if hasattr(loss_sum, "full_tensor"):
             loss_sum = loss_sum.full_tensor()
-        return loss_sum, int((labels != IGNORE).sum().item())
+        return loss_sum, self.count_items(batch)
+
+    def count_items(self, batch: dict[str, Any]) -> int:
+        """The labelled tokens the loss sums over (a word's first piece; the rest and padding are ignored)."""
+        return int((batch["labels"] != IGNORE).sum().item())
 
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         # Whole-batch tensors are gathered (the engine drops the rows that pad the ranks' last batches), padded to

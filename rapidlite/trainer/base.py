@@ -201,16 +201,18 @@ class BaseTrainer:
         self.clock.begin()
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, micro_steps: Iterable[Callable[[], Any]]) -> bool:
+    def train_step(self, micro_steps: Iterable[Callable[[], Any]], items: list[int] | None = None) -> bool:
         """Run the forward/backward of each micro-batch, then one optimizer step. Returns whether the
         step was applied (False: skipped for an fp16 overflow).
 
         Gradients are reduced over data-parallel ranks only with the last micro-batch. A mean loss is
         averaged over micro-batches (and ranks); ``(loss_sum, num_items)`` gradients are divided by the
-        items of the whole global batch, counted over all ranks."""
+        items of the whole global batch, counted over all ranks (``items``: each micro-batch's, where the task
+        counts them before the forward passes, which DeepSpeed needs to stay exact)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, divisor = self.engine.strategy.forward_backward(self.model, self.optimizer, list(micro_steps))
+        strategy = self.engine.strategy
+        loss_total, divisor = strategy.forward_backward(self.model, self.optimizer, list(micro_steps), items=items)
         nonfinite_before = self.optimizer.nonfinite_steps
         applied = self.optimizer.step(grad_divisor=divisor, loss=loss_total)
         if applied and self.lr_scheduler is not None:

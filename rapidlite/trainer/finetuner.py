@@ -54,6 +54,12 @@ class Finetuner(BaseTrainer):
         count = self.engine.all_reduce_sum(count)
         return {"loss": float(total / count.clamp(min=1))}
 
+    def count_items(self, batch: Any) -> int | None:
+        """The ``num_items`` that ``run_forward_step`` returns for ``batch``, where the task knows it before the
+        forward pass (None: it does not). DeepSpeed divides each micro-batch's loss by the accumulation steps itself,
+        so it scales each summed loss by the global batch's count up front (``strategies.deepspeed``)."""
+        return None
+
     def before_step(self, micro_batches: list[Any]) -> None:
         """Called with one step's micro-batches (this rank's) before their forward passes: a loss normalised over
         the whole global batch counts its items here (a collective: every rank calls it)."""
@@ -151,7 +157,9 @@ class Finetuner(BaseTrainer):
                 if not micro:
                     break
                 self.before_step(micro)
-                self.train_step(functools.partial(self._forward_batch, b) for b in micro)
+                items = [self.count_items(b) for b in micro]
+                steps = (functools.partial(self._forward_batch, b) for b in micro)
+                self.train_step(steps, items=None if None in items else items)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
                 self.stop_if_signalled()
                 if self.exit_if_due():
