@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import os
 import random
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from rapidlite import distributed, strategies
+from rapidlite import distributed, preemption, strategies
 from rapidlite.arguments import ExtraArgsProvider, parse_args
 from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
@@ -253,6 +254,33 @@ class RapidliteEngine:
         return tuple(out)
 
     # ------------------------------------------------------------------ helpers for user loops
+    @contextlib.contextmanager
+    def preemption(self) -> Iterator[preemption.Watch]:
+        """A loop of one's own stops on a scheduler's signal as the trainers do. Inside the block SIGTERM and
+        SIGUSR1 only set a flag; ``watch.stop()`` at the end of each step (on every rank) says whether any rank got
+        one, so every rank leaves after the same step, saves what it wants and breaks out. Leaving the block after a
+        signal ends the process with exit code 143 (``rapidlite.preemption``: a scheduler's "run it again")::
+
+            with engine.preemption() as watch:
+                for batch in loader:
+                    ...
+                    if watch.stop():
+                        save_my_checkpoint()
+                        break
+        """
+        watch = preemption.Watch(self.device)
+        watch.signals.install()
+        try:
+            yield watch
+        finally:
+            watch.signals.restore()
+        signum = watch.signum or watch.signals.agreed(self.device)
+        if signum:
+            if self.is_main_process:
+                name = preemption.signal_name(signum)
+                self.logger.info(f"{name}: the loop stopped (exit code {preemption.EXIT_CODE})")
+            preemption.exit_preempted()
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scaling of fp16 runs."""
         if self._optimizer is not None:

@@ -88,3 +88,15 @@ def exit_preempted() -> NoReturn:
 
     shutdown(EXIT_CODE)
     raise Preempted()
+
+
+class Watch:
+    """``RapidliteEngine.preemption()``'s handle for a loop of one's own: ``stop()`` at the end of each step (every
+    rank calls it: a collective) says whether any rank received SIGTERM or SIGUSR1; ``signum`` is that signal."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.signals, self.device, self.signum = StopSignals(), device, 0
+
+    def stop(self) -> bool:
+        self.signum = self.signals.agreed(self.device)
+        return bool(self.signum)

@@ -291,3 +291,25 @@ def test_slurm_script_passes_signals_on_and_requeues_after_the_time_limit_signal
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == (0 if sig is None else EXIT_CODE), err
     assert (log.read_text() if log.exists() else "") == ("requeue 42\n" if requeued else "")
+
+
+@pytest.mark.parametrize("layout", ["one", pytest.param("two", marks=pytest.mark.distributed)])
+def test_a_loop_of_ones_own_stops_on_a_signal_through_engine_preemption(tmp_path, layout):
+    """``with engine.preemption() as watch``: the loop saves and breaks after the step the signal came in, every
+    rank agreeing on it, and the process ends with exit code 143."""
+    script = str(REPO / "tests" / "scripts" / "own_loop_preemptible.py")
+    saved = tmp_path / "saved"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ranks = ["--nproc-per-node", "2"] if layout == "two" else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rapidlite", "--user-script", script, "--lr", "1e-3", "--train-iters", "10000", *ranks],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "SAVE_FILE": str(saved)},
+    )  # fmt: skip
+    earlier = wait_for(proc, r"^step 3$")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, earlier)
+    assert code == EXIT_CODE, err[-3000:]
+    stopped = int(saved.read_text())
+    assert 3 <= stopped < 200 and f"step {stopped}\n" in out
+    assert "SIGTERM: the loop stopped (exit code 143)" in out + err
+    assert "Traceback" not in err, err[-3000:]
