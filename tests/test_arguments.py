@@ -62,6 +62,7 @@ FLAGS = """
 --offload-activations
 --device-profile --search
 --use-dora --use-rslora --loraplus-lr-ratio --lora-init
+--eval-harness
 """.split()
 
 

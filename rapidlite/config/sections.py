@@ -54,6 +54,13 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,5, got {text!r}") from None
 
 
+def path_list(text: str) -> list[str]:
+    parts = [part for part in text.split(",") if part]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated files such as a.jsonl,b.jsonl, got {text!r}")
+    return parts
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """Which task or user script runs, and the options of one task's data and evaluation."""
@@ -102,6 +109,14 @@ class TaskConfig:
         0,
         "causal_lm: print N greedy completions of validation prompts at each evaluation (with exact match)",
         metavar="N",
+    )
+    eval_harness: list[str] | None = flag(
+        None,
+        "causal_lm, dpo, kto: at each evaluation also score the model in memory (adapters applied) on these jsonl "
+        "files as rapidlite-eval does: multiple choice (acc, acc_norm) or perplexity, logged as "
+        "harness/<file>/<metric>",
+        type=path_list,
+        metavar="FILE[,FILE...]",
     )
     label_all_tokens: bool = flag(
         False,

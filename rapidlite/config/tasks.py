@@ -86,6 +86,7 @@ class TaskSpec:
     ignored: tuple[str, ...] = ()
     chunked_loss: Literal["sum", "tokens"] | None = None
     libraries: tuple[str, ...] = ("datasets", "torchmetrics")
+    eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -300,6 +301,7 @@ TASKS: dict[str, TaskSpec] = {
             eval_only=True,
             auto_class="AutoModelForCausalLM",
             chunked_loss="sum",
+            eval_harness=True,
         ),
         TaskSpec(
             name="question_answering",
@@ -378,6 +380,7 @@ TASKS: dict[str, TaskSpec] = {
             inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
             reference=preference_reference,
             chunked_loss="tokens",
+            eval_harness=True,
         ),
         TaskSpec(
             name="kto",
@@ -392,6 +395,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             reference=preference_reference,
             chunked_loss="tokens",
+            eval_harness=True,
         ),
         TaskSpec(
             name="reward_model",

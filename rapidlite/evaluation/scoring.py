@@ -154,6 +154,10 @@ class CausalLMScorer(_ModelScorer):
         mine: list[tuple[int, float]] = []
         for batch in batches[rank::world]:
             mine += zip(batch, self._batch([requests[i] for i in batch]), strict=True)
+        # Every rank runs as many forwards (a sharded model's forwards are collectives): a rank with a batch
+        # fewer runs the first batch again and drops its scores.
+        for _ in range(len(batches[rank::world]), -(-len(batches) // world)):
+            self._batch([requests[i] for i in batches[0]])
         local = torch.tensor(mine, dtype=torch.float64).reshape(-1, 2)
         gathered = ctx.all_gather(local) if ctx is not None else local
         values = [math.nan] * len(requests)

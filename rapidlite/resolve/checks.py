@@ -209,6 +209,14 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             for f, _ in flag_fields(type(section)):
                 if (name in task.ignored or f.name in task.ignored) and getattr(section, f.name) != f.default:
                     raise ConfigError(f"{option(f.name)}: --task {task.name} does not use it; drop the flag")
+    if args.eval_harness:
+        if not task.eval_harness:
+            raise ConfigError(
+                f"--eval-harness scores a causal language model: --task causal_lm, dpo or kto, not {task.name}"
+            )
+        from rapidlite.evaluation.harness import load_harness
+
+        load_harness(args.eval_harness)  # read and checked before anything loads
     if task.check is not None:
         task.check(args)
 

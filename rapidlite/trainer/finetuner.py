@@ -39,6 +39,7 @@ class Finetuner(BaseTrainer):
     test_dataloader = None
     steps_per_epoch = 1
     padding_free = None  # the hooks --padding-free put on the model (rapidlite.models.padding_free)
+    _harness = None  # --eval-harness's files, read at the first evaluation (rapidlite.evaluation.harness)
     _flattener = None
 
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
@@ -84,6 +85,10 @@ class Finetuner(BaseTrainer):
         try:
             with torch.no_grad():
                 metrics = self.run_compute_metrics([self.model], loader)
+                if self.settings.task.eval_harness and split == "validation":
+                    from rapidlite.evaluation.harness import harness_metrics
+
+                    metrics = {**(metrics or {}), **harness_metrics(self)}
         finally:
             if isinstance(loader, DeviceDataLoader):
                 loader.on_batch = None
