@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.chunked_loss",
             "rapidlite.metrics",
             "rapidlite.cache",
+            "rapidlite.paths",
             "rapidlite.apex_kernels",
             "rapidlite.progress",
             "rapidlite.plot",

@@ -46,8 +46,8 @@ from rapidlite.data.indexed_dataset import (
 )
 from rapidlite.data.tokenizers import TOKENIZER_TYPES, AbstractTokenizer, build_tokenizer
 from rapidlite.errors import ConfigError, DataError, RapidliteError
+from rapidlite.paths import check_writable_dir
 from rapidlite.progress import Bar, progress_bar
-from rapidlite.resolve.run_dirs import check_writable_dir
 
 CHUNKSIZE = 32
 

@@ -22,6 +22,7 @@ from rapidlite.config.fields import derived_defaults
 from rapidlite.config.settings import SECTIONS, Sections
 from rapidlite.config.tasks import TaskSpec, get_task, task_names
 from rapidlite.errors import ConfigError
+from rapidlite.paths import check_writable_dir
 from rapidlite.resolve.checks import (
     check_data_parallel,
     check_lora,
@@ -37,7 +38,7 @@ from rapidlite.resolve.checks import (
     resolve_recompute,
     section_of,
 )
-from rapidlite.resolve.run_dirs import check_save_dir, check_writable_dir, resolve_load
+from rapidlite.resolve.run_dirs import check_save_dir, resolve_load
 from rapidlite.resolve.world import target_world_size
 
 
