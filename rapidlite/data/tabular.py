@@ -208,6 +208,7 @@ def load_raw_datasets(
     split: str = "969,30,1",
     seed: int = 1234,
     readers: Mapping[str, Reader] | None = None,
+    eval_only: bool = False,
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
@@ -223,6 +224,9 @@ def load_raw_datasets(
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
       data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
+
+    ``eval_only`` (``--eval-only``): a directory with a validation file and no ``train.*`` is read, its validation
+    rows standing in for train where a task reads the columns and labels from train (nothing is trained).
 
     ``readers`` reads more file types, by extension (a task's own text format, e.g. CoNLL files); they are
     found and split as the others.
@@ -245,7 +249,7 @@ def load_raw_datasets(
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
         if _is_saved_dataset(path):
             return _log_splits(*_load_saved(path, weights, seed))
-        return _log_splits(*_load_local_dir(path, weights, seed, readers))
+        return _log_splits(*_load_local_dir(path, weights, seed, readers, eval_only))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -304,17 +308,26 @@ def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, 
 
 
 def _load_local_dir(
-    directory: str, weights: Sequence[float], seed: int, readers: Mapping[str, Reader] | None = None
+    directory: str,
+    weights: Sequence[float],
+    seed: int,
+    readers: Mapping[str, Reader] | None = None,
+    eval_only: bool = False,
 ) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
     extensions = (*EXTENSIONS, *(readers or {}))
     files = {name: _find_split_file(directory, name, extensions) for name in SPLIT_ORDER}
+    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
+    if files["train"] is None and eval_only and files["validation"] is not None:
+        # Nothing is trained: the validation file is evaluated, and gives the columns and labels train would.
+        files["train"] = files["validation"]
+        sources["train"] = f"{sources['validation']} (no train file; --eval-only reads its columns from it)"
     if files["train"] is None:
         expected = ", ".join(f"train.{e}" for e in extensions[:-1]) + f" or train.{extensions[-1]}"
-        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
+        also = " (--eval-only reads a validation file alone)" if eval_only else ""
+        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected}){also}")
     parts = {name: _load_file(f, readers) for name, f in files.items() if f is not None}
-    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
     if len(parts["train"]) == 0:
         raise DataError(f"{files['train']}: the train file has no rows")
     if "validation" not in parts:

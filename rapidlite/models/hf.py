@@ -127,6 +127,21 @@ def head_labels(config: Any) -> list[str] | None:
     return names
 
 
+def refuse_unknown_labels(head: list[str] | None, labels: list[str], model: str, label_key: str) -> None:
+    """``--eval-only``: a data label that a model's named head lacks is one line; a head rebuilt for the data's
+    labels would score with rows trained for other classes."""
+    if head is None:
+        return
+    known = {name.lower() for name in head}
+    unknown = [name for name in labels if name.lower() not in known]
+    if unknown:
+        shown = ", ".join(head[:20]) + (", ..." if len(head) > 20 else "")
+        raise ConfigError(
+            f"--eval-only: label {unknown[0]!r} ({label_key}) is not one of the model's labels ({shown}; its "
+            f"config.id2label in --pretrained-model-name-or-path {model}); evaluate on data with the model's labels"
+        )
+
+
 def load_tokenizer(name: str, **kwargs: Any) -> Any:
     """``AutoTokenizer`` from ``name`` (``kwargs``: more ``from_pretrained`` arguments), or one line saying why
     not (a directory without tokenizer files too). A tokenizer without a padding token gets one from

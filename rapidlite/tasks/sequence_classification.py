@@ -17,6 +17,7 @@ from rapidlite.models.hf import (
     head_labels,
     load_error,
     load_hf_model,
+    refuse_unknown_labels,
     sequence_length,
     tokenizer_and_config,
 )
@@ -53,7 +54,9 @@ class SequenceClassificationFinetuner(Finetuner):
         explicit = settings.given("seq_length")
         seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,
@@ -63,6 +66,14 @@ class SequenceClassificationFinetuner(Finetuner):
                 label_order=head_labels(config),
                 # A regression model (STS-B's) scores whole-number labels too, rather than a fresh class head.
                 scores=getattr(config, "problem_type", None) == "regression",
+            )
+        label_column = raw["train"].features[self.data.label_key]
+        if settings.training.eval_only and getattr(label_column, "dtype", None) in ("string", "large_string"):
+            refuse_unknown_labels(
+                head_labels(config),
+                list(self.data.id2label.values()),
+                settings.model.pretrained_model_name_or_path,
+                f"--label-key {self.data.label_key}",
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "

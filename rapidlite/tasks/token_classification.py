@@ -31,6 +31,7 @@ from rapidlite.models.hf import (
     load_error,
     load_hf_model,
     load_tokenizer,
+    refuse_unknown_labels,
     sequence_length,
 )
 from rapidlite.progress import hf_datasets_progress
@@ -88,7 +89,9 @@ class TokenClassificationFinetuner(Finetuner):
             settings.data.seq_length, self.tokenizer, config=config, explicit=explicit
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_token_datasets(*settings.data.source, settings.training.seed)
+            raw = load_token_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
         self.data = d = build_token_classification_data(
             raw,
             self.tokenizer,
@@ -98,6 +101,13 @@ class TokenClassificationFinetuner(Finetuner):
             label_all_tokens=settings.task.label_all_tokens,
             label_order=head_labels(config),
         )
+        if settings.training.eval_only:
+            refuse_unknown_labels(
+                head_labels(config),
+                list(d.id2label.values()),
+                settings.model.pretrained_model_name_or_path,
+                "tags",
+            )
         self.entity_scores = is_entity_tagset(list(d.id2label.values()))
         for split, count in d.moved.items():
             self.logger.info(
