@@ -44,7 +44,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("wandb", "optional"),
     ("tensorboard", "required: --tensorboard-dir"),
     ("accelerate", "[bench]"),
-    ("lm_eval", "[eval]: rapidlite-eval"),
+    ("lm_eval", "[test]: rapidlite-eval's scores are tested equal to it (not imported)"),
     ("triton", "torch.compile on GPUs"),
     ("ninja", "DeepSpeed ops, torch C++ extensions"),
 )
