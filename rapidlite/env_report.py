@@ -40,7 +40,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("deepspeed", "[deepspeed]: --deepspeed"),
     ("bitsandbytes", "[quant]: --load-in-4bit/--load-in-8bit"),
     ("apex", "optional: NVIDIA Apex fused kernels"),
-    ("matplotlib", "[plot]: curves.png, rapidlite plot"),
+    ("matplotlib", "required: curves.png, rapidlite plot"),
     ("wandb", "optional"),
     ("tensorboard", "required: --tensorboard-dir"),
     ("accelerate", "[bench]"),
