@@ -323,3 +323,16 @@ def test_a_full_disk_while_writing_metrics_stops_with_one_line_and_no_half_recor
     text = (save / "metrics.jsonl").read_text()
     assert text.endswith("\n") and len(text.splitlines()) == 4
     assert [json.loads(record) for record in text.splitlines()]
+
+
+def test_a_save_inside_a_runs_own_export_is_refused(tmp_path, capsys):
+    """--save DIR/hf (or under it) of a run in DIR: one line, exit 2, nothing written; the export stays as it was."""
+    save = tmp_path / "run"
+    assert main([*pretrain(tmp_path, "--train-iters", "2"), "--save", str(save)]) == 0
+    capsys.readouterr()
+    digest = tree_digest(save)
+    for inside in (save / "hf", save / "hf" / "eval"):
+        assert main([*pretrain(tmp_path, "--train-iters", "2"), "--save", str(inside)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--save {inside}: lies inside the Hugging Face export" in err, err
+        assert tree_digest(save) == digest
