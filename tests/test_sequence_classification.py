@@ -389,3 +389,23 @@ def test_eval_only_refuses_a_label_the_models_head_does_not_know(tiny_assets, tm
     line = proc.stderr.strip().splitlines()[-1]
     assert "'neutral'" in line and "negative, positive" in line, proc.stderr
     assert not (save / "metrics.jsonl").exists()
+
+
+def test_a_broken_jsonl_line_is_one_line_with_its_number(tiny_assets, tmp_path):
+    """A jsonl file whose third line is not JSON: one line naming the file and line 3, and no second line from
+    the datasets logger; nothing is written."""
+    model_dir, _ = tiny_assets
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(
+        '{"sentence": "a fine film", "label": "positive"}\n'
+        '{"sentence": "a dull film", "label": "negative"}\n'
+        '{"sentence": "a good film" "label": "positive"}\n'
+        '{"sentence": "a bad film", "label": "negative"}\n'
+    )
+    save = tmp_path / "run"
+    proc = run_cli(*task_args(model_dir, data, "--save", str(save)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"rapidlite: error: {data / 'train.jsonl'}: line 3 is not valid JSON" in proc.stderr
+    assert "Failed to load JSON" not in proc.stdout + proc.stderr
+    assert not save.exists()

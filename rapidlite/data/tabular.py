@@ -9,11 +9,14 @@ or file, and which file (or share of one) became which split is logged in one li
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
+import json
+import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.errors import DataError
@@ -122,8 +125,12 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
     if os.path.getsize(path) == 0:  # the readers fail on it with their own puzzles (pyarrow's StopIteration)
         raise DataError(f"{path}: the file is empty; give it rows")
     try:
-        ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
+        with _quiet_json_reader():
+            ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
     except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
+        bad = _bad_json_line(path) if builder == "json" else None
+        if bad is not None:
+            raise DataError(f"{path}: {bad}; fix or remove it") from None
         raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
     if builder == "json":
         from rapidlite.data.question_answering_rows import is_squad_layout, squad_layout_rows
@@ -139,6 +146,38 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
                     f"{path}: cannot read the records under {field!r} ({_short_reason(e, root=True)})"
                 ) from e
     return ds
+
+
+@contextlib.contextmanager
+def _quiet_json_reader() -> Iterator[None]:
+    """datasets' json reader logs its own line for a bad file before raising; the DataError says it once."""
+    reader = logging.getLogger("datasets.packaged_modules.json.json")
+    level = reader.level
+    reader.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        reader.setLevel(level)
+
+
+def _bad_json_line(path: str) -> str | None:
+    """Where a json or jsonl file stops being JSON (``line N is not valid JSON (why)``), or None when its text is
+    valid JSON (what failed was the rows' types)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole:
+        if whole.msg != "Extra data":  # one document (or the first line of many) breaks here
+            return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
+    for number, line in enumerate(text.splitlines(), 1):  # JSON lines: one document per line
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+    return None
 
 
 def _records_field(ds: datasets.Dataset, path: str) -> str | None:
