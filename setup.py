@@ -55,7 +55,7 @@ setup(
             "jsonschema>=4.18",
             # --wandb-project is tested in W&B's offline mode
             "wandb>=0.16",
-                # --task token_classification's entity scores are tested equal to seqeval's
+            # --task token_classification's entity scores are tested equal to seqeval's
             "seqeval>=1.2",
             # --task seq2seq: ROUGE, and its metrics are tested equal to sacrebleu's and rouge_score's
             "rouge_score>=0.1.2",
