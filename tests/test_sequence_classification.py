@@ -409,3 +409,30 @@ def test_a_broken_jsonl_line_is_one_line_with_its_number(tiny_assets, tmp_path):
     assert f"rapidlite: error: {data / 'train.jsonl'}: line 3 is not valid JSON" in proc.stderr
     assert "Failed to load JSON" not in proc.stdout + proc.stderr
     assert not save.exists()
+
+
+def test_weights_that_disagree_with_the_config_are_refused_naming_the_tensor(tiny_assets, tmp_path):
+    """A config.json whose vocab_size disagrees with the saved embeddings: one line naming the tensor and both
+    shapes, rather than embeddings silently re-initialised; nothing written. A new head for another number of
+    labels is expected and still loads."""
+    import shutil
+
+    model_dir, data_dir = tiny_assets
+    edited = tmp_path / "edited"
+    shutil.copytree(model_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    saved_rows = config["vocab_size"]
+    config["vocab_size"] = saved_rows + 8
+    (edited / "config.json").write_text(json.dumps(config))
+    save = tmp_path / "run"
+    proc = run_cli(*task_args(edited, data_dir, "--save", str(save)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "word_embeddings.weight" in line and f"({saved_rows}, " in line and f"({saved_rows + 8}, " in line, line
+    assert "LOAD REPORT" not in proc.stdout + proc.stderr  # transformers' table of the refused load is not shown
+    assert not save.exists()
+
+    from rapidlite.tasks.sequence_classification import load_classifier
+
+    three = load_classifier(str(model_dir), 3, {0: "a", 1: "b", 2: "c"})
+    assert three.classifier.out_features == 3
