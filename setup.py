@@ -34,6 +34,8 @@ setup(
         "tqdm>=4.60",
         # --config FILE.yaml (a dependency of transformers already)
         "pyyaml>=5.1",
+        # DIR/curves.png at the end of every --save run (the README's first command) and rapidlite plot DIR
+        "matplotlib>=3.6",
     ],
     extras_require={
         # accelerate: the Hugging Face Trainer contender of benchmarks/speed.py (its quick mode is a test)
@@ -53,8 +55,6 @@ setup(
             "jsonschema>=4.18",
             # --wandb-project is tested in W&B's offline mode
             "wandb>=0.16",
-            # curves.png and rapidlite plot are tested
-            "matplotlib>=3.6",
             # --task token_classification's entity scores are tested equal to seqeval's
             "seqeval>=1.2",
             # --task seq2seq: ROUGE, and its metrics are tested equal to sacrebleu's and rouge_score's
@@ -75,7 +75,7 @@ setup(
         "quant": ["bitsandbytes>=0.48"],
         # --wandb-project: Weights & Biases beside metrics.jsonl and TensorBoard
         "wandb": ["wandb>=0.16"],
-        # DIR/curves.png at the end of a --save run, and rapidlite plot DIR
+        # matplotlib is installed by default now; the extra stays so that 'rapidlite[plot]' still installs
         "plot": ["matplotlib>=3.6"],
         # --task seq2seq: ROUGE of summaries (rouge_score, as run_summarization scores; nltk splits sentences)
         "seq2seq": ["rouge_score>=0.1.2", "nltk>=3.8"],

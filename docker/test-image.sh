@@ -184,7 +184,7 @@ import pathlib
 d = pathlib.Path("/workspace/runs/demo")
 names = ["latest", "metrics.jsonl", "hf/config.json", "hf/model.safetensors"]
 try:
-    import matplotlib  # noqa: F401  (the plot extra: curves.png at the end of a --save run)
+    import matplotlib  # noqa: F401  (a dependency: curves.png at the end of a --save run)
     names.append("curves.png")
 except ImportError:
     pass

@@ -40,11 +40,11 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("deepspeed", "[deepspeed]: --deepspeed"),
     ("bitsandbytes", "[quant]: --load-in-4bit/--load-in-8bit"),
     ("apex", "optional: NVIDIA Apex fused kernels"),
-    ("matplotlib", "[plot]: curves.png, rapidlite plot"),
+    ("matplotlib", "required: curves.png, rapidlite plot"),
     ("wandb", "optional"),
     ("tensorboard", "required: --tensorboard-dir"),
     ("accelerate", "[bench]"),
-    ("lm_eval", "[eval]: rapidlite-eval"),
+    ("lm_eval", "[test]: rapidlite-eval's scores are tested equal to it (not imported)"),
     ("triton", "torch.compile on GPUs"),
     ("ninja", "DeepSpeed ops, torch C++ extensions"),
 )

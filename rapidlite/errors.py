@@ -25,6 +25,10 @@ class CheckpointError(RapidliteError):
     """Missing or corrupt checkpoint."""
 
 
+class OutputError(RapidliteError):
+    """An output the run cannot write (``metrics.jsonl`` on a full disk)."""
+
+
 class TrainingDiverged(RapidliteError):
     """The loss or the gradients stayed non-finite (NaN/inf): the run stops without saving them."""
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -161,7 +163,8 @@ class MetricsWriter:
     def _open(self) -> None:
         if self._save_dir is not None:
             Path(self._save_dir).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(self._save_dir) / "metrics.jsonl", "a")
+            # Unbuffered: a record is written whole or, when the write fails, cut away (see _append).
+            self._file = open(Path(self._save_dir) / "metrics.jsonl", "ab", buffering=0)
         if self._tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -172,8 +175,7 @@ class MetricsWriter:
         self._open()
         if self._file is not None:
             line = _json_safe({**record, "run_id": self.run_id} if self.run_id else record)
-            self._file.write(json.dumps(line, allow_nan=False) + "\n")
-            self._file.flush()
+            self._append((json.dumps(line, allow_nan=False) + "\n").encode())
         if self._tb is not None:
             step = record.get("iteration", 0)
             for key, value in record.items():
@@ -182,6 +184,29 @@ class MetricsWriter:
             self._tb.flush()
         if self.wandb is not None:
             self.wandb.log(record, tb_prefix)
+
+    def _append(self, data: bytes) -> None:
+        """One whole line at the end of ``metrics.jsonl``; a write the file system refuses (a full disk) cuts the
+        file back to its last complete line and stops the run in one line (a reader never sees half a record)."""
+        from rapidlite.errors import OutputError
+
+        fd = self._file.fileno()
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # a raw write may take only part of the line
+                view = view[self._file.write(view) :]
+        except OSError as e:
+            os.ftruncate(fd, end)
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            reason = "the disk is full (no space left on device)" if full else (e.strerror or type(e).__name__)
+            path = self._file.name
+            self._file.close()
+            self._file = None
+            raise OutputError(
+                f"{path}: cannot write a metrics record: {reason}; the file ends at its last complete record "
+                f"(free space in {os.path.dirname(path) or '.'}, then resume with --load)"
+            ) from None
 
     def close(self, exit_code: int = 0, preempted: bool = False) -> None:
         """Close every output (idempotent); ``exit_code`` and ``preempted`` tell the W&B run how the process ends."""

@@ -7,7 +7,7 @@ wrote after that iteration (work lost when it stopped) are superseded by the res
 the run as it stands. Records are told apart as ``rapidlite.logging.MetricsWriter`` writes them: training records
 have no ``split``; evaluations have ``split: "validation"`` or ``"test"``; ``split: "model_state"`` (written
 once per attempt, after its first step) marks where an attempt starts. ``--eval-only`` records are evaluations
-that start no attempt. NaN and infinity are written as null and drawn as gaps. matplotlib (the ``[plot]`` extra)
+that start no attempt. NaN and infinity are written as null and drawn as gaps. matplotlib (a dependency)
 draws with its Agg backend, off-screen; without it nothing is drawn.
 """
 
@@ -27,7 +27,7 @@ from rapidlite.errors import ConfigError, DataError, RapidliteError, first_line
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
-INSTALL_HINT = "pip install 'rapidlite[plot]'"
+INSTALL_HINT = "pip install matplotlib (a rapidlite dependency: it was removed)"
 
 
 class PlotUnavailable(RapidliteError):

@@ -138,6 +138,19 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(tiny_assets, tmp_path, 
     assert not save.exists() or not any(save.iterdir())
 
 
+def test_a_chat_role_templates_do_not_know_is_named(tiny_assets, tmp_path, capsys):
+    """Messages whose role is an export's own name ("ai") have no assistant turn: one line names the role and the
+    roles accepted, rather than asking for a longer --seq-length; nothing is written."""
+    model_dir, _ = tiny_assets
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "ai", "content": "hello"}]}] * 8
+    data = write_rows(tmp_path / "chat", {"train": chats})
+    save = tmp_path / "run"
+    assert main(task_args(model_dir, data, "--chat-template", "chatml", "--save", str(save))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "role 'ai'" in err[0] and "user, assistant" in err[0] and "--seq-length" not in err[0]
+    assert not save.exists() or not any(save.iterdir())
+
+
 def test_chat_data_with_chatml_trains_the_assistant_turns(tiny_assets, tmp_path):
     model_dir, data_dir = tiny_assets
     rows = [json.loads(line) for line in open(data_dir / "train.jsonl")][:8]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,17 @@ def test_missing_packages_and_checks_read_plainly(monkeypatch):
     text = env_report.render(report)
     assert "deepspeed:    not installed    [deepspeed]: --deepspeed" in text
     assert "deepspeed ops: no   DeepSpeed is not installed: pip install 'rapidlite[deepspeed]'" in text
+
+
+def test_lm_eval_is_reported_as_what_the_tests_compare_with():
+    """rapidlite-eval does not import lm_eval (setup.py's test extra compares its scores with the harness's):
+    the report says so rather than listing lm_eval as rapidlite-eval's need."""
+    used_for = dict(env_report.PACKAGES)["lm_eval"]
+    assert "[test]" in used_for and "not imported" in used_for
+    evaluation = Path(env_report.__file__).parent / "evaluation"
+    assert not any(
+        "import lm_eval" in f.read_text() or "from lm_eval" in f.read_text() for f in evaluation.glob("*.py")
+    )
 
 
 @pytest.mark.parametrize(("argv", "message"), [(["env", "--bogus"], "unrecognized arguments: --bogus")])

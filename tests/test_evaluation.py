@@ -268,3 +268,22 @@ def test_acc_and_acc_norm_equal_lm_evals(model, tmp_path, request):
     assert (ours["acc"], ours["acc_norm"]) == (theirs["acc,none"], theirs["acc_norm,none"])
     assert ours["acc_stderr"] == pytest.approx(theirs["acc_stderr,none"])
     assert ours["acc_norm_stderr"] == pytest.approx(theirs["acc_norm_stderr,none"])
+
+
+def test_a_classifier_checkpoint_is_refused_naming_its_head(model_dir, tmp_path, capsys):
+    """A GPT-2 saved with a sequence-classification head: one line naming GPT2ForSequenceClassification, not the
+    scores of a random LM head put on its body; nothing written."""
+    from transformers import AutoTokenizer, GPT2ForSequenceClassification
+
+    from rapidlite.evaluation.command import main
+
+    classifier = tmp_path / "classifier"
+    GPT2ForSequenceClassification.from_pretrained(model_dir, num_labels=2).save_pretrained(classifier)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(classifier)
+    data = write_jsonl(tmp_path / "mc.jsonl", mc_rows(2, 0))
+    output = tmp_path / "results.json"
+    capsys.readouterr()  # transformers' loading bar
+    assert main(["--model", str(classifier), "--data", data, "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a GPT2ForSequenceClassification, not a causal LM" in err, err
+    assert not output.exists()

@@ -284,3 +284,55 @@ def test_bad_input_is_one_line_exit_2_and_leaves_the_run_untouched(finished_run,
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("rapidlite: error: "), err
     assert tree_digest(save) == before
+
+
+def test_a_full_disk_while_writing_metrics_stops_with_one_line_and_no_half_record(tmp_path, monkeypatch):
+    """A metrics.jsonl write the disk refuses (ENOSPC) after writing part of its line: the file is cut back to its
+    last complete record and the run stops with one line naming the file and the full disk."""
+    import errno
+    import io
+
+    import rapidlite.logging
+    from rapidlite.errors import RapidliteError
+
+    class FillsUp(io.FileIO):
+        writes = 0
+
+        def write(self, data):
+            FillsUp.writes += 1
+            if FillsUp.writes < 5:
+                return super().write(data)
+            super().write(bytes(data)[: len(data) // 2])  # part of the line reached the disk, then it was full
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fake_open(path, mode="r", buffering=-1, **kwargs):
+        if not str(path).endswith("metrics.jsonl"):
+            return open(path, mode, buffering, **kwargs)
+        assert mode == "ab" and buffering == 0, (mode, buffering)
+        return FillsUp(path, "a")
+
+    monkeypatch.setattr(rapidlite.logging, "open", fake_open, raising=False)
+    save = tmp_path / "run"
+    trainer = ToyFinetuner(
+        RapidliteEngine(argv=["--micro-batch-size", "8", "--log-interval", "1", "--save", str(save)])
+    )
+    with pytest.raises(RapidliteError) as caught:
+        trainer.train()
+    line = str(caught.value)
+    assert "\n" not in line and f"{save}/metrics.jsonl" in line and "the disk is full" in line, line
+    text = (save / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and len(text.splitlines()) == 4
+    assert [json.loads(record) for record in text.splitlines()]
+
+
+def test_a_save_inside_a_runs_own_export_is_refused(tmp_path, capsys):
+    """--save DIR/hf (or under it) of a run in DIR: one line, exit 2, nothing written; the export stays as it was."""
+    save = tmp_path / "run"
+    assert main([*pretrain(tmp_path, "--train-iters", "2"), "--save", str(save)]) == 0
+    capsys.readouterr()
+    digest = tree_digest(save)
+    for inside in (save / "hf", save / "hf" / "eval"):
+        assert main([*pretrain(tmp_path, "--train-iters", "2"), "--save", str(inside)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--save {inside}: lies inside the Hugging Face export" in err, err
+        assert tree_digest(save) == digest

@@ -9,6 +9,7 @@ import math
 import re
 import struct
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from helpers import ToyFinetuner, engine, read_metrics
 from rapidlite.cli import main
 from rapidlite.logging import MetricsWriter
 from rapidlite.plot import CURVES_FILE, figure_of, read_curves, write_curves
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("matplotlib")
 
@@ -127,18 +130,15 @@ def test_rapidlite_plot_mistakes_are_one_line(tmp_path, capsys, setup, message):
 def test_without_matplotlib(tmp_path, monkeypatch, capsys, log_lines):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed, also after earlier tests imported it
+    missing = "drawing curves needs matplotlib, which is not installed: pip install matplotlib (a rapidlite dependency"
     write_two_attempts(tmp_path / "old")
     assert main(["plot", str(tmp_path / "old")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        "rapidlite: error: drawing curves needs matplotlib, which is not installed: pip install 'rapidlite[plot]'"
-    ]
+    assert err == [f"rapidlite: error: {missing}: it was removed)"]
     save = tmp_path / "run"
     ToyFinetuner(engine("--micro-batch-size", "16", "--epochs", "1", "--save", str(save))).train()
-    hints = [line for line in log_lines if "rapidlite[plot]" in line]
-    assert hints == [
-        f"no {save}/curves.png: drawing curves needs matplotlib, which is not installed: pip install 'rapidlite[plot]'"
-    ]
+    hints = [line for line in log_lines if "pip install matplotlib" in line]
+    assert hints == [f"no {save}/curves.png: {missing}: it was removed)"]
     assert not (save / CURVES_FILE).exists() and (save / "latest").exists()
 
 
@@ -184,3 +184,20 @@ def test_overwrite_removes_the_earlier_runs_curves(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert clear_run(tmp_path) == "curves.png, metrics.jsonl"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_matplotlib_is_installed_with_rapidlite():
+    """The README's first command ends with curves.png: matplotlib is a dependency, not only the [plot] extra
+    (which stays, so 'rapidlite[plot]' still installs)."""
+    import ast
+
+    call = next(
+        node
+        for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup"
+    )
+    kwargs = {
+        k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")
+    }
+    assert any(r.startswith("matplotlib") for r in kwargs["install_requires"])
+    assert any(r.startswith("matplotlib") for r in kwargs["extras_require"]["plot"])

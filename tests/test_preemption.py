@@ -313,3 +313,29 @@ def test_a_loop_of_ones_own_stops_on_a_signal_through_engine_preemption(tmp_path
     assert 3 <= stopped < 200 and f"step {stopped}\n" in out
     assert "SIGTERM: the loop stopped (exit code 143)" in out + err
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_signal_at_an_epoch_end_loses_no_validation(tmp_path, monkeypatch, log_lines):
+    """SIGTERM after an epoch's last step stops before its validation; the resumed run validates that epoch
+    first, so the run ends with one validation per epoch, as an uninterrupted run does."""
+    from helpers import ToyFinetuner, engine
+    from rapidlite.preemption import Preempted
+    from rapidlite.trainer.clock import RunClock
+
+    flags = ("--micro-batch-size", "16", "--epochs", "3")  # 64 samples: 4 steps per epoch
+    ToyFinetuner(engine(*flags, "--save", str(tmp_path / "whole"))).train()
+    expected = [(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / "whole") if r.get("split") == "validation"]
+    assert [i for i, _ in expected] == [4, 8, 12]
+
+    trainer = ToyFinetuner(engine(*flags, "--save", str(tmp_path / "run")))
+    monkeypatch.setattr(RunClock, "signalled", lambda clock: int(signal.SIGTERM) if trainer.iteration == 4 else 0)
+    with pytest.raises(Preempted):
+        trainer.train()
+    monkeypatch.undo()
+    assert not [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"]
+    ToyFinetuner(engine(*flags, "--save", str(tmp_path / "run"), "--load", str(tmp_path / "run"))).train()
+    got = [(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"]
+    assert [i for i, _ in got] == [4, 8, 12]
+    for (_, loss), (_, want) in zip(got, expected, strict=True):
+        assert loss == pytest.approx(want, rel=1e-6)
+    assert any("the end of epoch 1 that the stopped run did not validate" in line for line in log_lines)

@@ -340,3 +340,99 @@ def test_float_scores_train_a_regression_head(tiny_assets, tmp_path):
         writer.writerows([row["sentence"], float(round(float(row["label"])))] for row in rows)
     args = parse_args(task_args(tmp_path / "run" / "hf", whole, "--eval-only", "--save", str(tmp_path / "whole")))
     assert "pearson" in SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+
+
+def _labelled_copy(source, dest, relabel=None):
+    """``source``'s rows in ``dest``, each label passed through ``relabel``."""
+    import csv
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    with open(dest, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["sentence", "label"])
+        writer.writeheader()
+        writer.writerows({**r, "label": (relabel or str)(r["label"])} for r in rows)
+
+
+def test_eval_only_of_a_directory_with_only_a_validation_file(tiny_assets, tmp_path):
+    """--eval-only on a directory holding validation.csv and no train file scores that file, as it scores it
+    next to the train file."""
+    model_dir, data_dir = tiny_assets
+    _labelled_copy(data_dir / "validation.csv", tmp_path / "only" / "validation.csv")
+    scores = {}
+    for name, path in (("full", data_dir), ("only", tmp_path / "only")):
+        args = parse_args(task_args(model_dir, path, "--eval-only", "--save", str(tmp_path / f"eval-{name}")))
+        scores[name] = SequenceClassificationFinetuner(RapidliteEngine(args=args)).train()
+    for key in ("loss", "accuracy"):
+        assert scores["only"][key] == pytest.approx(scores["full"][key], rel=1e-6), key
+    assert [r["split"] for r in read_metrics(tmp_path / "eval-only")] == ["validation"]
+    # Training still needs a train file.
+    proc = run_cli(*task_args(model_dir, tmp_path / "only", "--save", str(tmp_path / "train")))
+    assert proc.returncode == 2 and "no train.* file found" in proc.stderr
+
+
+def test_eval_only_refuses_a_label_the_models_head_does_not_know(tiny_assets, tmp_path):
+    """A named head (negative, positive) evaluated on data with a label it lacks is one line naming the label
+    and the model's labels, not a head silently relabelled for the data."""
+    model_dir, data_dir = tiny_assets
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    _labelled_copy(
+        data_dir / "validation.csv",
+        tmp_path / "data" / "validation.csv",
+        lambda label: {"positive": "neutral"}.get(label, label),
+    )
+    save = tmp_path / "eval"
+    proc = run_cli(*task_args(model_dir, tmp_path / "data", "--eval-only", "--save", str(save)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "'neutral'" in line and "negative, positive" in line, proc.stderr
+    assert not (save / "metrics.jsonl").exists()
+
+
+def test_a_broken_jsonl_line_is_one_line_with_its_number(tiny_assets, tmp_path):
+    """A jsonl file whose third line is not JSON: one line naming the file and line 3, and no second line from
+    the datasets logger; nothing is written."""
+    model_dir, _ = tiny_assets
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(
+        '{"sentence": "a fine film", "label": "positive"}\n'
+        '{"sentence": "a dull film", "label": "negative"}\n'
+        '{"sentence": "a good film" "label": "positive"}\n'
+        '{"sentence": "a bad film", "label": "negative"}\n'
+    )
+    save = tmp_path / "run"
+    proc = run_cli(*task_args(model_dir, data, "--save", str(save)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"rapidlite: error: {data / 'train.jsonl'}: line 3 is not valid JSON" in proc.stderr
+    assert "Failed to load JSON" not in proc.stdout + proc.stderr
+    assert not save.exists()
+
+
+def test_weights_that_disagree_with_the_config_are_refused_naming_the_tensor(tiny_assets, tmp_path):
+    """A config.json whose vocab_size disagrees with the saved embeddings: one line naming the tensor and both
+    shapes, rather than embeddings silently re-initialised; nothing written. A new head for another number of
+    labels is expected and still loads."""
+    import shutil
+
+    model_dir, data_dir = tiny_assets
+    edited = tmp_path / "edited"
+    shutil.copytree(model_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    saved_rows = config["vocab_size"]
+    config["vocab_size"] = saved_rows + 8
+    (edited / "config.json").write_text(json.dumps(config))
+    save = tmp_path / "run"
+    proc = run_cli(*task_args(edited, data_dir, "--save", str(save)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "word_embeddings.weight" in line and f"({saved_rows}, " in line and f"({saved_rows + 8}, " in line, line
+    assert "LOAD REPORT" not in proc.stdout + proc.stderr  # transformers' table of the refused load is not shown
+    assert not save.exists()
+
+    from rapidlite.tasks.sequence_classification import load_classifier
+
+    three = load_classifier(str(model_dir), 3, {0: "a", 1: "b", 2: "c"})
+    assert three.classifier.out_features == 3

@@ -146,7 +146,7 @@ def test_corrupt_parquet_names_the_file(tmp_path):
 
 def test_corrupt_json_names_the_file(tmp_path):
     (tmp_path / "train.json").write_text('{"text": "a", "label": 0}\n{"text": broken\n')
-    with pytest.raises(DataError, match=r"train\.json: cannot be read"):
+    with pytest.raises(DataError, match=r"train\.json: line 2 is not valid JSON \(Expecting value, column 10\); fix"):
         load_raw_datasets(str(tmp_path))
 
 

@@ -357,6 +357,20 @@ def test_eval_only_of_the_export_gives_the_runs_scores(trained, tiny_assets, tmp
         assert again[key] == pytest.approx(final[key], rel=1e-6), key
 
 
+def test_eval_only_refuses_a_tag_the_models_head_does_not_know(trained, tmp_path, capsys):
+    """--eval-only of the export on a directory holding only dev.conll, with a tag (B-GPE) its head lacks: one line
+    naming the tag and the model's tags, not a head rebuilt for the data's tags; nothing written."""
+    _, save = trained
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dev.conll").write_text("Anna B-PER\nlives O\n\nParis B-GPE\n")
+    out = tmp_path / "eval"
+    assert main(task_args(save / "hf", data, "--eval-only", "--save", str(out))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "label 'B-GPE' (tags) is not one of the model's labels (O, B-PER" in err[0], err
+    assert not out.exists()
+
+
 def test_pos_tags_score_accuracy_and_say_entity_f1_does_not_apply(tiny_assets, tmp_path, caplog):
     model_dir, data_dir = tiny_assets
     pos = {"B-PER": "PROPN", "I-PER": "PROPN", "B-LOC": "PROPN", "I-LOC": "PROPN", "B-ORG": "NOUN", "I-ORG": "NOUN"}

@@ -206,6 +206,9 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
 
 # ShareGPT's roles (and a few other exports') as chat templates name them.
 _ROLES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "bot": "assistant", "model": "assistant"}
+# The roles chat templates know (OpenAI's, and the tool roles of Llama's and Qwen's templates). Another one is a
+# typo or an export's own name: no turn would be the assistant's, and nothing would train.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def _message(message: Any) -> dict[str, str]:
@@ -223,8 +226,13 @@ def _message(message: Any) -> dict[str, str]:
     content = message.get("content") if message.get("content") is not None else message.get("value")
     if isinstance(content, list):  # OpenAI's parts: [{"type": "text", "text": ...}, ...]
         content = "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
-    role = str(role)
-    return {"role": _ROLES.get(role.lower(), role), "content": "" if content is None else str(content)}
+    role = _ROLES.get(str(role).lower(), str(role))
+    if role not in CHAT_ROLES:
+        raise DataError(
+            f"a chat message has role {role!r}, which is not one chat templates know: use {', '.join(CHAT_ROLES)} "
+            f"(or ShareGPT's {', '.join(_ROLES)})"
+        )
+    return {"role": role, "content": "" if content is None else str(content)}
 
 
 def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:

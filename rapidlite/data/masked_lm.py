@@ -62,12 +62,23 @@ def read_text_lines(path: str) -> datasets.Dataset:
 
 
 def load_text_datasets(
-    data_path: str, data_name: str | None = None, data_dir: str | None = None, split: str = "969,30,1", seed: int = 1234
+    data_path: str,
+    data_name: str | None = None,
+    data_dir: str | None = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    eval_only: bool = False,
 ) -> datasets.DatasetDict:
     """``--data-path`` as a DatasetDict: what ``load_raw_datasets`` reads, plus ``.txt`` files (one document per
     line, column ``text``)."""
     return load_raw_datasets(
-        data_path, data_name, data_dir, split, seed, readers=dict.fromkeys(TEXT_EXTENSIONS, read_text_lines)
+        data_path,
+        data_name,
+        data_dir,
+        split,
+        seed,
+        readers=dict.fromkeys(TEXT_EXTENSIONS, read_text_lines),
+        eval_only=eval_only,
     )
 
 

@@ -9,11 +9,14 @@ or file, and which file (or share of one) became which split is logged in one li
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
+import json
+import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rapidlite.errors import DataError
@@ -122,8 +125,12 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
     if os.path.getsize(path) == 0:  # the readers fail on it with their own puzzles (pyarrow's StopIteration)
         raise DataError(f"{path}: the file is empty; give it rows")
     try:
-        ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
+        with _quiet_json_reader():
+            ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", **kwargs)
     except Exception as e:  # pyarrow, pandas and datasets all raise their own types for bad files
+        bad = _bad_json_line(path) if builder == "json" else None
+        if bad is not None:
+            raise DataError(f"{path}: {bad}; fix or remove it") from None
         raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
     if builder == "json":
         from rapidlite.data.question_answering_rows import is_squad_layout, squad_layout_rows
@@ -139,6 +146,38 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
                     f"{path}: cannot read the records under {field!r} ({_short_reason(e, root=True)})"
                 ) from e
     return ds
+
+
+@contextlib.contextmanager
+def _quiet_json_reader() -> Iterator[None]:
+    """datasets' json reader logs its own line for a bad file before raising; the DataError says it once."""
+    reader = logging.getLogger("datasets.packaged_modules.json.json")
+    level = reader.level
+    reader.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        reader.setLevel(level)
+
+
+def _bad_json_line(path: str) -> str | None:
+    """Where a json or jsonl file stops being JSON (``line N is not valid JSON (why)``), or None when its text is
+    valid JSON (what failed was the rows' types)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole:
+        if whole.msg != "Extra data":  # one document (or the first line of many) breaks here
+            return f"line {whole.lineno} is not valid JSON ({whole.msg}, column {whole.colno})"
+    for number, line in enumerate(text.splitlines(), 1):  # JSON lines: one document per line
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON ({e.msg}, column {e.colno})"
+    return None
 
 
 def _records_field(ds: datasets.Dataset, path: str) -> str | None:
@@ -208,6 +247,7 @@ def load_raw_datasets(
     split: str = "969,30,1",
     seed: int = 1234,
     readers: Mapping[str, Reader] | None = None,
+    eval_only: bool = False,
 ) -> datasets.DatasetDict:
     """Load ``--data-path`` into a DatasetDict with splits among train/validation/test.
 
@@ -223,6 +263,9 @@ def load_raw_datasets(
       zero weight are left out.
     * Anything else is a dataset hub name: ``datasets.load_dataset(data_path, data_name,
       data_dir=data_dir)``; a missing validation split is carved out of train as for a directory.
+
+    ``eval_only`` (``--eval-only``): a directory with a validation file and no ``train.*`` is read, its validation
+    rows standing in for train where a task reads the columns and labels from train (nothing is trained).
 
     ``readers`` reads more file types, by extension (a task's own text format, e.g. CoNLL files); they are
     found and split as the others.
@@ -245,7 +288,7 @@ def load_raw_datasets(
                     raise DataError(f"{flag} {sub}: {path} is not a directory inside --data-path {data_path}")
         if _is_saved_dataset(path):
             return _log_splits(*_load_saved(path, weights, seed))
-        return _log_splits(*_load_local_dir(path, weights, seed, readers))
+        return _log_splits(*_load_local_dir(path, weights, seed, readers, eval_only))
 
     if os.path.isfile(path):
         if data_name or data_dir:
@@ -304,17 +347,26 @@ def _carved_sources(train_name: str, weights: Sequence[float], parts: dict[str, 
 
 
 def _load_local_dir(
-    directory: str, weights: Sequence[float], seed: int, readers: Mapping[str, Reader] | None = None
+    directory: str,
+    weights: Sequence[float],
+    seed: int,
+    readers: Mapping[str, Reader] | None = None,
+    eval_only: bool = False,
 ) -> tuple[datasets.DatasetDict, dict[str, str]]:
     import datasets
 
     extensions = (*EXTENSIONS, *(readers or {}))
     files = {name: _find_split_file(directory, name, extensions) for name in SPLIT_ORDER}
+    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
+    if files["train"] is None and eval_only and files["validation"] is not None:
+        # Nothing is trained: the validation file is evaluated, and gives the columns and labels train would.
+        files["train"] = files["validation"]
+        sources["train"] = f"{sources['validation']} (no train file; --eval-only reads its columns from it)"
     if files["train"] is None:
         expected = ", ".join(f"train.{e}" for e in extensions[:-1]) + f" or train.{extensions[-1]}"
-        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected})")
+        also = " (--eval-only reads a validation file alone)" if eval_only else ""
+        raise DataError(f"--data-path {directory}: no train.* file found (expected {expected}){also}")
     parts = {name: _load_file(f, readers) for name, f in files.items() if f is not None}
-    sources = {name: os.path.basename(f) for name, f in files.items() if f is not None}
     if len(parts["train"]) == 0:
         raise DataError(f"{files['train']}: the train file has no rows")
     if "validation" not in parts:

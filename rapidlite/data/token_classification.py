@@ -81,11 +81,22 @@ def read_conll(path: str) -> datasets.Dataset:
 
 
 def load_token_datasets(
-    data_path: str, data_name: str | None = None, data_dir: str | None = None, split: str = "969,30,1", seed: int = 1234
+    data_path: str,
+    data_name: str | None = None,
+    data_dir: str | None = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    eval_only: bool = False,
 ) -> datasets.DatasetDict:
     """``--data-path`` as a DatasetDict: what ``load_raw_datasets`` reads, plus CoNLL files (``read_conll``)."""
     return load_raw_datasets(
-        data_path, data_name, data_dir, split, seed, readers=dict.fromkeys(CONLL_EXTENSIONS, read_conll)
+        data_path,
+        data_name,
+        data_dir,
+        split,
+        seed,
+        readers=dict.fromkeys(CONLL_EXTENSIONS, read_conll),
+        eval_only=eval_only,
     )
 
 

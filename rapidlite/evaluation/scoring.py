@@ -239,6 +239,8 @@ def load_scorer(
 
     _check_model_path(model)
     adapter = adapter_directory(model)
+    if adapter is None:  # refused from its config, before its weights load under a new, random LM head
+        _refuse_other_heads(model)
     model = str(adapter) if adapter is not None else model
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -376,6 +378,26 @@ def _num_labels(model: str) -> int | None:
         return AutoConfig.from_pretrained(model).num_labels
     except (OSError, ValueError):
         return None
+
+
+# Class names of the heads that predict the next token (GPT2LMHeadModel is one, as are the *ForCausalLM).
+_CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def _refuse_other_heads(model: str) -> None:
+    """A checkpoint saved with another head (a classifier's, a masked LM's) is one line naming it: transformers
+    would load its body under a random LM head and score that."""
+    from transformers import AutoConfig
+
+    try:
+        heads = AutoConfig.from_pretrained(model).architectures or []
+    except (OSError, ValueError):
+        return  # loading the model says why
+    if heads and not any(h.endswith(_CAUSAL_LM_HEADS) for h in heads):
+        raise ConfigError(
+            f"--model {model}: holds a {heads[0]}, not a causal LM; rapidlite-eval scores an AutoModelForCausalLM "
+            "(--task reward: a one-output sequence classifier)"
+        )
 
 
 def _not_a_reward_model(model: str, labels: int) -> ConfigError:

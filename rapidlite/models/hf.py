@@ -56,8 +56,42 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
     if kwargs.get("quantization_config") is not None:
         from rapidlite.models.lora import keep_training_kernel
 
-        keep_training_kernel(model)  # before anything evaluates it
+        keep_training_kernel(model[0] if isinstance(model, tuple) else model)  # before anything evaluates it
     return model
+
+
+@contextmanager
+def held_load_report() -> Iterator[None]:
+    """transformers' load report (a table of missing and re-initialised tensors) is held while a model loads: shown
+    when the load is accepted, dropped when a one-line error refuses it."""
+    reports = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    reports.addFilter(hold)
+    try:
+        yield
+    finally:
+        reports.removeFilter(hold)
+    for record in held:  # not reached when the block raised
+        reports.handle(record)
+
+
+def refuse_resized_body(model: Any, info: dict[str, Any], name: str) -> None:
+    """After ``from_pretrained(..., ignore_mismatched_sizes=True, output_loading_info=True)``: a classifier's new
+    head may differ in size from the saved one (another number of labels: expected), but a tensor of the body whose
+    saved shape disagrees with the config would be silently re-initialised: one line naming it and both shapes."""
+    body = getattr(model, "base_model_prefix", "") or ""
+    for key, saved, built in sorted(info.get("mismatched_keys") or (), key=lambda m: m[0]):
+        if body and key.startswith(body + "."):
+            raise ConfigError(
+                f"--pretrained-model-name-or-path {name}: tensor {key} has shape {tuple(saved)} in the weights but "
+                f"{tuple(built)} from config.json; make the config match the weights (only the classification head "
+                "may change size)"
+            )
 
 
 def quiet_deepspeed_accelerator() -> None:
@@ -125,6 +159,21 @@ def head_labels(config: Any) -> list[str] | None:
     if not names or names == [f"LABEL_{i}" for i in range(len(names))]:
         return None
     return names
+
+
+def refuse_unknown_labels(head: list[str] | None, labels: list[str], model: str, label_key: str) -> None:
+    """``--eval-only``: a data label that a model's named head lacks is one line; a head rebuilt for the data's
+    labels would score with rows trained for other classes."""
+    if head is None:
+        return
+    known = {name.lower() for name in head}
+    unknown = [name for name in labels if name.lower() not in known]
+    if unknown:
+        shown = ", ".join(head[:20]) + (", ..." if len(head) > 20 else "")
+        raise ConfigError(
+            f"--eval-only: label {unknown[0]!r} ({label_key}) is not one of the model's labels ({shown}; its "
+            f"config.id2label in --pretrained-model-name-or-path {model}); evaluate on data with the model's labels"
+        )
 
 
 def load_tokenizer(name: str, **kwargs: Any) -> Any:

@@ -89,6 +89,22 @@ def _resume_restarted_attempt(args: argparse.Namespace) -> list[str]:
     return [f"{restarted}: resuming from the latest checkpoint in {args.save}"]
 
 
+def _refuse_inside_an_export(given: str, save: str) -> None:
+    """``--save`` at or under a run's ``hf/`` export: that run's next export replaces the directory, and the export
+    would hold this run's checkpoints and metrics beside the model's files."""
+    path = save
+    while os.path.dirname(path) != path:
+        run = os.path.dirname(path)
+        if os.path.basename(path) == "hf" and os.path.isdir(run):
+            names = os.listdir(run)
+            if any(n in ("latest", "metrics.jsonl") or n.startswith("iter_") for n in names):
+                raise ConfigError(
+                    f"--save {given}: lies inside the Hugging Face export of the run in {run} ({path}), which its "
+                    f"next export replaces; pass a directory outside it (e.g. {run}-eval)"
+                )
+        path = run
+
+
 def check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> None:
     """``--save``: a directory that can be written, and not another run's unless this one resumes it (``--load``
     the same directory) or replaces it (``--overwrite``, carried out by the trainer when the run starts).
@@ -98,6 +114,7 @@ def check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> N
         return
     save = os.path.abspath(args.save)
     check_writable_dir("--save", args.save, "the checkpoints")
+    _refuse_inside_an_export(args.save, save)
     # A worker group restarted by --max-restarts continues the run that owns the directory.
     if args.eval_only or not os.path.isdir(save) or env_int("TORCHELASTIC_RESTART_COUNT", 0):
         return

@@ -123,7 +123,9 @@ class CausalLMFinetuner(Finetuner):
         pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, settings.task.chat_template)
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
         seq_length = causal_seq_length(
             settings.data.seq_length, config, explicit=settings.given("seq_length"), task=self.task_name
         )

@@ -62,7 +62,9 @@ class MaskedLMFinetuner(Finetuner):
             settings.data.seq_length, self.tokenizer, config=config, explicit=settings.given("seq_length")
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_text_datasets(*settings.data.source, settings.training.seed)
+            raw = load_text_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             self.data = build_masked_lm_data(
                 raw,
                 self.tokenizer,

@@ -49,7 +49,9 @@ class MultipleChoiceFinetuner(Finetuner):
             settings.data.seq_length, self.tokenizer, config=config, explicit=settings.given("seq_length")
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             self.data = build_multiple_choice_data(
                 raw,
                 self.tokenizer,

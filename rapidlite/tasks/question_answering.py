@@ -69,7 +69,9 @@ class QuestionAnsweringFinetuner(Finetuner):
         explicit = settings.given("seq_length")
         seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             # --eval-only of data without a validation split scores its train split: it needs the windows' metadata.
             evaluated = ("validation", "test", "train") if settings.training.eval_only else ("validation", "test")
             self.data = build_question_answering_data(

@@ -150,7 +150,9 @@ class Seq2SeqFinetuner(Finetuner):
         if self.tokenizer.pad_token_id is None:
             raise ConfigError(f"--pretrained-model-name-or-path {name}: the tokenizer has no padding token")
         with hf_datasets_progress(self.show_progress):
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             self.data = build_seq2seq_data(
                 raw,
                 self.tokenizer,

@@ -15,8 +15,11 @@ from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
 from rapidlite.models.hf import (
     head_labels,
+    held_load_report,
     load_error,
     load_hf_model,
+    refuse_resized_body,
+    refuse_unknown_labels,
     sequence_length,
     tokenizer_and_config,
 )
@@ -30,18 +33,22 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str], **kwar
     ``kwargs``: more ``from_pretrained`` arguments."""
     from transformers import AutoModelForSequenceClassification
 
-    try:
-        return load_hf_model(
-            AutoModelForSequenceClassification.from_pretrained,
-            name,
-            num_labels=num_labels,
-            id2label=id2label,
-            label2id={v: k for k, v in id2label.items()},
-            ignore_mismatched_sizes=True,
-            **kwargs,
-        )
-    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise load_error("model", name, e) from None
+    with held_load_report():
+        try:
+            model, info = load_hf_model(
+                AutoModelForSequenceClassification.from_pretrained,
+                name,
+                num_labels=num_labels,
+                id2label=id2label,
+                label2id={v: k for k, v in id2label.items()},
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **kwargs,
+            )
+        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+            raise load_error("model", name, e) from None
+        refuse_resized_body(model, info, name)
+    return model
 
 
 class SequenceClassificationFinetuner(Finetuner):
@@ -53,7 +60,9 @@ class SequenceClassificationFinetuner(Finetuner):
         explicit = settings.given("seq_length")
         seq_length = sequence_length(settings.data.seq_length, self.tokenizer, config=config, explicit=explicit)
         with hf_datasets_progress(self.show_progress):  # reading and tokenizing: datasets' bars with rate and ETA
-            raw = load_raw_datasets(*settings.data.source, settings.training.seed)
+            raw = load_raw_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
             self.data = build_text_classification_data(
                 raw,
                 self.tokenizer,
@@ -63,6 +72,14 @@ class SequenceClassificationFinetuner(Finetuner):
                 label_order=head_labels(config),
                 # A regression model (STS-B's) scores whole-number labels too, rather than a fresh class head.
                 scores=getattr(config, "problem_type", None) == "regression",
+            )
+        label_column = raw["train"].features[self.data.label_key]
+        if settings.training.eval_only and getattr(label_column, "dtype", None) in ("string", "large_string"):
+            refuse_unknown_labels(
+                head_labels(config),
+                list(self.data.id2label.values()),
+                settings.model.pretrained_model_name_or_path,
+                f"--label-key {self.data.label_key}",
             )
         self.logger.info(
             f"data: {len(self.data.train)} train / "

@@ -27,10 +27,13 @@ from rapidlite.metrics import is_entity_tagset, tagging_metrics
 from rapidlite.models.hf import (
     ensure_pad_token,
     head_labels,
+    held_load_report,
     load_config,
     load_error,
     load_hf_model,
     load_tokenizer,
+    refuse_resized_body,
+    refuse_unknown_labels,
     sequence_length,
 )
 from rapidlite.progress import hf_datasets_progress
@@ -53,18 +56,22 @@ def load_token_classifier(name: str, id2label: dict[int, str], **kwargs: Any) ->
     ``from_pretrained`` arguments."""
     from transformers import AutoModelForTokenClassification
 
-    try:
-        return load_hf_model(
-            AutoModelForTokenClassification.from_pretrained,
-            name,
-            num_labels=len(id2label),
-            id2label=id2label,
-            label2id={v: k for k, v in id2label.items()},
-            ignore_mismatched_sizes=True,
-            **kwargs,
-        )
-    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-        raise load_error("token classification model", name, e) from None
+    with held_load_report():
+        try:
+            model, info = load_hf_model(
+                AutoModelForTokenClassification.from_pretrained,
+                name,
+                num_labels=len(id2label),
+                id2label=id2label,
+                label2id={v: k for k, v in id2label.items()},
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **kwargs,
+            )
+        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+            raise load_error("token classification model", name, e) from None
+        refuse_resized_body(model, info, name)
+    return model
 
 
 def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -88,7 +95,9 @@ class TokenClassificationFinetuner(Finetuner):
             settings.data.seq_length, self.tokenizer, config=config, explicit=explicit
         )
         with hf_datasets_progress(self.show_progress):
-            raw = load_token_datasets(*settings.data.source, settings.training.seed)
+            raw = load_token_datasets(
+                *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
+            )
         self.data = d = build_token_classification_data(
             raw,
             self.tokenizer,
@@ -98,6 +107,13 @@ class TokenClassificationFinetuner(Finetuner):
             label_all_tokens=settings.task.label_all_tokens,
             label_order=head_labels(config),
         )
+        if settings.training.eval_only:
+            refuse_unknown_labels(
+                head_labels(config),
+                list(d.id2label.values()),
+                settings.model.pretrained_model_name_or_path,
+                "tags",
+            )
         self.entity_scores = is_entity_tagset(list(d.id2label.values()))
         for split, count in d.moved.items():
             self.logger.info(

@@ -41,6 +41,7 @@ class Finetuner(BaseTrainer):
     padding_free = None  # the hooks --padding-free put on the model (rapidlite.models.padding_free)
     _harness = None  # --eval-harness's files, read at the first evaluation (rapidlite.evaluation.harness)
     _flattener = None
+    validated_at = -1  # the iteration of the last validation (saved: a stopped run's epoch end is validated on resume)
 
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
         total = torch.zeros((), dtype=torch.float64)
@@ -97,6 +98,8 @@ class Finetuner(BaseTrainer):
         self.model.train(was_training)
         if self.settings.training.eval_only:
             return self.log_evaluation(split, {} if metrics is None else metrics, eval_only=True)
+        if split == "validation":
+            self.validated_at = self.iteration
         epoch = self.iteration / max(self.steps_per_epoch, 1)
         return self.log_evaluation(split, {} if metrics is None else metrics, epoch=round(epoch, 4))
 
@@ -149,6 +152,7 @@ class Finetuner(BaseTrainer):
         self.setup_model(total)
 
         self.begin_training()
+        self._validate_missed_epoch_end()
         start_epoch, start_step = divmod(self.iteration, self.steps_per_epoch)
         for epoch in range(start_epoch, settings.training.epochs):
             total = self.total_iters  # --time-budget may shorten the run after its first steps
@@ -175,6 +179,28 @@ class Finetuner(BaseTrainer):
             self.evaluate("test")
         self.finish()
         return self.last_evaluation
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "validated_at": self.validated_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        # A checkpoint from before this key was kept: its epoch ends count as validated.
+        self.validated_at = int(state.get("validated_at", self.iteration))
+
+    def _validate_missed_epoch_end(self) -> None:
+        """Resumed at an epoch's end (or the run's) that the stopped run did not validate (a SIGTERM/SIGUSR1 or
+        --exit-interval after the epoch's last step stops before its evaluation): validate it now, so no epoch's
+        validation is lost."""
+        at_end = self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters
+        if self.iteration == 0 or not at_end or self.validated_at == self.iteration or self.valid_dataloader is None:
+            return
+        epoch = math.ceil(self.iteration / self.steps_per_epoch)
+        self.logger.info(
+            f"resumed at iteration {self.iteration}, the end of epoch {epoch} that the stopped run did not validate: "
+            "validating it now"
+        )
+        self.evaluate("validation")
 
     def _train_lengths(self, train_ds: Any) -> list[int]:
         """``--group-by-length``: the tokens of every training sample (its ``input_ids``), logged with the padding
