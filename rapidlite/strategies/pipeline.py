@@ -91,7 +91,9 @@ class Pipeline(DataParallel):
         exclude = frozenset({id(tied)}) if runner.has_last and not runner.has_first else frozenset()
         return dataclasses.replace(hooks, sync_grads=sync, norm_exclude=exclude)
 
-    def forward_backward(self, model: Any, optimizer: Any, micro_steps: Sequence[Any]) -> tuple[torch.Tensor, float]:
+    def forward_backward(
+        self, model: Any, optimizer: Any, micro_steps: Sequence[Any], items: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, float]:
         """The schedule runs every micro-batch; the last stage's losses and item counts are shared with the
         other stages so every rank divides its gradients alike."""
         if not all(isinstance(step, tuple) for step in micro_steps):

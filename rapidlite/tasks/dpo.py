@@ -263,6 +263,9 @@ class DPOFinetuner(CausalLMFinetuner):
             return _segments(batch)[1] // int(batch["sequences_per_sample"])
         return batch["input_ids"].shape[0]
 
+    def count_items(self, batch: Any) -> int | None:
+        return None  # DPO's and KTO's losses count pairs or examples, not the causal LM's tokens: counted in the step
+
     def run_forward_step(self, batch, model):
         pref = self.settings.preference
         nll_weight = self.nll_weight()

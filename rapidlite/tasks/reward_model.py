@@ -88,6 +88,9 @@ class RewardModelFinetuner(CausalLMFinetuner):
         return model, None, None
 
     # ------------------------------------------------------------------ forward and metrics
+    def count_items(self, batch: Any) -> int | None:
+        return None  # the reward loss counts pairs, not the causal LM's tokens: counted in the step
+
     def run_forward_step(self, batch, model):
         chosen, rejected = pair_rewards(model, batch)
         losses = bradley_terry(chosen, rejected, batch.get("margin"))
