@@ -80,6 +80,31 @@ def held_load_report() -> Iterator[None]:
         reports.handle(record)
 
 
+def load_with_head(
+    from_pretrained: Any, name: str, what: str, num_labels: int, id2label: dict[int, str], **kwargs: Any
+) -> Any:
+    """A classifier from ``name`` with a head for ``num_labels`` labels named by ``id2label`` (a fresh one unless
+    the saved head has as many): transformers' load report held until the load is accepted, a body tensor whose
+    saved shape disagrees with the config refused (``refuse_resized_body``), a failed load one line naming
+    ``what``."""
+    with held_load_report():
+        try:
+            model, info = load_hf_model(
+                from_pretrained,
+                name,
+                num_labels=num_labels,
+                id2label=id2label,
+                label2id={v: k for k, v in id2label.items()},
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+                **kwargs,
+            )
+        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+            raise load_error(what, name, e) from None
+        refuse_resized_body(model, info, name)
+    return model
+
+
 def refuse_resized_body(model: Any, info: dict[str, Any], name: str) -> None:
     """After ``from_pretrained(..., ignore_mismatched_sizes=True, output_loading_info=True)``: a classifier's new
     head may differ in size from the saved one (another number of labels: expected), but a tensor of the body whose

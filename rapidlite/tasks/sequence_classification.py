@@ -15,10 +15,7 @@ from rapidlite.data.text_classification import build_text_classification_data
 from rapidlite.metrics import classification_metrics, regression_metrics
 from rapidlite.models.hf import (
     head_labels,
-    held_load_report,
-    load_error,
-    load_hf_model,
-    refuse_resized_body,
+    load_with_head,
     refuse_unknown_labels,
     sequence_length,
     tokenizer_and_config,
@@ -33,22 +30,9 @@ def load_classifier(name: str, num_labels: int, id2label: dict[int, str], **kwar
     ``kwargs``: more ``from_pretrained`` arguments."""
     from transformers import AutoModelForSequenceClassification
 
-    with held_load_report():
-        try:
-            model, info = load_hf_model(
-                AutoModelForSequenceClassification.from_pretrained,
-                name,
-                num_labels=num_labels,
-                id2label=id2label,
-                label2id={v: k for k, v in id2label.items()},
-                ignore_mismatched_sizes=True,
-                output_loading_info=True,
-                **kwargs,
-            )
-        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-            raise load_error("model", name, e) from None
-        refuse_resized_body(model, info, name)
-    return model
+    return load_with_head(
+        AutoModelForSequenceClassification.from_pretrained, name, "model", num_labels, id2label, **kwargs
+    )
 
 
 class SequenceClassificationFinetuner(Finetuner):

@@ -27,12 +27,9 @@ from rapidlite.metrics import is_entity_tagset, tagging_metrics
 from rapidlite.models.hf import (
     ensure_pad_token,
     head_labels,
-    held_load_report,
     load_config,
-    load_error,
-    load_hf_model,
     load_tokenizer,
-    refuse_resized_body,
+    load_with_head,
     refuse_unknown_labels,
     sequence_length,
 )
@@ -56,22 +53,8 @@ def load_token_classifier(name: str, id2label: dict[int, str], **kwargs: Any) ->
     ``from_pretrained`` arguments."""
     from transformers import AutoModelForTokenClassification
 
-    with held_load_report():
-        try:
-            model, info = load_hf_model(
-                AutoModelForTokenClassification.from_pretrained,
-                name,
-                num_labels=len(id2label),
-                id2label=id2label,
-                label2id={v: k for k, v in id2label.items()},
-                ignore_mismatched_sizes=True,
-                output_loading_info=True,
-                **kwargs,
-            )
-        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-            raise load_error("token classification model", name, e) from None
-        refuse_resized_body(model, info, name)
-    return model
+    what, labels = "token classification model", len(id2label)
+    return load_with_head(AutoModelForTokenClassification.from_pretrained, name, what, labels, id2label, **kwargs)
 
 
 def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
