@@ -77,6 +77,9 @@ class Strategy:
     drives (``backward``, ``step(grad_divisor)``, ``zero_grad``, ``param_groups``, ``loss_scale``,
     ``skipped_steps``, ``last_grad_norm``); the rest serves the trainer's loop and its checkpoints."""
 
+    # Whether forward_backward needs each micro-batch's item count before the forward passes (``items``): a
+    # backend that divides the losses itself (DeepSpeed). Elsewhere the trainers do not count them twice.
+    needs_item_counts = False
     # The pipeline runner under pipeline parallelism (the trainer then hands forward steps as record/replay
     # pairs); None for every other backend.
     pipeline: Any = None

@@ -22,6 +22,8 @@ from rapidlite.strategies.base import Strategy
 class DeepSpeed(Strategy):
     """The model handed back by ``setup`` is DeepSpeed's engine: forward through it, as DeepSpeed requires."""
 
+    needs_item_counts = True  # it divides each micro-batch's loss itself (see forward_backward)
+
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self._resume_weights: dict[str, torch.Tensor] | None = None

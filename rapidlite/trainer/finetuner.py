@@ -166,7 +166,7 @@ class Finetuner(BaseTrainer):
                 if not micro:
                     break
                 self.before_step(micro)
-                items = [self.count_items(b) for b in micro]
+                items = [self.count_items(b) for b in micro] if self.engine.strategy.needs_item_counts else [None]
                 steps = (functools.partial(self._forward_batch, b) for b in micro)
                 self.train_step(steps, items=None if None in items else items)
                 self.after_step(sum(batch_stats(b)[0] for b in micro))
