@@ -81,6 +81,9 @@ def _probe_matmul_seconds(dtype: torch.dtype, n: int = 256, repeats: int = 3) ->
     return (time.perf_counter() - start) / repeats
 
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # a precision's compute dtype (None: fp32)
+
+
 def resolve_precision(precision: str, device: torch.device) -> tuple[Precision, str | None]:
     """The policy for ``args.precision`` on ``device``, and a notice to log (None when there is nothing to say).
 
@@ -108,8 +111,7 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[Precision, 
             "--bf16: this CPU has no bf16 fast path (no AVX-512 BF16 or AMX): bf16 matrix multiplies run many times "
             "slower than fp32 here (--mixed-precision picks fp32 on such CPUs)"
         )
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return Precision(dtype=dtype, device_type=device_type), notice
+    return Precision(dtype=DTYPES[precision], device_type=device_type), notice
 
 
 def set_tf32(requested: bool | None, device: torch.device) -> bool | None:

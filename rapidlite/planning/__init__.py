@@ -181,7 +181,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     from rapidlite.distributed import ParallelDims
     from rapidlite.models import lora
     from rapidlite.models.spec import spec_of
-    from rapidlite.precision import Precision, resolve_precision
+    from rapidlite.precision import DTYPES, Precision, resolve_precision
     from rapidlite.resolve.world import target_world_size
     from rapidlite.strategies.base import set_dropout
 
@@ -193,7 +193,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     device = torch.device("cuda" if gpu else "cpu")
     if gpu and not torch.cuda.is_available():  # planned for GPUs elsewhere: mixed precision is bf16 there
         name = {"auto": "bf16"}.get(settings.precision.precision, settings.precision.precision)
-        precision = Precision({"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name], "cuda")
+        precision = Precision(DTYPES[name], "cuda")
     else:
         precision, _ = resolve_precision(settings.precision.precision, device)
     adapters = settings.lora
