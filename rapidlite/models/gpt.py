@@ -47,7 +47,7 @@ from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.losses import maybe_loss_parallel
-from rapidlite.models.head import chunked_head_loss, chunks_loss
+from rapidlite.models.head import chunked_head_loss, chunks_loss, kept_tokens
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -420,9 +420,7 @@ class GPTModel(nn.Module):
     ) -> tuple[torch.Tensor, int]:
         """``(sum of fp32 cross-entropies over kept positions, their count)``."""
         labels = labels.flatten()
-        keep = labels != -100
-        if loss_mask is not None:
-            keep = keep & (loss_mask.flatten() != 0)
+        keep = kept_tokens(labels, None if loss_mask is None else loss_mask.flatten())
         # Vocabulary-sharded logits (tensor parallelism) take the parallel cross-entropy on their shards.
         with maybe_loss_parallel(logits):
             loss_sum = F.cross_entropy(
