@@ -113,14 +113,20 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
     # An iteration count an embedded demo filled in gives way to the samples asked for.
     given = args.explicit_flags if args.explicit_flags is not None else frozenset(vars(args))
     demo_values = args.demo_defaults
-    for samples, iters in (("train_samples", "train_iters"), ("lr_decay_samples", "lr_decay_iters")):
+    for samples, iters in (
+        ("train_samples", "train_iters"),
+        ("train_tokens", "train_iters"),
+        ("lr_decay_samples", "lr_decay_iters"),
+    ):
         if getattr(args, samples) is not None and getattr(args, iters) is not None:
             if iters in given and iters not in demo_values:
                 raise ConfigError(f"--{_flag(samples)} and --{_flag(iters)} are exclusive: give one of them")
+    if args.train_samples is not None and args.train_tokens is not None:
+        raise ConfigError("--train-samples and --train-tokens are exclusive: give one of them")
     warmups = [args.lr_warmup_samples, args.lr_warmup_iters, args.lr_warmup_fraction]
     if args.lr_warmup_samples is not None and sum(w is not None for w in warmups) > 1:
         raise ConfigError("--lr-warmup-samples, --lr-warmup-iters and --lr-warmup-fraction are exclusive: give one")
-    for dest in ("train_samples", "lr_decay_samples", "exit_interval"):
+    for dest in ("train_samples", "train_tokens", "lr_decay_samples", "exit_interval"):
         value = getattr(args, dest)
         if value is not None and value <= 0:
             raise ConfigError(f"--{dest.replace('_', '-')} {value}: must be a positive integer")
@@ -156,7 +162,8 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
 
 def samples_to_iterations(args: argparse.Namespace) -> None:
     """After the batch is resolved: ``--train-samples``/``--lr-decay-samples``/``--lr-warmup-samples`` as
-    iterations of the global batch (rounded up, as Megatron does)."""
+    iterations of the global batch (rounded up, as Megatron does), and ``--train-tokens`` as iterations of the
+    global batch's sequences."""
     batch = args.global_batch_size
     for samples, iters in (
         ("train_samples", "train_iters"),
@@ -166,3 +173,10 @@ def samples_to_iterations(args: argparse.Namespace) -> None:
         value = getattr(args, samples)
         if value is not None:
             setattr(args, iters, math.ceil(value / batch))
+    if args.train_tokens is not None:
+        if args.seq_length is None:
+            raise ConfigError(
+                f"--train-tokens {args.train_tokens}: an iteration is --global-batch-size x --seq-length tokens; "
+                "give --seq-length"
+            )
+        args.train_iters = math.ceil(args.train_tokens / (batch * args.seq_length))

@@ -44,7 +44,7 @@ FLAGS = """
 --label-all-tokens
 --group-by-length --padding-free
 --source-lang --target-lang --source-prefix --max-target-length --num-beams
---use-distributed-optimizer --train-samples --lr-decay-samples --lr-warmup-samples --exit-interval
+--use-distributed-optimizer --train-samples --train-tokens --lr-decay-samples --lr-warmup-samples --exit-interval
 --exit-duration-in-mins --use-rotary-position-embeddings --no-position-embedding --rotary-base --rotary-percent
 --disable-bias-linear --group-query-attention --num-query-groups --kv-channels --rampup-batch-size
 --train-data-path --valid-data-path --test-data-path

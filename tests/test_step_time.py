@@ -139,6 +139,28 @@ def test_dry_run_prints_the_terms_and_refuses_a_profile_without_a_plan(tmp_path)
     assert bad.returncode == 2 and "not a profile name" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_train_tokens_is_iterations_of_the_global_batchs_sequences():
+    tokens = ["--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96"]
+    tokens += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--data-path", "unused"]
+    tokens += ["--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "256"]
+    args = parse_args([*tokens, "--train-tokens", str(8 * 256 * 10 + 1)])
+    assert args.train_iters == 11  # rounded up, as --train-samples is
+    settings = parse_args([*tokens, "--train-tokens", "1000000000"]).sections
+    t = step_time(plan(settings, gpu=True), device_profile("h100-sxm"), per_node=8)
+    assert t.iterations == 488282 and t.counted_tokens
+    out = rapidlite(*tokens, "--train-tokens", "1000000000", "--dry-run", "--device-profile", "h100-sxm").stdout
+    assert re.search(r"time to train 1B tokens, 488,282 iterations: [\d.]+ (h|min|s)\n", out), out
+    no_length = [flag for flag in tokens if flag not in ("--seq-length", "256")]
+    for flags, message in (
+        ([*no_length, "--train-tokens", "1000"], "--train-tokens 1000: an iteration is .* give --seq-length"),
+        ([*tokens, "--train-tokens", "1000", "--train-iters", "5"], "--train-tokens and --train-iters are exclusive"),
+        ([*tokens, "--train-tokens", "1000", "--train-samples", "5"], "--train-samples and --train-tokens are excl"),
+        ([*tokens, "--train-tokens", "0"], "--train-tokens 0: must be a positive integer"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(flags)
+
+
 def test_the_cpu_profile_is_measured_once_then_read(tmp_path, monkeypatch):
     monkeypatch.setenv("RAPIDLITE_CACHE", str(tmp_path))
     first = device_profile("cpu")

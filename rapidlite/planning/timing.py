@@ -80,6 +80,7 @@ class Throughput:
     model_flops_per_step: float
     peak_flops: float  # one device's
     iterations: int | None
+    counted_tokens: bool = False  # the run's length was given in tokens (--train-tokens)
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -158,6 +159,7 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
         model_flops_per_step=global_batch * seq * flops.per_token(seq),
         peak_flops=peak,
         iterations=_iterations(s, global_batch),
+        counted_tokens=s.training.train_tokens is not None,
     )
 
 
@@ -213,6 +215,13 @@ def _iterations(settings: Any, global_batch: int) -> int | None:
     return -(-samples // global_batch) if samples else None
 
 
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
 def format_time(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
@@ -240,5 +249,6 @@ def format_throughput(t: Throughput, profile: DeviceProfile) -> list[str]:
         f"(model FLOPs over {t.world_size} x {t.peak_flops / 1e12:.3g} TFLOP/s peak)"
     )
     if t.time_to_train is not None:
-        lines.append(f"time to train {t.iterations:,} iterations: {format_time(t.time_to_train)}")
+        tokens = f"{_count(t.iterations * t.tokens_per_step)} tokens, " if t.counted_tokens else ""
+        lines.append(f"time to train {tokens}{t.iterations:,} iterations: {format_time(t.time_to_train)}")
     return lines

@@ -191,7 +191,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
     args.demo_defaults = frozenset(d for d in demo.defaults if given is None or d not in given)
     if given is not None:  # the demo's values count as given (a DeepSpeed file's do not replace them)
         args.explicit_flags = given | frozenset(demo.defaults) | frozenset(demo.assets)
-        if given & {"train_iters", "train_samples", "epochs"} and "time_budget" not in given:
+        if given & {"train_iters", "train_samples", "train_tokens", "epochs"} and "time_budget" not in given:
             args.time_budget = None  # the demo's budget gives way to the length asked for
     args.demo = True
     return args
