@@ -1,5 +1,8 @@
+import fcntl
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +54,29 @@ def pytest_collection_modifyitems(config, items):
     if len(chosen) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
         items[:] = chosen
+
+
+@pytest.fixture(autouse=True)
+def _machine_turn(request):
+    """A test marked ``exclusive`` (one that times the machine: tests/test_step_time.py) runs while no other test
+    does: under pytest-xdist every test holds a shared lock on a file of the session, an exclusive test takes it
+    exclusively, so the other workers finish their current test and wait. A second file is a turnstile: a
+    waiting exclusive test holds it, so tests arriving after it queue behind it instead of starving it."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if session is None:  # one process: nothing runs beside the test
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"rapidlite-tests-{session}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        exclusive = request.node.get_closest_marker("exclusive") is not None
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -122,6 +122,27 @@ def test_the_layouts_terms_move_as_their_parallelism_says():
     assert offload["optimizer"] > 10 * zero3.step.terms["optimizer"]  # the host's Adam and the trips over PCIe
 
 
+def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism_not_ddp():
+    """gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce: the profile's
+    slowdowns multiply what FSDP2 and sequence parallelism spend in them, and leave DDP's all-reduce as it is."""
+    from dataclasses import replace
+
+    nccl = device_profile("a100-80g")
+    gloo = replace(nccl, all_gather_slowdown=2.0, reduce_scatter_slowdown=3.0, overlaps_communication=False)
+    flat = replace(nccl, overlaps_communication=False)
+    base = ["--nproc-per-node", "2", "--global-batch-size", "8", "--mixed-precision"]
+
+    def comm(profile, *flags, term="data parallel"):
+        return step_time(_plan(*base, *flags), profile, 8).step.terms[term]
+
+    assert comm(gloo) == comm(flat)  # DDP's all-reduce
+    ratio = comm(gloo, "--zero-3-memory-optimization") / comm(flat, "--zero-3-memory-optimization")
+    assert 2.0 < ratio < 3.0  # gathers at 2x, the gradients' reduce-scatter at 3x
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert comm(gloo, *tp, term="tensor parallel") == pytest.approx(2.5 * comm(flat, *tp, term="tensor parallel"))
+    assert comm(gloo, tp[0], tp[1], term="tensor parallel") == comm(flat, tp[0], tp[1], term="tensor parallel")
+
+
 def test_dry_run_prints_the_terms_and_refuses_a_profile_without_a_plan(tmp_path):
     proc = rapidlite(*MODEL, "--dry-run", "--device-profile", "h100-sxm", "--nproc-per-node", "8",
                      "--global-batch-size", "16", "--mixed-precision", "--zero-3-memory-optimization")  # fmt: skip

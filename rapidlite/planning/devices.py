@@ -57,6 +57,11 @@ class DeviceProfile:
     # Measured matmul efficiency by the size n of an n x n x n multiply (a CPU's, whose small multiplies fall far
     # below its peak); matmul_efficiency is taken where this is absent.
     matmul_efficiency_by_size: dict[str, float] | None = None
+    # An all-gather's and a reduce-scatter's time into one tensor (FSDP2's, and sequence parallelism's) over the
+    # ring formula at the all-reduce's bus bandwidth. NCCL runs the three at one bus bandwidth (1.0); gloo copies
+    # through per-rank lists and runs them 1.5-4x slower than its all-reduce, measured by the cpu profile.
+    all_gather_slowdown: float = 1.0
+    reduce_scatter_slowdown: float = 1.0
 
     def matmul_efficiency_at(self, size: int) -> float:
         """The efficiency of multiplies whose smallest side is ``size`` (log-linear between measured sizes)."""
@@ -183,11 +188,13 @@ def _number(path: Path, key: str, value: Any) -> Any:
 # Timed on one thread, as each process of a multi-process CPU run computes: the matrix-multiply peak at fp32
 # (and its efficiency at sizes from 128 to 2048) and at bf16 (``rapidlite.flops.measure_matmul_peak``), causal
 # attention's speed, the memory bandwidth (a large copy) and the speed of an AdamW step, each times the cores for
-# the machine; and gloo's loopback all-reduce bandwidth and latency between two processes. The processes of a CPU
+# the machine; and gloo's loopback all-reduce bandwidth and latency between two processes, and how much slower its
+# all-gather and reduce-scatter into one tensor run than that bandwidth says. The processes of a CPU
 # run share the machine's cores (``DeviceProfile.shared_by_node``). The result is kept in the cache
 # (``rapidlite.cache``) under the CPU's model name, core count and torch version, so later plans read it; delete
 # the file to measure again.
 _PORT_BASE = 29600
+_CACHE_VERSION = 2  # raised when the profile measures something new: an older file is measured again
 SIZES = (128, 256, 512, 1024, 2048)  # the multiplies timed: a CPU's efficiency falls steeply below 1024
 
 
@@ -202,7 +209,7 @@ def _cpu_name() -> str:
 
 
 def _cache_file() -> Path:
-    key = f"{_cpu_name()}-{os.cpu_count()}-torch{torch.__version__}"
+    key = f"{_cpu_name()}-{os.cpu_count()}-torch{torch.__version__}-v{_CACHE_VERSION}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
     return Path(cache_root()) / "device-profiles" / f"cpu-{safe}.json"
 
@@ -257,7 +264,7 @@ def _measure() -> DeviceProfile:
         p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW(params, lr=1e-4)
     optimizer_rate = 4 * 2**20 / _timed(adam.step)
-    bandwidth, latency = _gloo_loopback()
+    bandwidth, latency, gather_slowdown, scatter_slowdown = _gloo_loopback()
     attention = _attention_flops() / fp32
     return DeviceProfile(
         name="cpu",
@@ -276,6 +283,8 @@ def _measure() -> DeviceProfile:
         host_optimizer_rate=optimizer_rate * cores,
         shared_by_node=True,
         overlaps_communication=False,
+        all_gather_slowdown=gather_slowdown,
+        reduce_scatter_slowdown=scatter_slowdown,
         source=f"measured on {_cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}",
     )
 
@@ -294,8 +303,9 @@ def _attention_flops() -> float:
     return 12 * tokens**2 * dim * heads / _timed(step)
 
 
-def _gloo_loopback() -> tuple[float, float]:
-    """gloo's all-reduce between two local processes: (bus bandwidth in bytes/s, seconds per small message)."""
+def _gloo_loopback() -> tuple[float, float, float, float]:
+    """gloo between two local processes: the all-reduce's bus bandwidth (bytes/s) and seconds per small message,
+    and the all-gather's and reduce-scatter's times into one tensor over the ring formula at that bandwidth."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -315,11 +325,21 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    n = 2
     big, small = torch.ones(8 * 2**20), torch.ones(1)  # 32 MiB
     seconds = _timed(lambda: dist.all_reduce(big), repeats=5)
     latency = _timed(lambda: dist.all_reduce(small), repeats=20)
+    # FSDP2's calls (their older names before torch 2.13), at a transformer block's size: 8 MiB gathered.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    block = big[: 2 * 2**20]
+    shard = torch.ones(block.numel() // n)
+    reduced = _timed(lambda: dist.all_reduce(block), repeats=7)
+    gather = _timed(lambda: all_gather(block, shard), repeats=7)
+    scatter = _timed(lambda: reduce_scatter(shard, block), repeats=7)
     if rank == 0:
-        n = 2
-        queue.put((2 * (n - 1) / n * big.nbytes / seconds, latency / (2 * (n - 1))))
+        ring = reduced / 2  # an all-gather or reduce-scatter at the all-reduce's bus bandwidth moves half its bytes
+        bandwidth = 2 * (n - 1) / n * big.nbytes / seconds
+        queue.put((bandwidth, latency / (2 * (n - 1)), max(1.0, gather / ring), max(1.0, scatter / ring)))
     dist.barrier()
     dist.destroy_process_group()

@@ -25,7 +25,8 @@ A step is the sum of terms, each shown so a user sees what dominates:
 
 Collectives are ring formulas over the link the group spans: within a node (``--nproc-per-node`` ranks) the
 profile's intra-node bandwidth and latency, else the inter-node ones. ``all_reduce`` moves ``2 (n-1)/n`` of
-the bytes through each rank, ``all_gather``/``reduce_scatter`` ``(n-1)/n``.
+the bytes through each rank, ``all_gather``/``reduce_scatter`` ``(n-1)/n``, times the profile's slowdown of
+that collective (1 for NCCL; gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce).
 
 What the model leaves out: kernel launch overheads and small-kernel inefficiency, the data loader, imbalance
 between stages (the slowest rank is taken), FP8 and custom kernels, and compute slowed by communication sharing
@@ -142,10 +143,15 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
         t.terms["compute"] = m * per_micro
         t.terms["pipeline bubble"] = (dims.pp - 1) / virtual * per_micro if dims.pp > 1 else 0.0
         per_layer = 4 + (2 * recompute if s.model.recompute_granularity == "full" else 0)
-        t.terms["tensor parallel"] = m * (layers / dims.pp) * per_layer * all_reduce(act, dims.tp, *tp_link)
+        if s.parallel.sequence_parallel:  # each all-reduce becomes a reduce-scatter and an all-gather
+            slowdown = profile.all_gather_slowdown + profile.reduce_scatter_slowdown
+            tp_collective = slowdown * all_gather(act, dims.tp, *tp_link)
+        else:
+            tp_collective = all_reduce(act, dims.tp, *tp_link)
+        t.terms["tensor parallel"] = m * (layers / dims.pp) * per_layer * tp_collective
         t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
         overlap = per_micro if profile.overlaps_communication else 0.0
-        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, overlap, plan.precision, dp_link)
+        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, overlap, plan.precision, dp_link, profile)
         t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm
         t.terms["optimizer"] = _optimizer(r, dp_cfg, profile, memory_bandwidth)
         ranks.append(t)
@@ -178,7 +184,14 @@ def _virtual_stages(settings: Any, layers: int, pp: int) -> int:
 
 
 def _data_parallel(
-    r: Any, dp_cfg: Any, dp: int, m: int, per_micro: float, precision: str, link: tuple[float, float]
+    r: Any,
+    dp_cfg: Any,
+    dp: int,
+    m: int,
+    per_micro: float,
+    precision: str,
+    link: tuple[float, float],
+    profile: DeviceProfile,
 ) -> tuple[float, float]:
     """(exposed, overlapped) seconds of the data-parallel collectives of one step; ``per_micro``: the compute of a
     micro-batch they can hide behind (0 where collectives take the compute's cores)."""
@@ -194,8 +207,9 @@ def _data_parallel(
         exposed = min(total, max(total - backward, last_bucket))
         return exposed + after, total - exposed
     gathered = r.compute_params * _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
-    gathers = (2 if dp_cfg.zero_stage == 3 else 1) * m * all_gather(gathered, dp, *link)
-    total = gathers + all_gather(grads, dp, *link)  # the reduce-scatter of the summed gradients
+    gather = profile.all_gather_slowdown * all_gather(gathered, dp, *link)
+    gathers = (2 if dp_cfg.zero_stage == 3 else 1) * m * gather
+    total = gathers + profile.reduce_scatter_slowdown * all_gather(grads, dp, *link)  # the summed gradients
     exposed = max(0.0, total - m * per_micro)
     return exposed, total - exposed
 
