@@ -1,7 +1,11 @@
 """``--dry-run --device-profile``: the step-time model's terms, its device profiles, and the printed plan."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +238,18 @@ def test_search_over_two_ranks_ranks_fitting_layouts_by_speed():
     assert len(steps) == 5 and steps == sorted(steps), proc.stdout
     bad = rapidlite(*argv, "--dry-run", "--device-profile", "h100-sxm", "--search")
     assert bad.returncode == 2 and "--search ranks the layouts that fit a device" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.exclusive
+def test_the_predicted_order_of_the_two_rank_layouts_is_the_measured_one(tmp_path):
+    """DDP, ZeRO-1/2/3, TP2 and PP2, each at micro-batch 1 and 2, run on this machine beside their predictions
+    from the cpu profile, measured in the same quiet turn (benchmarks/step_time.py --here, which prints both)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
+    env = {**os.environ, "RAPIDLITE_CACHE": str(tmp_path / "cache")}  # the profile measured now, not under load
+    proc = subprocess.run([sys.executable, str(script), "--here"], capture_output=True, text=True, env=env,
+                          timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    spearman = re.search(r"Spearman rank correlation of predicted and measured step times: (-?[\d.]+)", proc.stdout)
+    assert spearman and float(spearman.group(1)) >= 0.8, proc.stdout

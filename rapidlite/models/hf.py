@@ -33,26 +33,31 @@ def _refuses_sdpa(error: Exception) -> bool:
     return "scaled_dot_product_attention" in message or SDPA in message.lower()
 
 
-def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> ModelT:
+def load_hf_model(
+    load: Callable[..., ModelT], source: Any, new_head: str | None = None, evaluating: bool = False, **kwargs: Any
+) -> ModelT:
     """``load(source, **kwargs)`` with SDPA attention, where ``load`` is a Hugging Face ``from_pretrained``
     (``source``: a name or directory) or an auto class's ``from_config`` (``source``: a config).
 
     A class without SDPA support is loaded again without the request, with the library's default attention.
-    transformers fails that check before it reads any weights, so the retry costs no second load."""
-    # transformers 5 writes the request into the config it is given, also when it then refuses it: the first
-    # attempt gets a copy, so the fallback starts from the config as the caller built it.
+    transformers fails that check before it reads any weights, so the retry costs no second load.
+
+    Weights whose saved shape disagrees with the model built from the config (``refuse_resized``) are one line,
+    not transformers' table and its advice. ``new_head``: the task's head (``"multiple-choice head"``) may be
+    replaced, with a one-line notice, when the saved one has another shape (a checkpoint of another task);
+    ``evaluating`` (``--eval-only``): a head the weights do not hold is refused, it would score at random."""
     named = isinstance(source, (str, os.PathLike))
-    first = source if named else copy.deepcopy(source)
-    try:
-        model = load(first, attn_implementation=SDPA, **kwargs)
-    except (ValueError, ImportError) as error:
-        if not _refuses_sdpa(error):
-            raise
-        what = source if named else f"a {getattr(source, 'model_type', type(source).__name__)} config"
-        logging.getLogger(LOGGER_NAME).info(
-            f"{what}: the model class has no SDPA attention; using transformers' default"
-        )
-        model = load(source, **kwargs)
+    # Quantised weights are stored packed, in shapes of their own: transformers checks those itself.
+    checked = named and kwargs.get("quantization_config") is None
+    checked = checked and "ignore_mismatched_sizes" not in kwargs and "output_loading_info" not in kwargs
+    if checked:
+        kwargs = {**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}
+    with held_load_report() as report:
+        model = _load_with_sdpa(load, source, named, **kwargs)
+        if checked:
+            model, info = model
+            if refuse_resized(model, info, str(source), new_head, evaluating):
+                report.clear()  # the one-line notice says it
     if kwargs.get("quantization_config") is not None:
         from rapidlite.models.lora import keep_training_kernel
 
@@ -60,10 +65,26 @@ def load_hf_model(load: Callable[..., ModelT], source: Any, **kwargs: Any) -> Mo
     return model
 
 
+def _load_with_sdpa(load: Callable[..., ModelT], source: Any, named: bool, **kwargs: Any) -> ModelT:
+    # transformers 5 writes the request into the config it is given, also when it then refuses it: the first
+    # attempt gets a copy, so the fallback starts from the config as the caller built it.
+    first = source if named else copy.deepcopy(source)
+    try:
+        return load(first, attn_implementation=SDPA, **kwargs)
+    except (ValueError, ImportError) as error:
+        if not _refuses_sdpa(error):
+            raise
+        what = source if named else f"a {getattr(source, 'model_type', type(source).__name__)} config"
+        logging.getLogger(LOGGER_NAME).info(
+            f"{what}: the model class has no SDPA attention; using transformers' default"
+        )
+        return load(source, **kwargs)
+
+
 @contextmanager
-def held_load_report() -> Iterator[None]:
+def held_load_report() -> Iterator[list[logging.LogRecord]]:
     """transformers' load report (a table of missing and re-initialised tensors) is held while a model loads: shown
-    when the load is accepted, dropped when a one-line error refuses it."""
+    when the load is accepted, dropped when a one-line error refuses it (or the caller clears the held list)."""
     reports = logging.getLogger("transformers.modeling_utils")
     held: list[logging.LogRecord] = []
 
@@ -73,7 +94,7 @@ def held_load_report() -> Iterator[None]:
 
     reports.addFilter(hold)
     try:
-        yield
+        yield held
     finally:
         reports.removeFilter(hold)
     for record in held:  # not reached when the block raised
@@ -84,39 +105,52 @@ def load_with_head(
     from_pretrained: Any, name: str, what: str, num_labels: int, id2label: dict[int, str], **kwargs: Any
 ) -> Any:
     """A classifier from ``name`` with a head for ``num_labels`` labels named by ``id2label`` (a fresh one unless
-    the saved head has as many): transformers' load report held until the load is accepted, a body tensor whose
-    saved shape disagrees with the config refused (``refuse_resized_body``), a failed load one line naming
-    ``what``."""
-    with held_load_report():
-        try:
-            model, info = load_hf_model(
-                from_pretrained,
-                name,
-                num_labels=num_labels,
-                id2label=id2label,
-                label2id={v: k for k, v in id2label.items()},
-                ignore_mismatched_sizes=True,
-                output_loading_info=True,
-                **kwargs,
-            )
-        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
-            raise load_error(what, name, e) from None
-        refuse_resized_body(model, info, name)
-    return model
+    the saved head has as many); a failed load one line naming ``what``."""
+    try:
+        return load_hf_model(
+            from_pretrained,
+            name,
+            new_head=f"{num_labels}-label head",
+            num_labels=num_labels,
+            id2label=id2label,
+            label2id={v: k for k, v in id2label.items()},
+            **kwargs,
+        )
+    except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+        raise load_error(what, name, e) from None
 
 
-def refuse_resized_body(model: Any, info: dict[str, Any], name: str) -> None:
-    """After ``from_pretrained(..., ignore_mismatched_sizes=True, output_loading_info=True)``: a classifier's new
-    head may differ in size from the saved one (another number of labels: expected), but a tensor of the body whose
-    saved shape disagrees with the config would be silently re-initialised: one line naming it and both shapes."""
+def refuse_resized(model: Any, info: dict[str, Any], name: str, new_head: str | None, evaluating: bool = False) -> bool:
+    """After ``from_pretrained(..., ignore_mismatched_sizes=True, output_loading_info=True)``: a tensor whose saved
+    shape disagrees with the model built from the config would be silently re-initialised. One line naming it and
+    both shapes, unless it is outside the model's body and the caller takes a ``new_head`` (a classifier's head
+    for another number of labels, a multiple-choice head from a sequence classifier's checkpoint): then a one-line
+    notice, and True (the notice replaces transformers' report)."""
     body = getattr(model, "base_model_prefix", "") or ""
-    for key, saved, built in sorted(info.get("mismatched_keys") or (), key=lambda m: m[0]):
-        if body and key.startswith(body + "."):
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    for key, saved, built in mismatched:
+        if new_head is None or (body and key.startswith(body + ".")):
+            only = " (only the task's head may change size)" if new_head else ""
             raise ConfigError(
                 f"--pretrained-model-name-or-path {name}: tensor {key} has shape {tuple(saved)} in the weights but "
-                f"{tuple(built)} from config.json; make the config match the weights (only the classification head "
-                "may change size)"
+                f"{tuple(built)} from config.json; make the config match the weights{only}"
             )
+    missing = sorted(k for k in info.get("missing_keys") or () if not (body and k.startswith(body + ".")))
+    if evaluating and new_head and (mismatched or missing):
+        key, why = (mismatched[0][0], "has another shape") if mismatched else (missing[0], "is not")
+        raise ConfigError(
+            f"--eval-only: {name} holds no trained {new_head} ({key} {why} in its weights); evaluate a model "
+            "fine-tuned for this task (a run's hf/ directory), or train one first"
+        )
+    if not mismatched:
+        return False
+    key, saved, built = max(mismatched, key=lambda m: len(m[1]))  # the head's weight, not its bias
+    others = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+    logging.getLogger(LOGGER_NAME).info(
+        f"{name}: its saved head is another task's ({key}{others}: shape {tuple(saved)}, this task's "
+        f"{tuple(built)}); training a new {new_head}"
+    )
+    return not (info.get("missing_keys") or info.get("unexpected_keys"))
 
 
 def quiet_deepspeed_accelerator() -> None:
@@ -159,7 +193,10 @@ def saved_config(model: Any) -> Iterator[None]:
 
 
 def load_error(what: str, name: str, error: Exception) -> ConfigError:
-    """The one line for a model or tokenizer that ``--pretrained-model-name-or-path`` names but cannot be loaded."""
+    """The one line for a model or tokenizer that ``--pretrained-model-name-or-path`` names but cannot be loaded
+    (a load refused with its own line already keeps it)."""
+    if isinstance(error, ConfigError):
+        return error
     return ConfigError(
         f"--pretrained-model-name-or-path {name}: cannot load the {what} ({first_line(error, 160)}); pass a local "
         "model directory or a hub name reachable from this machine"

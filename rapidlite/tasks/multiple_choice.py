@@ -34,7 +34,9 @@ def load_multiple_choice_model(name: str, **kwargs: Any) -> torch.nn.Module:
     from transformers import AutoModelForMultipleChoice
 
     try:
-        return load_hf_model(AutoModelForMultipleChoice.from_pretrained, name, **kwargs)
+        return load_hf_model(
+            AutoModelForMultipleChoice.from_pretrained, name, new_head="multiple-choice head", **kwargs
+        )
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("multiple-choice model", name, e) from None
 
@@ -74,7 +76,9 @@ class MultipleChoiceFinetuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         model = load_multiple_choice_model(
-            self.settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs()
+            self.settings.model.pretrained_model_name_or_path,
+            evaluating=self.settings.training.eval_only,
+            **self.pretrained_load_kwargs(),
         )
         return model, None, None
 

@@ -39,7 +39,7 @@ def load_question_answering_model(name: str, **kwargs: Any) -> torch.nn.Module:
     from transformers import AutoModelForQuestionAnswering
 
     try:
-        return load_hf_model(AutoModelForQuestionAnswering.from_pretrained, name, **kwargs)
+        return load_hf_model(AutoModelForQuestionAnswering.from_pretrained, name, new_head="span head", **kwargs)
     except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
         raise load_error("question answering model", name, e) from None
 
@@ -95,7 +95,9 @@ class QuestionAnsweringFinetuner(Finetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         model = load_question_answering_model(
-            self.settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs()
+            self.settings.model.pretrained_model_name_or_path,
+            evaluating=self.settings.training.eval_only,
+            **self.pretrained_load_kwargs(),
         )
         return model, None, None
 
