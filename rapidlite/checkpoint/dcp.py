@@ -345,13 +345,15 @@ def load_checkpoint(
     optimizer: Any | None = None,
     weights_only: bool = False,
     partial: bool = False,
+    chosen: tuple[int, Path] | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Load ``latest`` into ``model`` (and ``optimizer`` unless None), whatever the layout that saved it.
 
     ``partial``: ``model`` holds part of the saved one (a pipeline stage), so the checkpoint's other weights
-    are expected. Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this rank's
-    ``rng``; None with ``weights_only``. A collective: every rank calls it."""
-    iteration, path = select_checkpoint(load_dir)
+    are expected. ``chosen``: ``(iteration, directory)`` of the checkpoint to load, selected already
+    (``select_checkpoint``). Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this
+    rank's ``rng``; None with ``weights_only``. A collective: every rank calls it."""
+    iteration, path = chosen or select_checkpoint(load_dir)
     if is_deepspeed_checkpoint(path):
         if optimizer is not None:
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)
