@@ -207,6 +207,30 @@ def test_the_built_in_gpt_exports_in_its_hugging_face_layout_or_is_refused(tmp_p
         check_gguf(tmp_path / "a" / "model.gguf", [*written, extra])
 
 
+def test_a_built_in_gpt_run_exports_as_gpt2_for_transformers_and_llama_cpp(tmp_path, capsys):
+    from transformers import GPT2LMHeadModel
+
+    from rapidlite.models.gpt import GPTModel
+
+    save = tmp_path / "gpt"
+    tiny = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+    assert rapidlite_here("--task", "pretraining", "--demo", "--train-iters", "2", *tiny, "--save", str(save)) == 0
+    assert export(save, tmp_path / "hf") == 0
+    assert export(save, tmp_path / "gguf", "--format", "gguf", "--gguf-type", "f32") == 0
+    printed = capsys.readouterr().out
+    assert "hf round trip: the model:" in printed and "gguf round trip:" in printed
+    trained = GPTModel.from_pretrained(save / "hf").eval()  # the run's own export, in its own class
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, trained(ids), atol=1e-5, rtol=0)
+    reader = gguf.GGUFReader(str(tmp_path / "gguf" / "model.gguf"))
+    assert reader.fields["general.architecture"].contents() == "gpt2"
+    assert reader.fields["gpt2.context_length"].contents() == 32
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == trained.output.weight.shape[0] and tokens[-1].startswith("[PAD")  # the padded vocabulary
+
+
 def test_bad_input_is_one_line_exit_2_and_damages_nothing(runs, tmp_path, capsys, monkeypatch):
     import sys
 
