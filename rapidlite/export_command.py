@@ -160,8 +160,26 @@ def rebuild(checkpoint: Checkpoint, settings: Sections, log: list[str]) -> torch
             log.append(f"{adapters.quant_flag}: the base is rebuilt unquantised (its pretrained weights)")
         adapters = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
         model = lora.prepare(model, adapters, None, torch.device("cpu"))
+    else:
+        _grow_embeddings(model, checkpoint.path, log)
     load_checkpoint(checkpoint.run_dir, model, weights_only=True, chosen=(checkpoint.iteration, checkpoint.path))
     return model.float().eval()
+
+
+def _grow_embeddings(model: torch.nn.Module, path: Path, log: list[str]) -> None:
+    """A run that grew the embeddings to its tokenizer's added tokens (``--task causal_lm``): the rebuilt model
+    grows them to the checkpoint's rows, which it then loads."""
+    from rapidlite.checkpoint.dcp import saved_shapes
+
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a Hugging Face model
+        return
+    name = next((n for n, p in model.named_parameters() if p is embeddings.weight), None)
+    rows = saved_shapes(path).get(name, (embeddings.num_embeddings,))[0]
+    if rows != embeddings.num_embeddings:
+        model.resize_token_embeddings(rows)
+        log.append(f"the run grew the embeddings to {rows} rows (its tokenizer's added tokens): so does the export")
 
 
 def run_tokenizer(settings: Sections) -> Any:

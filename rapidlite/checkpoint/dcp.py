@@ -294,6 +294,18 @@ def _checkpoint_metadata(path: Path) -> dict[str, Any]:
     return dict(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of a DCP checkpoint's model tensors, by parameter name, from its metadata (no tensor is read);
+    empty for a DeepSpeed checkpoint."""
+    if is_deepspeed_checkpoint(path):
+        return {}
+    try:
+        saved = _checkpoint_metadata(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
+    return {k[len(MODEL) :]: tuple(v.size) for k, v in saved.items() if k.startswith(MODEL) and hasattr(v, "size")}
+
+
 def _dcp_load(target: dict[str, torch.Tensor], path: Path, load_dir: Any) -> None:
     try:
         with _one_process_is_fine():
