@@ -65,7 +65,11 @@ setup(
             "mkdocs-material>=9.5",
             # --task dpo, kto and reward_model: losses and metrics are tested equal to TRL's trainers (1.16's)
             "trl>=1.16,<1.17",
+            # rapidlite export --format gguf: the files written are read back with gguf's GGUFReader
+            "gguf>=0.10",
         ],
+        # rapidlite export --format gguf: llama.cpp's file format
+        "export": ["gguf>=0.10"],
         # the documentation site: mkdocs serve / mkdocs build (mkdocs.yml, docs/)
         "docs": ["mkdocs-material>=9.5"],
         "eval": ["lm_eval>=0.4.13,<0.5"],

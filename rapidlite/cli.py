@@ -1,5 +1,6 @@
 """Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``); and
-the subcommands ``rapidlite env`` (``rapidlite.env_report``) and ``rapidlite plot DIR`` (``rapidlite.plot``).
+the subcommands ``rapidlite env`` (``rapidlite.env_report``), ``rapidlite plot DIR`` (``rapidlite.plot``) and
+``rapidlite export DIR`` (``rapidlite.export_command``).
 
 Each process parses its command line once and resolves it into the frozen settings (``rapidlite.resolve``);
 the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under torchrun
@@ -158,7 +159,7 @@ def dry_run(config: RunConfig, argv: list[str]) -> int:
 
 def _run(argv: list[str]) -> int:
     mark_start()  # --time-budget counts from here
-    # Subcommands come before the flag parser: `rapidlite env`, `rapidlite plot DIR`.
+    # Subcommands come before the flag parser: `rapidlite env`, `rapidlite plot DIR`, `rapidlite export DIR`.
     if argv and argv[0] == "env":
         from rapidlite.env_report import main as env_main
 
@@ -167,6 +168,10 @@ def _run(argv: list[str]) -> int:
         from rapidlite.plot import main as plot_main
 
         return plot_main(argv[1:])
+    if argv and argv[0] == "export":
+        from rapidlite.export_command import main as export_main
+
+        return export_main(argv[1:])
     # Parsed once, and --help answered, before the heavy task modules are imported. A user script may declare
     # flags of its own (extra_args_provider): its engine parses the command line with them when it starts.
     namespace, unknown = parse_known(argv)

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rapidlite.evaluation.command",
             "rapidlite.planning",
             "rapidlite.env_report",
+            "rapidlite.export_command",
         ),
     ),
     ("tasks", ("rapidlite.tasks",)),

@@ -294,6 +294,18 @@ def _checkpoint_metadata(path: Path) -> dict[str, Any]:
     return dict(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of a DCP checkpoint's model tensors, by parameter name, from its metadata (no tensor is read);
+    empty for a DeepSpeed checkpoint."""
+    if is_deepspeed_checkpoint(path):
+        return {}
+    try:
+        saved = _checkpoint_metadata(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path / METADATA_FILE} ({_first_line(e)})") from None
+    return {k[len(MODEL) :]: tuple(v.size) for k, v in saved.items() if k.startswith(MODEL) and hasattr(v, "size")}
+
+
 def _dcp_load(target: dict[str, torch.Tensor], path: Path, load_dir: Any) -> None:
     try:
         with _one_process_is_fine():
@@ -345,13 +357,15 @@ def load_checkpoint(
     optimizer: Any | None = None,
     weights_only: bool = False,
     partial: bool = False,
+    chosen: tuple[int, Path] | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Load ``latest`` into ``model`` (and ``optimizer`` unless None), whatever the layout that saved it.
 
     ``partial``: ``model`` holds part of the saved one (a pipeline stage), so the checkpoint's other weights
-    are expected. Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this rank's
-    ``rng``; None with ``weights_only``. A collective: every rank calls it."""
-    iteration, path = select_checkpoint(load_dir)
+    are expected. ``chosen``: ``(iteration, directory)`` of the checkpoint to load, selected already
+    (``select_checkpoint``). Returns ``(iteration, state)``: ``state`` holds ``state.pt``'s contents plus this
+    rank's ``rng``; None with ``weights_only``. A collective: every rank calls it."""
+    iteration, path = chosen or select_checkpoint(load_dir)
     if is_deepspeed_checkpoint(path):
         if optimizer is not None:
             raise cross_backend_optimizer_error(load_dir, saved_by_deepspeed=True)

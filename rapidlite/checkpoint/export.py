@@ -57,8 +57,7 @@ def export_hf(
     if _rank() != 0:
         return None
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     if adapters:
         lora.save_adapter(model, full, tmp / "adapter")
         if tokenizer is not None:
@@ -68,12 +67,25 @@ def export_hf(
         _save_full_model(base, weights, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+    install(tmp, out_dir)
+    return out_dir
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """An empty sibling of ``out_dir`` to write an export into before ``install`` renames it into place."""
+    tmp = out_dir.with_name(f".tmp_{out_dir.name}_{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def install(tmp: Path, out_dir: Path) -> None:
+    """Rename the complete export ``tmp`` to ``out_dir``, replacing what was there: a reader sees the old export
+    or the new one, never half of one."""
     old = out_dir.with_name(f".tmp_old_{out_dir.name}_{os.getpid()}")
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
-    return out_dir
 
 
 def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory: Path) -> None:

@@ -38,6 +38,13 @@ def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
 def meta_model(settings: Sections) -> torch.nn.Module:
     """The run's model on the ``meta`` device: from ``--pretrained-model-name-or-path``'s config (sizes overridden
     by the flags as the tasks do), or the built-in GPT from the flags for pretraining."""
+    return task_model(settings, torch.device("meta"))
+
+
+def task_model(settings: Sections, device: torch.device, pretrained: bool = False) -> torch.nn.Module:
+    """The run's model as its task builds it, on ``device``. ``pretrained``: a task that fine-tunes a model
+    (not one that trains its config from scratch) starts from its pretrained weights, loaded here
+    (``rapidlite export`` rebuilds a LoRA run's base so); otherwise the weights are the config's initialisation."""
     name, spec = settings.model.pretrained_model_name_or_path, task_spec(settings)
     if name is None and settings.checkpoint.load is not None and settings.checkpoint.load_is_pretrained_model:
         name = settings.checkpoint.load
@@ -51,7 +58,7 @@ def meta_model(settings: Sections) -> torch.nn.Module:
         from rapidlite.models.gpt import GPTConfig, GPTModel
 
         vocab_size = tokenizer_of(settings).vocab_size
-        with torch.device("meta"):
+        with device:
             return GPTModel(GPTConfig.of(settings, vocab_size))
     from transformers import AutoConfig
 
@@ -60,16 +67,26 @@ def meta_model(settings: Sections) -> torch.nn.Module:
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--dry-run: cannot read the config of {name!r}: {str(e).splitlines()[0]}") from None
-    if spec is not None and spec.from_config:
+        raise ConfigError(
+            f"--pretrained-model-name-or-path {name}: cannot read its config ({str(e).splitlines()[0]})"
+        ) from None
+    from_config = spec is not None and spec.from_config
+    if from_config:
         from rapidlite.data.tokenizers import tokenizer_of
 
         override_sizes(config, settings.model, settings.data.seq_length, tokenizer_of(settings).vocab_size)
     auto = _auto_class(spec, config)
+    if pretrained and not from_config:
+        from rapidlite.models.hf import load_error, load_hf_model
+
+        try:
+            return load_hf_model(auto.from_pretrained, name).to(device)
+        except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
+            raise load_error("model", name, e) from None
     # Auto classes build from a config with from_config; a model class named by the config's architectures
     # (the fallback for a task not listed above) with _from_config.
     build = getattr(auto, "from_config", None) or auto._from_config
-    with torch.device("meta"):
+    with device:
         return build(config)
 
 
