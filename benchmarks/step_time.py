@@ -20,6 +20,7 @@ efficiencies calibrated on one row, the 8-GPU FSDP one; ``--calibrate`` prints w
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -167,17 +168,26 @@ HERE_LAYOUTS = {
 
 
 def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (no ties expected among step times)."""
+    """Spearman's rank correlation: Pearson's of the ranks, tied values sharing their average rank (the model
+    predicts the same step for layouts it cannot tell apart, such as DDP at two micro-batch sizes)."""
 
-    def ranks(xs: list[float]) -> list[int]:
+    def ranks(xs: list[float]) -> list[float]:
         order = sorted(range(len(xs)), key=xs.__getitem__)
-        out = [0] * len(xs)
-        for rank, i in enumerate(order):
-            out[i] = rank
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and math.isclose(xs[order[j + 1]], xs[order[i]], rel_tol=1e-9):
+                j += 1
+            for k in order[i : j + 1]:
+                out[k] = (i + j) / 2
+            i = j + 1
         return out
 
-    ra, rb, n = ranks(a), ranks(b), len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1))
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
 def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: int, data: str, root: Path) -> list:
