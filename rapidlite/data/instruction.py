@@ -308,24 +308,48 @@ def windows(row: Encoded, seq_length: int) -> list[Encoded]:
     ]
 
 
+class Packer:
+    """Rows packed as they come (``pack``'s rule): a row that would overflow ``seq_length`` closes the pack being
+    filled and starts the next. ``add`` returns the packs it closed, ``flush`` the last one; ``state_dict`` is the
+    pack being filled (a streaming run's checkpoint keeps it, ``rapidlite.data.streaming``)."""
+
+    def __init__(self, seq_length: int) -> None:
+        self.seq_length = seq_length
+        self.bucket: list[Encoded] = []
+        self.size = 0
+
+    def add(self, row: Encoded) -> list[dict[str, list[int]]]:
+        closed = []
+        if self.bucket and self.size + len(row.input_ids) > self.seq_length:
+            closed = self.flush()
+        self.bucket.append(row)
+        self.size += len(row.input_ids)
+        return closed
+
+    def flush(self) -> list[dict[str, list[int]]]:
+        if not self.bucket:
+            return []
+        # A row's first token is no target within the row; packed, the previous row's last token would learn it.
+        rows = [{"input_ids": r.input_ids, "labels": r.labels} for r in self.bucket]
+        flat = flatten_rows(rows, shift_labels=True)
+        self.bucket, self.size = [], 0
+        return [{key: value[0].tolist() for key, value in flat.items()}]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bucket": [(r.input_ids, r.labels) for r in self.bucket]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bucket = [Encoded(list(ids), list(labels), truncated=False) for ids, labels in state["bucket"]]
+        self.size = sum(len(r.input_ids) for r in self.bucket)
+
+
 def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
     """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
     position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
     are made by too); the per-token loss over the packs equals the rows' own."""
-    buckets: list[list[Encoded]] = []
-    size = 0
-    for row in rows:
-        if not buckets or size + len(row.input_ids) > seq_length:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(row)
-        size += len(row.input_ids)
-    packs = []
-    for bucket in buckets:
-        # A row's first token is no target within the row; packed, the previous row's last token would learn it.
-        flat = flatten_rows([{"input_ids": r.input_ids, "labels": r.labels} for r in bucket], shift_labels=True)
-        packs.append({key: value[0].tolist() for key, value in flat.items()})
-    return packs
+    packer = Packer(seq_length)
+    packs = [p for row in rows for p in packer.add(row)]
+    return packs + packer.flush()
 
 
 def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -336,6 +360,52 @@ def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     s = position_ids.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
     return (same_row & causal)[:, None]
+
+
+@dataclass
+class EncodedRow:
+    """One row as ``encode_row`` leaves it: its samples (``pieces``: one, or a long text's windows; none when
+    skipped or dropped), the field it lacks (``skipped``), whether it was ``dropped`` (no trained token left) or
+    ``truncated``, and its prompt with the reference response (for greedy completions), if it has one."""
+
+    pieces: list[Encoded]
+    skipped: str | None = None
+    dropped: bool = False
+    truncated: bool = False
+    prompt: tuple[str, str] | None = None
+
+
+def encode_row(
+    row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any, seq_length: int, train_on_prompt: bool = False
+) -> EncodedRow:
+    """A row rendered and encoded as ``build_instruction_data`` and a streaming run (``rapidlite.data.streaming``)
+    both take it: a row missing a field of ``fmt`` is skipped, a text longer than ``seq_length`` becomes its
+    windows (continued pretraining trains every token, not the start), another row is cut at ``seq_length``, and a
+    row with no trained token left is dropped."""
+    missing = missing_field(row, fmt)
+    if missing is not None:
+        return EncodedRow([], skipped=missing)
+    segments = render(row, fmt, template, tokenizer)
+    if fmt.kind == TEXT:
+        pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
+        truncated = False
+    else:
+        pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
+        truncated = pieces[0].truncated
+    if all(label == -100 for label in pieces[0].labels[1:]):
+        return EncodedRow([], dropped=True, truncated=truncated)
+    prompt = (
+        (segments[0][0], segments[1][0]) if fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1] else None
+    )
+    return EncodedRow(pieces, truncated=truncated, prompt=prompt)
+
+
+def row_pieces(
+    row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any, seq_length: int, train_on_prompt: bool = False
+) -> list[Encoded]:
+    """``encode_row``'s samples alone: a streaming run's encoder (``functools.partial`` of it pickles into its
+    loader workers)."""
+    return encode_row(row, fmt, template, tokenizer, seq_length, train_on_prompt).pieces
 
 
 @dataclass
@@ -375,7 +445,8 @@ def build_instruction_data(
     skipped and counted by field (``skipped``): they would teach the model to answer with EOS alone.
     ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
     template = load_template(template)
-    fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
+    first = "train" if "train" in raw else next(iter(raw))  # a streaming run's validation file comes alone
+    fmt = detect_format(raw[first].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
     prompts: list[tuple[str, str]] = []
     rows = truncated = windowed = dropped = trained = tokens = 0
@@ -385,42 +456,37 @@ def build_instruction_data(
             continue
         missing = sorted(set(fmt_columns(fmt)) - set(raw[name].column_names))
         if missing:
-            raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its train split has")
+            raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its {first} split has")
         encoded: list[Encoded] = []
         bar = progress_bar(len(raw[name]), desc=f"encoding {name}", unit="rows", leave=False, enabled=progress)
         for row in raw[name]:
             if bar is not None:
                 bar.update()
             rows += 1
-            missing = missing_field(row, fmt)
-            if missing is not None:
-                skipped[missing] = skipped.get(missing, 0) + 1
+            out = encode_row(row, fmt, template, tokenizer, seq_length, train_on_prompt)
+            if out.skipped is not None:
+                skipped[out.skipped] = skipped.get(out.skipped, 0) + 1
                 continue
-            segments = render(row, fmt, template, tokenizer)
-            if fmt.kind == TEXT:  # continued pretraining: a long text is every token of its windows, not its start
-                pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
-                windowed += len(pieces) > 1
-            else:
-                pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
-                truncated += pieces[0].truncated
-            if all(label == -100 for label in pieces[0].labels[1:]):
+            windowed += len(out.pieces) > 1
+            truncated += out.truncated
+            if out.dropped:
                 dropped += 1
                 continue
-            encoded += pieces
-            trained += sum(label != -100 for enc in pieces for label in enc.labels[1:])
-            tokens += sum(len(enc.input_ids) for enc in pieces)
-            if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
-                prompts.append((segments[0][0], segments[1][0]))
+            encoded += out.pieces
+            trained += sum(label != -100 for enc in out.pieces for label in enc.labels[1:])
+            tokens += sum(len(enc.input_ids) for enc in out.pieces)
+            if name == "validation" and out.prompt is not None:
+                prompts.append(out.prompt)
         if bar is not None:
             bar.close()
         if packing:
             splits[name] = pack(encoded, seq_length)
         else:
             splits[name] = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
-    if not splits["train"] and skipped:
+    if first == "train" and not splits["train"] and skipped:
         fields = ", ".join(sorted(skipped))
         raise DataError(f"every training row lacks its {fields} (null, absent or empty); fill it in")
-    if not splits["train"] and dropped:
+    if first == "train" and not splits["train"] and dropped:
         raise DataError(
             f"no training row keeps a response token within --seq-length {seq_length} (prompts are cut there); "
             "raise --seq-length"
