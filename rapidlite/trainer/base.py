@@ -22,6 +22,7 @@ import torch
 from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
+from rapidlite.data.streaming import TokenStream
 from rapidlite.engine import RapidliteEngine, require_module
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
@@ -343,7 +344,7 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
         )
     train, valid, test = provided[:3]
     for name, dataset in (("train", train), ("validation", valid), ("test", test)):
-        if dataset is not None:
+        if dataset is not None and not isinstance(dataset, TokenStream):  # a stream (--streaming) keeps its position
             require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
 

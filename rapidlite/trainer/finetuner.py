@@ -12,6 +12,7 @@ import torch
 from rapidlite.data.collate import FlatteningCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, unpadded_batches
 from rapidlite.data.samplers import padded_share, sample_lengths
+from rapidlite.data.streaming import TokenStream, gathered_states, restore_state
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
@@ -41,6 +42,7 @@ class Finetuner(BaseTrainer):
     padding_free = None  # the hooks --padding-free put on the model (rapidlite.models.padding_free)
     _harness = None  # --eval-harness's files, read at the first evaluation (rapidlite.evaluation.harness)
     _flattener = None
+    train_stream: TokenStream | None = None  # --streaming's training data (rapidlite.data.streaming)
     validated_at = -1  # the iteration of the last validation (saved: a stopped run's epoch end is validated on resume)
 
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
@@ -120,6 +122,8 @@ class Finetuner(BaseTrainer):
                 "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
             )
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
+        if isinstance(train_ds, TokenStream):
+            return self._train_stream(train_ds, valid_ds, test_ds, collate_fn)
         if settings.training.eval_only:
             return self.evaluate_only(train_ds, valid_ds, test_ds, collate_fn)
         if not _has_rows(train_ds):
@@ -165,13 +169,7 @@ class Finetuner(BaseTrainer):
                 micro = list(islice(batches, accumulation))
                 if not micro:
                     break
-                self.before_step(micro)
-                items = [self.count_items(b) for b in micro] if self.engine.strategy.needs_item_counts else [None]
-                steps = (functools.partial(self._forward_batch, b) for b in micro)
-                self.train_step(steps, items=None if None in items else items)
-                self.after_step(sum(batch_stats(b)[0] for b in micro))
-                self.stop_if_signalled()
-                if self.exit_if_due():
+                if self._step(micro):
                     return self.last_evaluation
             if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
                 self.evaluate("validation")
@@ -180,13 +178,58 @@ class Finetuner(BaseTrainer):
         self.finish()
         return self.last_evaluation
 
+    def _step(self, micro: list[Any]) -> bool:
+        """One optimizer step on this rank's micro-batches; True when the run stops here (``--exit-*``)."""
+        self.before_step(micro)
+        items = [self.count_items(b) for b in micro] if self.engine.strategy.needs_item_counts else [None]
+        steps = (functools.partial(self._forward_batch, b) for b in micro)
+        self.train_step(steps, items=None if None in items else items)
+        self.after_step(sum(batch_stats(b)[0] for b in micro))
+        self.stop_if_signalled()
+        return self.exit_if_due()
+
+    def _train_stream(self, stream: TokenStream, valid_ds: Any, test_ds: Any, collate_fn: Any) -> dict[str, Any]:
+        """``--streaming``: ``--train-iters`` steps on the stream's micro-batches (its length is unknown, so the
+        run is one pass: validation every ``--eval-interval`` and at its end); a checkpoint keeps the stream's
+        position (``state_dict``)."""
+        self.train_stream = stream
+        self._build_eval_loaders(valid_ds, test_ds, collate_fn)
+        if self.valid_dataloader is None:
+            self.logger.warning("--streaming: no validation file: the run trains without evaluating")
+        self.steps_per_epoch = self.settings.training.train_iters
+        self.setup_model(self.steps_per_epoch)
+        self.begin_training()
+        self._validate_missed_epoch_end()
+        # No look-ahead: the stream's position must be that of the batches handed out, as a checkpoint records it.
+        batches = iter(DeviceDataLoader(stream, self.engine.device, prefetch=False))
+        accumulation = self.settings.training.gradient_accumulation_steps
+        while self.iteration < self.total_iters:
+            if self._step(list(islice(batches, accumulation))):
+                return self.last_evaluation
+        if not self.eval_every or self.iteration % self.eval_every:
+            self.evaluate("validation")
+        if self.test_dataloader is not None:
+            self.evaluate("test")
+        self.finish()
+        return self.last_evaluation
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "validated_at": self.validated_at}
+        state = {**super().state_dict(), "validated_at": self.validated_at}
+        if self.train_stream is not None:
+            state["stream"] = gathered_states(self.train_stream)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         # A checkpoint from before this key was kept: its epoch ends count as validated.
         self.validated_at = int(state.get("validated_at", self.iteration))
+        if self.train_stream is not None:
+            if "stream" not in state:
+                raise DataError(
+                    "--streaming: the checkpoint holds no stream position (it was saved without --streaming); "
+                    "resume it without --streaming"
+                )
+            restore_state(self.train_stream, state["stream"])
 
     def _validate_missed_epoch_end(self) -> None:
         """Resumed at an epoch's end (or the run's) that the stopped run did not validate (a SIGTERM/SIGUSR1 or
