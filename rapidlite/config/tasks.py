@@ -145,6 +145,10 @@ _BUILT_IN_GPT_FLAGS = (
 
 
 def _check_pretraining(args: argparse.Namespace) -> None:
+    if args.streaming and model_family(args.pretrained_model_name_or_path) == "bert":
+        raise ConfigError(
+            "--streaming pretrains GPT-style models; BERT pretraining reads sentence-split .bin/.idx data"
+        )
     if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
         raise ConfigError(
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "

@@ -210,7 +210,12 @@ class TokenStream:
     def rows(self) -> DataLoader:
         """The encoded rows from ``next_row`` on, ``num_workers`` processes encoding them."""
         rows = _EncodedRows(self.path, self.encode, self.rank, self.world_size, self.next_row)
-        return DataLoader(rows, batch_size=None, num_workers=self.num_workers, collate_fn=_identity)
+        # A private generator: starting the loader must not draw from the global RNG (dropout), or an evaluation's
+        # stream, started mid-run, would shift the training run's masks from a resumed run's.
+        generator = torch.Generator()
+        return DataLoader(
+            rows, batch_size=None, num_workers=self.num_workers, collate_fn=_identity, generator=generator
+        )
 
     def __iter__(self) -> Iterator[Any]:
         for k, pieces in self.rows():

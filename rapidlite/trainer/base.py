@@ -22,7 +22,7 @@ import torch
 from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
-from rapidlite.data.streaming import TokenStream
+from rapidlite.data.streaming import TokenStream, gathered_states, restore_state
 from rapidlite.engine import RapidliteEngine, require_module
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
@@ -52,6 +52,7 @@ class BaseTrainer:
         self.tokenizer: Any = None  # set it to have the tokenizer exported with a Hugging Face model
         self.iteration = 0
         self.consumed_samples = 0
+        self.train_stream: TokenStream | None = None  # --streaming's training data: its position is saved
         self.total_iters = 0
         # The run's log and evaluation intervals: the flags', unless --time-budget spaces them over its length.
         self.log_every: int = self.settings.logging.log_interval
@@ -263,12 +264,23 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loop's position, saved in every checkpoint."""
-        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+        """The loop's position, saved in every checkpoint; with ``--streaming`` every rank's stream position (a
+        collective: every rank calls it)."""
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+        if self.train_stream is not None:
+            state["stream"] = gathered_states(self.train_stream)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
+        if self.train_stream is not None:
+            if "stream" not in state:
+                raise DataError(
+                    "--streaming: the checkpoint holds no stream position (it was saved without --streaming); "
+                    "resume it without --streaming"
+                )
+            restore_state(self.train_stream, state["stream"])
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:

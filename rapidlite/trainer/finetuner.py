@@ -12,7 +12,7 @@ import torch
 from rapidlite.data.collate import FlatteningCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, unpadded_batches
 from rapidlite.data.samplers import padded_share, sample_lengths
-from rapidlite.data.streaming import TokenStream, gathered_states, restore_state
+from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
@@ -42,7 +42,6 @@ class Finetuner(BaseTrainer):
     padding_free = None  # the hooks --padding-free put on the model (rapidlite.models.padding_free)
     _harness = None  # --eval-harness's files, read at the first evaluation (rapidlite.evaluation.harness)
     _flattener = None
-    train_stream: TokenStream | None = None  # --streaming's training data (rapidlite.data.streaming)
     validated_at = -1  # the iteration of the last validation (saved: a stopped run's epoch end is validated on resume)
 
     def run_compute_metrics(self, model: list[torch.nn.Module], eval_dataloader: Any) -> dict[str, Any]:
@@ -214,22 +213,12 @@ class Finetuner(BaseTrainer):
         return self.last_evaluation
 
     def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "validated_at": self.validated_at}
-        if self.train_stream is not None:
-            state["stream"] = gathered_states(self.train_stream)
-        return state
+        return {**super().state_dict(), "validated_at": self.validated_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         # A checkpoint from before this key was kept: its epoch ends count as validated.
         self.validated_at = int(state.get("validated_at", self.iteration))
-        if self.train_stream is not None:
-            if "stream" not in state:
-                raise DataError(
-                    "--streaming: the checkpoint holds no stream position (it was saved without --streaming); "
-                    "resume it without --streaming"
-                )
-            restore_state(self.train_stream, state["stream"])
 
     def _validate_missed_epoch_end(self) -> None:
         """Resumed at an epoch's end (or the run's) that the stopped run did not validate (a SIGTERM/SIGUSR1 or
