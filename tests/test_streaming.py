@@ -9,7 +9,8 @@ import torch
 
 from helpers import english_corpus, read_metrics, run_cli
 from rapidlite.data.gpt_dataset import SampleCutter
-from rapidlite.data.instruction import CausalLMCollator, Encoded, Packer, pack
+from rapidlite.data.instruction import CausalLMCollator
+from rapidlite.data.packing import Encoded, Packer, pack
 from rapidlite.data.streaming import TokenStream, Unpacked, stack_samples, stream_source
 from rapidlite.errors import DataError
 from rapidlite.tasks.causal_lm_demo import write_demo_assets

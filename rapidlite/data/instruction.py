@@ -10,9 +10,9 @@ every token trains; a text longer than ``seq_length`` becomes consecutive window
 A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
 concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
 labels a token by the segment its first character falls in, through the fast tokenizer's offsets. The EOS
-token closes every row and is trained with the response. Packing (``pack``) concatenates encoded rows into
-sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention is kept
-inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
+token closes every row and is trained with the response. Packing (``rapidlite.data.packing``) concatenates
+encoded rows into sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention
+is kept inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
 no attention mask and no key/value cache so; the built-in GPT takes the block-diagonal mask that
 ``packed_attention_mask`` builds). ``build_instruction_data`` does all of it for every split of a data set, and
 ``CausalLMCollator`` pads the rows into batches (packed ones without an attention mask).
@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rapidlite.data.collate import flatten_rows
+from rapidlite.data.packing import Encoded, pack, windows
 from rapidlite.errors import DataError, first_line
 from rapidlite.progress import progress_bar
 
@@ -248,13 +248,6 @@ def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:
         tokenizer.chat_template = f.read()
 
 
-@dataclass
-class Encoded:
-    input_ids: list[int]
-    labels: list[int]
-    truncated: bool
-
-
 def doubled_bos(tokenizer: Any, ids: Sequence[int]) -> bool:
     """Whether ``ids`` start with two BOS tokens: a chat template that writes the BOS token itself (LLaMA 3's,
     Gemma's) and a tokenizer that adds one; the model was trained with one, so the first is dropped."""
@@ -294,72 +287,6 @@ def encode(
             ids.append(eos)
             labels.append(closing)
     return Encoded(ids[:seq_length], labels[:seq_length], truncated=len(ids) > seq_length)
-
-
-def windows(row: Encoded, seq_length: int) -> list[Encoded]:
-    """A row longer than ``seq_length`` as consecutive windows of ``seq_length`` tokens that overlap by one token,
-    so every token after the row's first is a target exactly once (a window's first token only conditions)."""
-    if len(row.input_ids) <= seq_length:
-        return [row]
-    step = max(seq_length - 1, 1)
-    return [
-        Encoded(row.input_ids[start : start + seq_length], row.labels[start : start + seq_length], truncated=False)
-        for start in range(0, len(row.input_ids) - 1, step)
-    ]
-
-
-class Packer:
-    """Rows packed as they come (``pack``'s rule): a row that would overflow ``seq_length`` closes the pack being
-    filled and starts the next. ``add`` returns the packs it closed, ``flush`` the last one; ``state_dict`` is the
-    pack being filled (a streaming run's checkpoint keeps it, ``rapidlite.data.streaming``)."""
-
-    def __init__(self, seq_length: int) -> None:
-        self.seq_length = seq_length
-        self.bucket: list[Encoded] = []
-        self.size = 0
-
-    def add(self, row: Encoded) -> list[dict[str, list[int]]]:
-        closed = []
-        if self.bucket and self.size + len(row.input_ids) > self.seq_length:
-            closed = self.flush()
-        self.bucket.append(row)
-        self.size += len(row.input_ids)
-        return closed
-
-    def flush(self) -> list[dict[str, list[int]]]:
-        if not self.bucket:
-            return []
-        # A row's first token is no target within the row; packed, the previous row's last token would learn it.
-        rows = [{"input_ids": r.input_ids, "labels": r.labels} for r in self.bucket]
-        flat = flatten_rows(rows, shift_labels=True)
-        self.bucket, self.size = [], 0
-        return [{key: value[0].tolist() for key, value in flat.items()}]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"bucket": [(r.input_ids, r.labels) for r in self.bucket]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bucket = [Encoded(list(ids), list(labels), truncated=False) for ids, labels in state["bucket"]]
-        self.size = sum(len(r.input_ids) for r in self.bucket)
-
-
-def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
-    """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
-    position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
-    are made by too); the per-token loss over the packs equals the rows' own."""
-    packer = Packer(seq_length)
-    packs = [p for row in rows for p in packer.add(row)]
-    return packs + packer.flush()
-
-
-def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask ``[b, 1, s, s]`` (True = attend) of rows packed with restarting position
-    ids: a token attends to the earlier tokens of its own row only."""
-    starts = (position_ids == 0).long().cumsum(-1)  # the row each token belongs to
-    same_row = starts[:, :, None] == starts[:, None, :]
-    s = position_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_row & causal)[:, None]
 
 
 @dataclass

@@ -15,7 +15,7 @@ starts its workers at row ``k`` (the rows before it are read past, not encoded) 
 row, so the resumed run sees the samples the uninterrupted one would.
 
 Encoding is the task's own (``rapidlite.data.instruction.encode_row`` for ``--task causal_lm``, a document's ids
-and EOD for ``--task pretraining``), and so is packing (``instruction.Packer``, ``gpt_dataset.SampleCutter``).
+and EOD for ``--task pretraining``), and so is packing (``packing.Packer``, ``gpt_dataset.SampleCutter``).
 """
 
 from __future__ import annotations

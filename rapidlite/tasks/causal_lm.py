@@ -17,7 +17,6 @@ from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
 from rapidlite.data.instruction import (
     CausalLMCollator,
-    Packer,
     build_instruction_data,
     detect_format,
     doubled_bos,
@@ -25,6 +24,7 @@ from rapidlite.data.instruction import (
     row_pieces,
     set_chat_template,
 )
+from rapidlite.data.packing import Packer
 from rapidlite.data.streaming import TokenStream, Unpacked, first_row, stream_source, validation_rows
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
