@@ -3,6 +3,7 @@ shares whose samples do not depend on the worker count; a checkpoint keeps every
 gives the uninterrupted run's losses exactly, on one process and on two ranks; wrong combinations are one line."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ from helpers import english_corpus, read_metrics, run_cli
 from rapidlite.data.gpt_dataset import SampleCutter
 from rapidlite.data.instruction import CausalLMCollator
 from rapidlite.data.packing import Encoded, Packer, pack
-from rapidlite.data.streaming import TokenStream, Unpacked, stack_samples, stream_source
+from rapidlite.data.streaming import (
+    TokenStream,
+    Unpacked,
+    restore_state,
+    stack_samples,
+    stream_source,
+    validation_rows,
+)
 from rapidlite.errors import DataError
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
@@ -96,6 +104,35 @@ def test_a_resumed_stream_continues_with_the_next_unseen_row(tmp_path, packer):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_parquet_and_saved_datasets_stream_as_json_lines_do(tmp_path):
+    import datasets
+
+    path = tmp_path / "rows.jsonl"
+    write_numbered(path, count=50)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "rows.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    splits = datasets.DatasetDict({"train": table, "validation": table.select(range(5))})
+    splits.save_to_disk(str(tmp_path / "saved_dict"))
+    source = stream_source(str(tmp_path / "saved_dict"))
+    assert (source.train, source.validation) == (
+        str(tmp_path / "saved_dict/train"),
+        str(tmp_path / "saved_dict/validation"),
+    )
+    assert validation_rows(source)["validation"].num_rows == 5
+    expected = take(stream(path, Packer(16), workers=1), 6)
+    for other in (tmp_path / "rows.parquet", tmp_path / "saved", source.train):
+        got = take(stream(stream_source(str(other)).train, Packer(16), workers=1), 6)
+        for a, b in zip(expected, got, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_position_saved_by_two_ranks_does_not_load_into_one():
+    with pytest.raises(DataError, match="resume a streaming run with the number of ranks it was saved with"):
+        restore_state(stream("unused.jsonl", Unpacked()), [{"row": 3, "pending": [], "packer": {}}] * 2)
+
+
 def test_gpt_samples_are_cut_from_the_documents_in_order():
     cutter = SampleCutter(4)
     samples = cutter.add([1, 2, 3]) + cutter.add([4, 5, 6, 7, 8, 9, 10]) + cutter.add([11])
@@ -158,45 +195,40 @@ def run_ok(*argv):
     return proc
 
 
-def interrupted_and_resumed(args, tmp_path, first, then):
-    """Losses of a run stopped by --exit-interval 4 (its checkpoint) and resumed to 6 (``first``/``then``: the
-    two halves' extra flags, e.g. different worker counts)."""
-    part = tmp_path / "part"
-    run_ok(*args, *first, "--save", str(part), "--exit-interval", "4")
-    assert [r["iteration"] for r in read_metrics(part) if r.get("split") is None and "loss" in r] == [1, 2, 3, 4]
+def uninterrupted_and_resumed(args, tmp_path, first, then):
+    """Losses of a 6-iteration run (``first``: its extra flags) and of the run resumed from its iteration-4
+    checkpoint (``then``: e.g. another worker count), which must read on from the checkpoint's stream position."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_ok(*args, *first, "--save", str(full), "--save-interval", "4")
+    part.mkdir()
+    shutil.copytree(full / "iter_0000004", part / "iter_0000004")
+    (part / "latest").write_text("4")
     proc = run_ok(*args, *then, "--save", str(part), "--load", str(part))
     assert "resumed from" in proc.stdout + proc.stderr
-    return losses(part)
+    assert [r["iteration"] for r in read_metrics(part) if r.get("split") is None and "loss" in r] == [5, 6]
+    return losses(full), losses(part)
 
 
 @pytest.mark.parametrize("task", ["causal_lm", "pretraining"])
 def test_a_resumed_streaming_run_repeats_the_uninterrupted_losses_exactly(assets, tmp_path, task):
     args = causal_args(assets) if task == "causal_lm" else pretraining_args(assets)
     args += ["--micro-batch-size", "4"]
-    run_ok(*args, "--save", str(tmp_path / "full"))
-    full = losses(tmp_path / "full")
+    # The whole run with 2 loader workers, the resumed half with none: the same samples, the same curve, bit for bit.
+    full, resumed = uninterrupted_and_resumed(args, tmp_path, ["--num-workers", "2"], ["--num-workers", "0"])
     assert [split for split, _ in full] == ["train"] * 3 + ["validation"] + ["train"] * 3 + ["validation"]
-    # The first half with 2 loader workers, the second with none: the same samples, the same curve, bit for bit.
-    resumed = interrupted_and_resumed(args, tmp_path, ["--num-workers", "2"], ["--num-workers", "0"])
-    assert resumed == full
+    assert resumed == full[5:]
     assert full[-1][1] < full[0][1]  # it learns
 
 
 @pytest.mark.distributed
-def test_two_ranks_resume_their_streams_exactly(assets, tmp_path):
-    """Two ranks (gloo), each its own share and position: stopped at 4 and resumed, the curve of the
-    uninterrupted 2-rank run; the 2-rank loss is the global batch's, so it differs from one process reading
-    the rows in another order (each rank packs its own rows)."""
-    args = causal_args(assets, "--micro-batch-size", "2", "--nproc-per-node", "2", "--num-workers", "1")
-    run_ok(*args, "--save", str(tmp_path / "full"))
-    full = losses(tmp_path / "full")
-    assert len(full) == 8
-    assert interrupted_and_resumed(args, tmp_path, [], []) == full
-    part = tmp_path / "part"
-    one_rank = run_cli(*causal_args(assets, "--micro-batch-size", "4"), "--load", str(part), "--save", str(part))
-    assert one_rank.returncode == 2 and "resume a streaming run with the number of ranks it was saved with" in (
-        one_rank.stderr
-    ), one_rank.stderr[-2000:]
+@pytest.mark.parametrize("task", ["causal_lm", "pretraining"])
+def test_two_ranks_resume_their_streams_exactly(assets, tmp_path, task):
+    """Two ranks (gloo), each its own share of the rows and its own position: resumed from iteration 4, the
+    curve of the uninterrupted 2-rank run, bit for bit."""
+    args = causal_args(assets) if task == "causal_lm" else pretraining_args(assets)
+    args += ["--micro-batch-size", "2", "--nproc-per-node", "2", "--num-workers", "1"]
+    full, resumed = uninterrupted_and_resumed(args, tmp_path, [], [])
+    assert len(full) == 8 and resumed == full[5:]
 
 
 @pytest.mark.parametrize(
