@@ -147,6 +147,10 @@ def test_a_rank_without_rows_and_a_missing_source_are_one_line(tmp_path):
     path.write_text(json.dumps({"n": 1, "length": 3}) + "\n")
     with pytest.raises(DataError, match="no row for data-parallel rank 1 of 2"):
         take(stream(path, Unpacked(), rank=1, world=2), 1)
+    useless = tmp_path / "useless.jsonl"
+    useless.write_text(json.dumps({"n": 1, "length": 0}) + "\n" + json.dumps({"n": 2, "length": 0}) + "\n")
+    with pytest.raises(DataError, match="gives a training sample"):  # not an endless loop over the file
+        take(stream(useless, Unpacked(), workers=2), 1)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no train.jsonl"):
         stream_source(str(tmp_path / "empty"))

@@ -21,6 +21,7 @@ and EOD for ``--task pretraining``), and so is packing (``packing.Packer``, ``gp
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -152,24 +153,24 @@ def _identity(item: Any) -> Any:
 
 
 class _EncodedRows(IterableDataset):
-    """This rank's rows from ``start`` on, as ``(k, encode(row))``, endlessly (pass after pass); a pass with no
-    row for this rank ends it. See the module docstring for the worker split."""
+    """This rank's rows from ``start`` on, as ``(k, pass, encode(row))``, endlessly (pass after pass); a pass with
+    no row for this rank ends it. See the module docstring for the worker split."""
 
     def __init__(self, path: str, encode: Callable[[dict[str, Any]], Any], rank: int, world_size: int, start: int):
         self.path, self.encode, self.rank, self.world_size, self.start = path, encode, rank, world_size, start
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         k = 0
-        while True:
+        for epoch in itertools.count():
             mine = 0
             for g, item in enumerate(iter_rows(self.path)):
                 if g % self.world_size != self.rank:
                     continue
                 mine += 1
                 if k >= self.start and (k - self.start) % workers == worker:
-                    yield k, self.encode(as_row(item, self.path))
+                    yield k, epoch, self.encode(as_row(item, self.path))
                 k += 1
             if not mine:
                 return
@@ -218,9 +219,18 @@ class TokenStream:
         )
 
     def __iter__(self) -> Iterator[Any]:
-        for k, pieces in self.rows():
+        first_pass, pieces_in_pass = None, {}
+        for k, epoch, pieces in self.rows():
             if k != self.next_row:  # the workers' items came back out of order: a bug, not the user's
                 raise RuntimeError(f"streamed row {k} arrived where row {self.next_row} was due")
+            if first_pass is None:
+                first_pass = epoch
+            if epoch - 1 > first_pass and not pieces_in_pass.get(epoch - 1):  # a whole pass read, nothing made
+                raise DataError(
+                    f"--streaming: no row of {self.path} for data-parallel rank {self.rank} gives a training sample "
+                    "(each lacks its fields or keeps no trained token within --seq-length); fix the data"
+                )
+            pieces_in_pass[epoch] = pieces_in_pass.get(epoch, 0) + len(pieces)
             self.next_row += 1
             for piece in pieces:
                 self.pending.extend(self.packer.add(piece))
