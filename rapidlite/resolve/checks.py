@@ -247,6 +247,11 @@ def check_streaming(task: TaskSpec, args: argparse.Namespace) -> None:
             "--streaming: a stream's length is unknown until it is read, so --epochs cannot size the run; give "
             "--train-iters N"
         )
+    if "split" in given:
+        raise ConfigError(
+            "--split: a stream is not carved into splits (its length is unknown); hold validation rows out in a "
+            "validation.jsonl beside train.jsonl"
+        )
     for name, on in (
         ("--eval-only", args.eval_only),
         ("--group-by-length", args.group_by_length),
