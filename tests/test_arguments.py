@@ -35,7 +35,7 @@ FLAGS = """
 --lora-rank --lora-alpha --lora-dropout --lora-target-modules --lora-modules-to-save --merge-lora --load-in-4bit
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
 --eval-only --overwrite --max-skipped-steps
---keep-last
+--keep-last --streaming
 --dry-run --memory-budget
 --mlm-probability --whole-word-masking --line-by-line
 --choices-key

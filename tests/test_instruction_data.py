@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rapidlite.data import instruction as ins
+from rapidlite.data import packing
 from rapidlite.errors import DataError
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs", "sort: b a c"] * 30
@@ -206,7 +207,7 @@ def test_packed_rows_give_the_unpacked_per_token_loss(tok):
 
     fmt = ins.detect_format(["text"])
     rows = [ins.encode(ins.render({"text": t}, fmt, "auto", tok), tok, 64) for t in TEXTS[:7]]
-    packs = ins.pack(rows, seq_length=40)
+    packs = packing.pack(rows, seq_length=40)
     assert all(len(p["input_ids"]) <= 40 for p in packs) and len(packs) < len(rows)
     assert sum(len(p["input_ids"]) for p in packs) == sum(len(r.input_ids) for r in rows)
     torch.manual_seed(0)
@@ -240,6 +241,6 @@ def test_packed_rows_give_the_unpacked_per_token_loss(tok):
         for forward in (
             # Training runs without the key/value cache, which turns transformers' packed-sequence masking off.
             lambda ids, pos: llama(input_ids=ids, position_ids=pos, use_cache=False).logits,
-            lambda ids, pos: gpt(ids, pos, None if pos is None else ins.packed_attention_mask(pos)),
+            lambda ids, pos: gpt(ids, pos, None if pos is None else packing.packed_attention_mask(pos)),
         ):
             assert packed_loss(forward) == pytest.approx(unpacked_loss(forward), rel=1e-5)

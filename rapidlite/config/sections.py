@@ -243,6 +243,11 @@ class DataConfig:
     )
     data_impl: str = flag("mmap", choices=("mmap", "infer", "lazy", "cached"))
     num_workers: int = flag(0, "data loader worker processes")
+    streaming: bool = flag(
+        False,
+        "causal_lm and pretraining: read, tokenize and pack text as training consumes it (in --num-workers "
+        "workers), never all in memory; needs --train-iters (docs/guides/streaming.md)",
+    )
     tokenizer_type: str | None = flag(
         None,
         "pretraining: the tokenizer the data was preprocessed with",

@@ -87,6 +87,7 @@ class TaskSpec:
     chunked_loss: Literal["sum", "tokens"] | None = None
     libraries: tuple[str, ...] = ("datasets", "torchmetrics")
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
+    streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""
@@ -144,6 +145,10 @@ _BUILT_IN_GPT_FLAGS = (
 
 
 def _check_pretraining(args: argparse.Namespace) -> None:
+    if args.streaming and model_family(args.pretrained_model_name_or_path) == "bert":
+        raise ConfigError(
+            "--streaming pretrains GPT-style models; BERT pretraining reads sentence-split .bin/.idx data"
+        )
     if args.data_path is not None and args.tokenizer_type is None and args.pretrained_model_name_or_path is None:
         raise ConfigError(
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
@@ -289,6 +294,7 @@ TASKS: dict[str, TaskSpec] = {
             from_config=True,
             chunked_loss="sum",
             libraries=(),  # Megatron's memory-mapped data, no metrics library
+            streaming=True,
         ),
         TaskSpec(
             name="causal_lm",
@@ -302,6 +308,7 @@ TASKS: dict[str, TaskSpec] = {
             auto_class="AutoModelForCausalLM",
             chunked_loss="sum",
             eval_harness=True,
+            streaming=True,
         ),
         TaskSpec(
             name="question_answering",

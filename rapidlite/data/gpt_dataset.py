@@ -120,6 +120,42 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     return np.stack([position, offset], axis=1).astype(np.int64)
 
 
+class SampleCutter:
+    """``build_sample_index``'s samples from a stream of documents (``--streaming``): documents' ids concatenated in
+    order, cut into ``seq_length + 1`` tokens, consecutive samples sharing one boundary token. ``add`` takes a
+    document's ids and returns the samples it completed (``{"text": ids}``); ``state_dict`` is the tokens not yet
+    in a sample (a checkpoint keeps them)."""
+
+    def __init__(self, seq_length: int) -> None:
+        self.seq_length = seq_length
+        self.tokens: list[int] = []
+
+    def add(self, ids: Sequence[int]) -> list[dict[str, list[int]]]:
+        self.tokens.extend(ids)
+        samples = []
+        start = 0
+        while len(self.tokens) - start > self.seq_length:
+            samples.append({"text": self.tokens[start : start + self.seq_length + 1]})
+            start += self.seq_length
+        del self.tokens[:start]
+        return samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens = list(state["tokens"])
+
+
+def document_ids(row: dict[str, Any], tokenizer: Any, key: str = "text") -> list[list[int]]:
+    """A streamed document's ids ending with the tokenizer's EOD, as ``rapidlite-preprocess --append-eod`` writes
+    them (a row without text: none)."""
+    text = row.get(key)
+    if not isinstance(text, str) or not text:
+        return []
+    return [list(tokenizer.tokenize(text)) + [tokenizer.eod]]
+
+
 def build_blending_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """For each blended sample, which dataset serves it and that dataset's sample number.
 

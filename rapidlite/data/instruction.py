@@ -10,9 +10,9 @@ every token trains; a text longer than ``seq_length`` becomes consecutive window
 A row renders to segments of text, each marked as trained or not (``render``); ``encode`` tokenizes their
 concatenation once (so tokens across a segment boundary are what the tokenizer makes of the whole text) and
 labels a token by the segment its first character falls in, through the fast tokenizer's offsets. The EOS
-token closes every row and is trained with the response. Packing (``pack``) concatenates encoded rows into
-sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention is kept
-inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
+token closes every row and is trained with the response. Packing (``rapidlite.data.packing``) concatenates
+encoded rows into sequences of at most ``seq_length`` tokens with position ids restarting at every row: attention
+is kept inside each row by the model's packed-sequence masking (``transformers`` reads restarting position ids with
 no attention mask and no key/value cache so; the built-in GPT takes the block-diagonal mask that
 ``packed_attention_mask`` builds). ``build_instruction_data`` does all of it for every split of a data set, and
 ``CausalLMCollator`` pads the rows into batches (packed ones without an attention mask).
@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rapidlite.data.collate import flatten_rows
+from rapidlite.data.packing import Encoded, pack, windows
 from rapidlite.errors import DataError, first_line
 from rapidlite.progress import progress_bar
 
@@ -248,13 +248,6 @@ def set_chat_template(tokenizer: Any, chat_template: str | None) -> None:
         tokenizer.chat_template = f.read()
 
 
-@dataclass
-class Encoded:
-    input_ids: list[int]
-    labels: list[int]
-    truncated: bool
-
-
 def doubled_bos(tokenizer: Any, ids: Sequence[int]) -> bool:
     """Whether ``ids`` start with two BOS tokens: a chat template that writes the BOS token itself (LLaMA 3's,
     Gemma's) and a tokenizer that adds one; the model was trained with one, so the first is dropped."""
@@ -296,46 +289,50 @@ def encode(
     return Encoded(ids[:seq_length], labels[:seq_length], truncated=len(ids) > seq_length)
 
 
-def windows(row: Encoded, seq_length: int) -> list[Encoded]:
-    """A row longer than ``seq_length`` as consecutive windows of ``seq_length`` tokens that overlap by one token,
-    so every token after the row's first is a target exactly once (a window's first token only conditions)."""
-    if len(row.input_ids) <= seq_length:
-        return [row]
-    step = max(seq_length - 1, 1)
-    return [
-        Encoded(row.input_ids[start : start + seq_length], row.labels[start : start + seq_length], truncated=False)
-        for start in range(0, len(row.input_ids) - 1, step)
-    ]
+@dataclass
+class EncodedRow:
+    """One row as ``encode_row`` leaves it: its samples (``pieces``: one, or a long text's windows; none when
+    skipped or dropped), the field it lacks (``skipped``), whether it was ``dropped`` (no trained token left) or
+    ``truncated``, and its prompt with the reference response (for greedy completions), if it has one."""
+
+    pieces: list[Encoded]
+    skipped: str | None = None
+    dropped: bool = False
+    truncated: bool = False
+    prompt: tuple[str, str] | None = None
 
 
-def pack(rows: Iterable[Encoded], seq_length: int) -> list[dict[str, list[int]]]:
-    """Rows concatenated in order into sequences of at most ``seq_length`` tokens (a row never split), with
-    position ids restarting at each row (``rapidlite.data.collate.flatten_rows``, which ``--padding-free`` batches
-    are made by too); the per-token loss over the packs equals the rows' own."""
-    buckets: list[list[Encoded]] = []
-    size = 0
-    for row in rows:
-        if not buckets or size + len(row.input_ids) > seq_length:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(row)
-        size += len(row.input_ids)
-    packs = []
-    for bucket in buckets:
-        # A row's first token is no target within the row; packed, the previous row's last token would learn it.
-        flat = flatten_rows([{"input_ids": r.input_ids, "labels": r.labels} for r in bucket], shift_labels=True)
-        packs.append({key: value[0].tolist() for key, value in flat.items()})
-    return packs
+def encode_row(
+    row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any, seq_length: int, train_on_prompt: bool = False
+) -> EncodedRow:
+    """A row rendered and encoded as ``build_instruction_data`` and a streaming run (``rapidlite.data.streaming``)
+    both take it: a row missing a field of ``fmt`` is skipped, a text longer than ``seq_length`` becomes its
+    windows (continued pretraining trains every token, not the start), another row is cut at ``seq_length``, and a
+    row with no trained token left is dropped."""
+    missing = missing_field(row, fmt)
+    if missing is not None:
+        return EncodedRow([], skipped=missing)
+    segments = render(row, fmt, template, tokenizer)
+    if fmt.kind == TEXT:
+        pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
+        truncated = False
+    else:
+        pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
+        truncated = pieces[0].truncated
+    if all(label == -100 for label in pieces[0].labels[1:]):
+        return EncodedRow([], dropped=True, truncated=truncated)
+    prompt = (
+        (segments[0][0], segments[1][0]) if fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1] else None
+    )
+    return EncodedRow(pieces, truncated=truncated, prompt=prompt)
 
 
-def packed_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask ``[b, 1, s, s]`` (True = attend) of rows packed with restarting position
-    ids: a token attends to the earlier tokens of its own row only."""
-    starts = (position_ids == 0).long().cumsum(-1)  # the row each token belongs to
-    same_row = starts[:, :, None] == starts[:, None, :]
-    s = position_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_row & causal)[:, None]
+def row_pieces(
+    row: dict[str, Any], fmt: RowFormat, template: str, tokenizer: Any, seq_length: int, train_on_prompt: bool = False
+) -> list[Encoded]:
+    """``encode_row``'s samples alone: a streaming run's encoder (``functools.partial`` of it pickles into its
+    loader workers)."""
+    return encode_row(row, fmt, template, tokenizer, seq_length, train_on_prompt).pieces
 
 
 @dataclass
@@ -375,7 +372,8 @@ def build_instruction_data(
     skipped and counted by field (``skipped``): they would teach the model to answer with EOS alone.
     ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
     template = load_template(template)
-    fmt = detect_format(raw["train"].column_names, prompt_key, response_key)
+    first = "train" if "train" in raw else next(iter(raw))  # a streaming run's validation file comes alone
+    fmt = detect_format(raw[first].column_names, prompt_key, response_key)
     splits: dict[str, list[dict[str, list[int]]] | None] = {"train": None, "validation": None, "test": None}
     prompts: list[tuple[str, str]] = []
     rows = truncated = windowed = dropped = trained = tokens = 0
@@ -385,42 +383,37 @@ def build_instruction_data(
             continue
         missing = sorted(set(fmt_columns(fmt)) - set(raw[name].column_names))
         if missing:
-            raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its train split has")
+            raise DataError(f"the {name} split lacks the columns {', '.join(missing)} that its {first} split has")
         encoded: list[Encoded] = []
         bar = progress_bar(len(raw[name]), desc=f"encoding {name}", unit="rows", leave=False, enabled=progress)
         for row in raw[name]:
             if bar is not None:
                 bar.update()
             rows += 1
-            missing = missing_field(row, fmt)
-            if missing is not None:
-                skipped[missing] = skipped.get(missing, 0) + 1
+            out = encode_row(row, fmt, template, tokenizer, seq_length, train_on_prompt)
+            if out.skipped is not None:
+                skipped[out.skipped] = skipped.get(out.skipped, 0) + 1
                 continue
-            segments = render(row, fmt, template, tokenizer)
-            if fmt.kind == TEXT:  # continued pretraining: a long text is every token of its windows, not its start
-                pieces = windows(encode(segments, tokenizer, sys.maxsize, train_on_prompt), seq_length)
-                windowed += len(pieces) > 1
-            else:
-                pieces = [encode(segments, tokenizer, seq_length, train_on_prompt)]
-                truncated += pieces[0].truncated
-            if all(label == -100 for label in pieces[0].labels[1:]):
+            windowed += len(out.pieces) > 1
+            truncated += out.truncated
+            if out.dropped:
                 dropped += 1
                 continue
-            encoded += pieces
-            trained += sum(label != -100 for enc in pieces for label in enc.labels[1:])
-            tokens += sum(len(enc.input_ids) for enc in pieces)
-            if name == "validation" and fmt.kind != TEXT and len(segments) >= 2 and not segments[0][1]:
-                prompts.append((segments[0][0], segments[1][0]))
+            encoded += out.pieces
+            trained += sum(label != -100 for enc in out.pieces for label in enc.labels[1:])
+            tokens += sum(len(enc.input_ids) for enc in out.pieces)
+            if name == "validation" and out.prompt is not None:
+                prompts.append(out.prompt)
         if bar is not None:
             bar.close()
         if packing:
             splits[name] = pack(encoded, seq_length)
         else:
             splits[name] = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
-    if not splits["train"] and skipped:
+    if first == "train" and not splits["train"] and skipped:
         fields = ", ".join(sorted(skipped))
         raise DataError(f"every training row lacks its {fields} (null, absent or empty); fill it in")
-    if not splits["train"] and dropped:
+    if first == "train" and not splits["train"] and dropped:
         raise DataError(
             f"no training row keeps a response token within --seq-length {seq_length} (prompts are cut there); "
             "raise --seq-length"

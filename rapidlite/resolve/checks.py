@@ -4,12 +4,13 @@ naming the flag and the fix (ranges, LoRA, the task's needs, the schedule, preci
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
-from rapidlite.config.tasks import TaskSpec, get_task
+from rapidlite.config.tasks import TaskSpec, get_task, task_names
 from rapidlite.environ import env_int, launch_value
 from rapidlite.errors import ConfigError
 from rapidlite.resolve.world import num_nodes
@@ -88,6 +89,8 @@ def check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--keep-last needs --save DIR")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.streaming and (args.task is None or args.user_script is not None):
+        raise ConfigError("--streaming is read by --task causal_lm and pretraining; a user script streams its own data")
     if args.padding_free and args.packing:
         raise ConfigError(
             "--padding-free and --packing both remove padding: --packing packs rows into --seq-length sequences "
@@ -217,8 +220,45 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
         from rapidlite.evaluation.harness import load_harness
 
         load_harness(args.eval_harness)  # read and checked before anything loads
+    if args.streaming:
+        check_streaming(task, args)
     if task.check is not None:
         task.check(args)
+
+
+def check_streaming(task: TaskSpec, args: argparse.Namespace) -> None:
+    """``--streaming``: a task that reads text as a stream, one local text source, a run sized in iterations."""
+    if not task.streaming:
+        streams = " and ".join(name for name in task_names() if get_task(name).streaming)
+        raise ConfigError(f"--streaming serves --task {streams}; --task {task.name} reads its data whole: drop it")
+    if args.data_path is None or args.demo:
+        raise ConfigError("--streaming reads --data-path (a .jsonl or .parquet file, or a directory of them)")
+    if len(args.data_path) > 1:
+        raise ConfigError("--streaming reads one --data-path (a file, or a directory with train and validation files)")
+    path = args.data_path[0]
+    if path.endswith((".bin", ".idx")) or os.path.isfile(f"{path}.bin") or os.path.isfile(f"{path}.idx"):
+        raise ConfigError(
+            f"--streaming reads text; --data-path {path} is Megatron .bin/.idx data, already tokenized and "
+            "memory-mapped (it never loads whole): drop --streaming"
+        )
+    given = args.explicit_flags or frozenset()
+    if "epochs" in given or args.train_iters is None:
+        raise ConfigError(
+            "--streaming: a stream's length is unknown until it is read, so --epochs cannot size the run; give "
+            "--train-iters N"
+        )
+    if "split" in given:
+        raise ConfigError(
+            "--split: a stream is not carved into splits (its length is unknown); hold validation rows out in a "
+            "validation.jsonl beside train.jsonl"
+        )
+    for name, on in (
+        ("--eval-only", args.eval_only),
+        ("--group-by-length", args.group_by_length),
+        ("--padding-free", args.padding_free),
+    ):
+        if on:
+            raise ConfigError(f"{name} needs the whole data set up front; --streaming reads it as it trains: drop one")
 
 
 def check_lr(args: argparse.Namespace) -> list[str]:

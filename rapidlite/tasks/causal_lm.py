@@ -8,13 +8,24 @@ completions of N validation prompts with their exact-match score.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import get_task
-from rapidlite.data.instruction import CausalLMCollator, build_instruction_data, doubled_bos, set_chat_template
+from rapidlite.data.instruction import (
+    CausalLMCollator,
+    build_instruction_data,
+    detect_format,
+    doubled_bos,
+    load_template,
+    row_pieces,
+    set_chat_template,
+)
+from rapidlite.data.packing import Packer
+from rapidlite.data.streaming import TokenStream, Unpacked, first_row, stream_source, validation_rows
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.models import lora
@@ -122,18 +133,22 @@ class CausalLMFinetuner(Finetuner):
         config = model_config(self.base_name)
         pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, settings.task.chat_template)
+        seq_length = causal_seq_length(
+            settings.data.seq_length, config, explicit=settings.given("seq_length"), task=self.task_name
+        )
+        if settings.data.streaming:  # the training rows are read as the run consumes them (streamed_data)
+            return None, seq_length, pad_id
         with hf_datasets_progress(self.show_progress):
             raw = load_raw_datasets(
                 *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
             )
-        seq_length = causal_seq_length(
-            settings.data.seq_length, config, explicit=settings.given("seq_length"), task=self.task_name
-        )
         return raw, seq_length, pad_id
 
     def train_valid_test_datasets_provider(self):
         settings = self.settings
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
+        if settings.data.streaming:
+            return self.streamed_data(seq_length, pad_id)
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
@@ -164,6 +179,50 @@ class CausalLMFinetuner(Finetuner):
             default=-1,
         )
         return d.train, d.validation, d.test, CausalLMCollator(pad_id)
+
+    def streamed_data(self, seq_length: int, pad_id: int) -> tuple[TokenStream, Any, None, CausalLMCollator]:
+        """``--streaming``: the training rows as a ``TokenStream`` (encoded in the loader workers by
+        ``encode_row``, packed in order with ``--packing``), and the held-out validation file encoded up front."""
+        settings, task = self.settings, self.settings.task
+        source = stream_source(settings.data.data_path[0])
+        fmt = detect_format(list(first_row(source.train)), task.prompt_key, task.response_key)
+        encode = functools.partial(
+            row_pieces,
+            fmt=fmt,
+            template=load_template(task.prompt_template),
+            tokenizer=self.tokenizer,
+            seq_length=seq_length,
+            train_on_prompt=task.train_on_prompt,
+        )
+        stream = TokenStream(
+            source.train,
+            encode,
+            Packer(seq_length) if task.packing else Unpacked(),
+            settings.training.micro_batch_size,
+            CausalLMCollator(pad_id),
+            rank=self.engine.dp_rank,
+            world_size=self.engine.dp_size,
+            num_workers=settings.data.num_workers,
+        )
+        valid = validation_rows(source)
+        self.data = None
+        if valid is not None:
+            self.data = build_instruction_data(
+                valid,
+                self.tokenizer,
+                seq_length,
+                prompt_key=task.prompt_key,
+                response_key=task.response_key,
+                template=task.prompt_template,
+                train_on_prompt=task.train_on_prompt,
+                packing=task.packing,
+            )
+        self.logger.info(
+            f"data: streaming {source.train} (format {fmt.kind}, {'packed' if task.packing else 'unpacked'}, "
+            f"{settings.data.num_workers} loader workers); validation: "
+            + (f"{source.validation}, {len(self.data.validation)} samples" if valid is not None else "none")
+        )
+        return stream, self.data.validation if valid is not None else None, None, CausalLMCollator(pad_id)
 
     def model_optimizer_lr_scheduler_provider(self):
         # A subclass may provide its own data: the adapter and base then follow from the flag alone.

@@ -18,6 +18,7 @@ corpus (``rapidlite.tasks.pretraining_demo``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import model_family
-from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, gpt_batch
+from rapidlite.data.gpt_dataset import SampleCutter, build_train_valid_test_datasets, document_ids, gpt_batch
+from rapidlite.data.streaming import TokenStream, stack_samples, stream_source
 from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.models.head import chunkable_head, local_result, model_logits, output_logps, returns_logps
@@ -111,6 +113,8 @@ class GPTPretrainer(PreTrainer):
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         settings = self.settings
+        if settings.data.streaming:
+            return self.streamed_data()
         return build_train_valid_test_datasets(
             data_prefix=settings.data.data_path,
             splits_string=settings.data.split,
@@ -121,6 +125,33 @@ class GPTPretrainer(PreTrainer):
             skip_warmup=not settings.data.mmap_warmup,
             vocab_size=self.data_tokenizer.vocab_size,
         )
+
+    def streamed_data(self) -> tuple[TokenStream, TokenStream | None, None, None]:
+        """``--streaming``: documents (their ``text``) tokenized in the loader workers with EOD appended, and cut
+        into GPT samples in order (``SampleCutter``): the training stream, and the validation file's if there is
+        one (``rapidlite.data.streaming.stream_source``)."""
+        settings = self.settings
+        if self.data_tokenizer.eod is None:
+            raise ConfigError("--streaming: the tokenizer has no end-of-document id to separate documents with")
+        source = stream_source(settings.data.data_path[0])
+
+        def stream(path: str) -> TokenStream:
+            return TokenStream(
+                path,
+                functools.partial(document_ids, tokenizer=self.data_tokenizer),
+                SampleCutter(settings.data.seq_length),
+                settings.training.micro_batch_size,
+                stack_samples,
+                rank=self.engine.dp_rank,
+                world_size=self.engine.dp_size,
+                num_workers=settings.data.num_workers,
+            )
+
+        self.logger.info(
+            f"data: streaming {source.train} ({settings.data.num_workers} loader workers); validation: "
+            f"{source.validation or 'none'}"
+        )
+        return stream(source.train), stream(source.validation) if source.validation else None, None, None
 
     def token_ids_needed(self) -> tuple[int, str]:
         return data_token_ids(self.data_tokenizer)

@@ -22,6 +22,7 @@ import torch
 from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
+from rapidlite.data.streaming import TokenStream, gathered_states, restore_state
 from rapidlite.engine import RapidliteEngine, require_module
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
@@ -51,6 +52,7 @@ class BaseTrainer:
         self.tokenizer: Any = None  # set it to have the tokenizer exported with a Hugging Face model
         self.iteration = 0
         self.consumed_samples = 0
+        self.train_stream: TokenStream | None = None  # --streaming's training data: its position is saved
         self.total_iters = 0
         # The run's log and evaluation intervals: the flags', unless --time-budget spaces them over its length.
         self.log_every: int = self.settings.logging.log_interval
@@ -262,12 +264,23 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loop's position, saved in every checkpoint."""
-        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+        """The loop's position, saved in every checkpoint; with ``--streaming`` every rank's stream position (a
+        collective: every rank calls it)."""
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
+        if self.train_stream is not None:
+            state["stream"] = gathered_states(self.train_stream)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
+        if self.train_stream is not None:
+            if "stream" not in state:
+                raise DataError(
+                    "--streaming: the checkpoint holds no stream position (it was saved without --streaming); "
+                    "resume it without --streaming"
+                )
+            restore_state(self.train_stream, state["stream"])
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
@@ -343,7 +356,7 @@ def split_datasets(provided: Any) -> tuple[Any, Any, Any, Callable | None]:
         )
     train, valid, test = provided[:3]
     for name, dataset in (("train", train), ("validation", valid), ("test", test)):
-        if dataset is not None:
+        if dataset is not None and not isinstance(dataset, TokenStream):  # a stream (--streaming) keeps its position
             require_map_style(dataset, f"train_valid_test_datasets_provider's {name} dataset")
     return train, valid, test, provided[3] if len(provided) == 4 else None
 

@@ -12,6 +12,7 @@ import torch
 from rapidlite.data.collate import FlatteningCollator
 from rapidlite.data.loader import DeviceDataLoader, batch_stats, unpadded_batches
 from rapidlite.data.samplers import padded_share, sample_lengths
+from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
@@ -120,6 +121,8 @@ class Finetuner(BaseTrainer):
                 "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
             )
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider())
+        if isinstance(train_ds, TokenStream):
+            return self._train_stream(train_ds, valid_ds, test_ds, collate_fn)
         if settings.training.eval_only:
             return self.evaluate_only(train_ds, valid_ds, test_ds, collate_fn)
         if not _has_rows(train_ds):
@@ -165,16 +168,45 @@ class Finetuner(BaseTrainer):
                 micro = list(islice(batches, accumulation))
                 if not micro:
                     break
-                self.before_step(micro)
-                items = [self.count_items(b) for b in micro] if self.engine.strategy.needs_item_counts else [None]
-                steps = (functools.partial(self._forward_batch, b) for b in micro)
-                self.train_step(steps, items=None if None in items else items)
-                self.after_step(sum(batch_stats(b)[0] for b in micro))
-                self.stop_if_signalled()
-                if self.exit_if_due():
+                if self._step(micro):
                     return self.last_evaluation
             if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
                 self.evaluate("validation")
+        if self.test_dataloader is not None:
+            self.evaluate("test")
+        self.finish()
+        return self.last_evaluation
+
+    def _step(self, micro: list[Any]) -> bool:
+        """One optimizer step on this rank's micro-batches; True when the run stops here (``--exit-*``)."""
+        self.before_step(micro)
+        items = [self.count_items(b) for b in micro] if self.engine.strategy.needs_item_counts else [None]
+        steps = (functools.partial(self._forward_batch, b) for b in micro)
+        self.train_step(steps, items=None if None in items else items)
+        self.after_step(sum(batch_stats(b)[0] for b in micro))
+        self.stop_if_signalled()
+        return self.exit_if_due()
+
+    def _train_stream(self, stream: TokenStream, valid_ds: Any, test_ds: Any, collate_fn: Any) -> dict[str, Any]:
+        """``--streaming``: ``--train-iters`` steps on the stream's micro-batches (its length is unknown, so the
+        run is one pass: validation every ``--eval-interval`` and at its end); a checkpoint keeps the stream's
+        position (``state_dict``)."""
+        self.train_stream = stream
+        self._build_eval_loaders(valid_ds, test_ds, collate_fn)
+        if self.valid_dataloader is None:
+            self.logger.warning("--streaming: no validation file: the run trains without evaluating")
+        self.steps_per_epoch = self.settings.training.train_iters
+        self.setup_model(self.steps_per_epoch)
+        self.begin_training()
+        self._validate_missed_epoch_end()
+        # No look-ahead: the stream's position must be that of the batches handed out, as a checkpoint records it.
+        batches = iter(DeviceDataLoader(stream, self.engine.device, prefetch=False))
+        accumulation = self.settings.training.gradient_accumulation_steps
+        while self.iteration < self.total_iters:
+            if self._step(list(islice(batches, accumulation))):
+                return self.last_evaluation
+        if not self.eval_every or self.iteration % self.eval_every:
+            self.evaluate("validation")
         if self.test_dataloader is not None:
             self.evaluate("test")
         self.finish()

@@ -12,6 +12,7 @@ import torch
 from rapidlite import time_budget
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.data.samplers import PretrainingBatchSampler
+from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.losses import unpack_loss
 from rapidlite.trainer.base import BaseTrainer, perplexity, split_datasets
@@ -87,6 +88,12 @@ class PreTrainer(BaseTrainer):
     ``--eval-iters`` global batches (loss and perplexity), checkpoints every ``--save-interval``.
     """
 
+    train_data_iterator: CountingIterator | None = None
+    valid_data_iterator: CountingIterator | None = None
+    test_data_iterator: CountingIterator | None = None
+    valid_stream: TokenStream | None = None  # --streaming's validation data, read from its start at each evaluation
+    valid_stream_start: dict[str, Any] | None = None
+
     def _loader(self, dataset: Any, collate_fn: Any, consumed_samples: int) -> CountingIterator:
         sampler = PretrainingBatchSampler(
             len(dataset),
@@ -114,6 +121,9 @@ class PreTrainer(BaseTrainer):
         return self.settings.training.eval_iters * step_s / 3  # --eval-iters global batches, forward only
 
     def evaluate(self, split: str = "validation") -> dict[str, Any]:
+        if split == "validation" and self.valid_stream is not None:  # from its first rows, each time
+            self.valid_stream.load_state_dict(self.valid_stream_start)
+            self.valid_data_iterator = self._stream_iterator(self.valid_stream)
         iterator = self.valid_data_iterator if split == "validation" else self.test_data_iterator
         if iterator is None:
             return {}
@@ -176,24 +186,10 @@ class PreTrainer(BaseTrainer):
             settings.training.eval_iters * global_batch,
         ]
         train_ds, valid_ds, test_ds, collate_fn = split_datasets(self.train_valid_test_datasets_provider(num_samples))
-        if train_ds is None or len(train_ds) == 0:
-            raise DataError("the training dataset is empty")
-        self.setup_model(settings.training.train_iters)
-
-        self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
-        # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
-        # the uninterrupted run would be.
-        run = settings.training
-        valid_consumed = (self.iteration // eval_interval) * run.eval_iters * global_batch if run.eval_interval else 0
-        self.valid_data_iterator = (
-            self._loader(valid_ds, collate_fn, valid_consumed) if valid_ds is not None and len(valid_ds) > 0 else None
-        )
-        self.test_data_iterator = (
-            self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
-        )
-        if self.valid_data_iterator is None:
-            split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
-            self.logger.warning(f"no validation data{split}: the run trains without evaluating")
+        if isinstance(train_ds, TokenStream):
+            self._stream_data(train_ds, valid_ds)
+        else:
+            self._map_style_data(train_ds, valid_ds, test_ds, collate_fn, eval_interval)
 
         self.begin_training()
         iterator = self.train_data_iterator
@@ -211,3 +207,40 @@ class PreTrainer(BaseTrainer):
             self.evaluate("test")
         self.finish()
         return self.last_evaluation
+
+    def _map_style_data(self, train_ds: Any, valid_ds: Any, test_ds: Any, collate_fn: Any, eval_interval: int) -> None:
+        settings = self.settings
+        if train_ds is None or len(train_ds) == 0:
+            raise DataError("the training dataset is empty")
+        self.setup_model(settings.training.train_iters)
+        global_batch = settings.training.global_batch_size
+        self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
+        # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
+        # the uninterrupted run would be.
+        run = settings.training
+        valid_consumed = (self.iteration // eval_interval) * run.eval_iters * global_batch if run.eval_interval else 0
+        self.valid_data_iterator = (
+            self._loader(valid_ds, collate_fn, valid_consumed) if valid_ds is not None and len(valid_ds) > 0 else None
+        )
+        self.test_data_iterator = (
+            self._loader(test_ds, collate_fn, 0) if test_ds is not None and len(test_ds) > 0 else None
+        )
+        if self.valid_data_iterator is None:
+            split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
+            self.logger.warning(f"no validation data{split}: the run trains without evaluating")
+
+    def _stream_data(self, train: TokenStream, valid: TokenStream | None) -> None:
+        """``--streaming``: the training stream continues from the checkpoint's position; every evaluation reads
+        the validation stream from its first rows (the same held-out samples each time)."""
+        self.train_stream = train
+        self.setup_model(self.settings.training.train_iters)
+        self.train_data_iterator = self._stream_iterator(train)
+        self.valid_stream = valid
+        if valid is not None:
+            self.valid_stream_start = valid.state_dict()
+        if valid is None:
+            self.logger.warning("--streaming: no validation file: the run trains without evaluating")
+
+    def _stream_iterator(self, stream: TokenStream) -> CountingIterator:
+        # No look-ahead: the stream's position must be that of the batches handed out, as a checkpoint records it.
+        return CountingIterator(iter(DeviceDataLoader(stream, self.engine.device, prefetch=False)))
