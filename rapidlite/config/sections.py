@@ -359,12 +359,7 @@ class TrainingConfig:
         group=CHECKPOINTS_AND_LOGGING,
     )
     train_samples: int | None = flag(None, "train for this many samples (instead of iters)", group=MEGATRON)
-    train_tokens: int | None = flag(
-        None,
-        "train for this many tokens (instead of iters): ceil(tokens / (global batch x --seq-length)) iterations, "
-        "counting every position of a sequence (exact for packed data and pretraining); needs --seq-length",
-        group=MEGATRON,
-    )
+    train_tokens: int | None = flag(None, "train for N tokens: ceil(N / (global batch x --seq-length)) iterations")
     exit_interval: int | None = flag(
         None, "stop after an iteration divisible by this, saving a checkpoint (--save) to resume from", group=MEGATRON
     )
