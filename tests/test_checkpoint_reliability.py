@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from helpers import (
     rapidlite_here,
     read_metrics,
 )
-from rapidlite.checkpoint import dcp, integrity, layout, selection
+from rapidlite.checkpoint import dcp, integrity, layout, selection, watchdog
 from rapidlite.errors import CheckpointError
 
 ARGV = ["--micro-batch-size", "8", "--lr", "0.01", "--log-interval", "1", "--seed", "3"]
@@ -320,6 +321,44 @@ def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypat
     assert (save / "latest").read_text().strip() == "2"
     assert not list(save.glob(".tmp_*")) and not (save / "iter_0000004").exists()
     assert integrity.verify_checkpoint(save / "iter_0000002") is None
+
+
+@pytest.fixture
+def stops(monkeypatch):
+    """The watchdog's ends, recorded instead of ending this process; a short grace and poll."""
+    ended = []
+    monkeypatch.setattr(watchdog, "grace_seconds", lambda: 0.2)
+    monkeypatch.setattr(watchdog, "POLL_SECONDS", 0.02)
+    monkeypatch.setattr(watchdog, "_end_rank", ended.append)
+    return ended
+
+
+def test_the_save_watchdog_ends_a_rank_only_after_a_recorded_failure(tmp_path, stops):
+    save, tmp = tmp_path / "run", tmp_path / "run" / ".tmp_iter_0000004"
+    tmp.mkdir(parents=True)
+    (save / "latest").write_text("2\n")
+    with watchdog.SaveWatchdog(save, tmp, 4, rank=0, world=2):
+        time.sleep(0.6)  # a slow healthy save: nothing recorded, nothing ended
+        assert stops == []
+        watchdog.record_failure(tmp, 1, "the disk is full (no space left on device)")
+        deadline = time.monotonic() + 5
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (error,) = stops[:1]
+    assert isinstance(error, CheckpointError) and "\n" not in str(error)
+    assert "iteration 4: rank 1: the disk is full (no space left on device); the ranks still inside" in str(error)
+    assert "the partial checkpoint was removed and 'latest' still points at iteration 2" in str(error)
+    assert not tmp.exists()
+
+
+def test_the_save_watchdog_stops_with_the_save(tmp_path, stops):
+    tmp = tmp_path / ".tmp_iter_0000004"
+    tmp.mkdir()
+    with watchdog.SaveWatchdog(tmp_path, tmp, 4, rank=1, world=2) as dog:
+        dog.record(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "the disk is full (no space left on device)")
+    assert watchdog.recorded_failure(tmp) == (1, "the disk is full (no space left on device)")
+    time.sleep(0.6)  # the collectives lined up: the save's own one line ended it, the watchdog ends nothing
+    assert stops == []
 
 
 # ------------------------------------------------------------------------------------- the command line

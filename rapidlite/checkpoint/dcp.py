@@ -60,6 +60,7 @@ from rapidlite.checkpoint.layout import (
 )
 from rapidlite.checkpoint.rng import rng_state
 from rapidlite.checkpoint.selection import select_checkpoint
+from rapidlite.checkpoint.watchdog import SaveWatchdog
 from rapidlite.errors import CheckpointError
 
 
@@ -171,7 +172,8 @@ def save_checkpoint(
     covers as every other file. ``optimizer`` None saves the weights only. ``write_tensors(directory)`` writes the
     model and optimizer in a backend's own format instead of DCP's (DeepSpeed's ``save_checkpoint``).
     A write that fails for the file system's reason (a full disk) raises a one-line ``CheckpointError`` on
-    every rank, with the partial checkpoint removed and ``latest`` unchanged."""
+    every rank, with the partial checkpoint removed and ``latest`` unchanged; when the failed rank's peers are
+    left waiting in the backend's collectives, ``watchdog.SaveWatchdog`` ends them with that line."""
     save_dir = Path(save_dir)
     final = save_dir / checkpoint_name(iteration)
     tmp = save_dir / f".tmp_{final.name}"
@@ -182,66 +184,70 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         tmp.mkdir()
     _barrier()
-    failure: BaseException | None = None
-    try:
-        if write_tensors is not None:
-            write_tensors(tmp)
-        else:
-            tensors = _flatten(
-                model_tensors(model),
-                _optimizer_tensors(model, optimizer, False) if optimizer else None,
-            )
-            with _one_process_is_fine():
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-        if rank == 0:
-            torch.save(state, tmp / STATE_FILE)
-            for name, text in (files or {}).items():
-                (tmp / name).write_text(text, encoding="utf-8")
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        failure = e
-    _barrier()  # every rank's files are complete
-    files: dict[str, dict[str, int]] = {}
-    if failure is None:
+    # A rank failing inside a backend's write can leave the others in its collectives: the watchdog ends them.
+    with SaveWatchdog(save_dir, tmp, iteration, rank, world) as watchdog:
+        failure: BaseException | None = None
         try:
-            files = integrity._hash_own_files(tmp, rank, world)
-        except OSError as e:
+            if write_tensors is not None:
+                write_tensors(tmp)
+            else:
+                tensors = _flatten(
+                    model_tensors(model),
+                    _optimizer_tensors(model, optimizer, False) if optimizer else None,
+                )
+                with _one_process_is_fine():
+                    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+            if rank == 0:
+                torch.save(state, tmp / STATE_FILE)
+                for name, text in (files or {}).items():
+                    (tmp / name).write_text(text, encoding="utf-8")
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             failure = e
-    reason = None if failure is None else _write_failure(failure, save_dir) or _first_line(failure)
-    reports = _all_gather((reason, files))
-    if any(r for r, _ in reports):
-        _fail_save(save_dir, tmp, iteration, [r for r, _ in reports], failure)
-    failure, reason = None, None
-    if rank == 0:
-        try:
-            _write_manifest(tmp, iteration, {k: v for _, part in reports for k, v in part.items()})
-            _fsync_dir(tmp)
-        except OSError as e:
-            failure, reason = e, _write_failure(e, save_dir) or _first_line(e)
-    reasons = _all_gather(reason)
-    if any(reasons):
-        _fail_save(save_dir, tmp, iteration, reasons, failure)
-    if rank == 0:
-        if final.exists():  # saving the same iteration again (e.g. a final save after an interval save)
-            old = save_dir / f".tmp_old_{final.name}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(save_dir)
-        try:
-            layout._write_latest(save_dir, iteration)
-        except OSError as e:
-            reason = _write_failure(e, save_dir) or _first_line(e)
-    reasons = _all_gather(reason)
-    if any(reasons):
-        # The checkpoint itself is complete and verified: a resume finds it although 'latest' lags behind.
-        raise CheckpointError(
-            f"--save {save_dir}: cannot update '{LATEST_FILE}' after writing {final.name}: "
-            f"{next(r for r in reasons if r)} ({final.name} is complete: --load {save_dir} resumes from it)"
-        )
-    return final
+            watchdog.record(e, _write_failure(e, save_dir) or _first_line(e))
+        _barrier()  # every rank's files are complete
+        files: dict[str, dict[str, int]] = {}
+        if failure is None:
+            try:
+                files = integrity._hash_own_files(tmp, rank, world)
+            except OSError as e:
+                failure = e
+                watchdog.record(e, _write_failure(e, save_dir) or _first_line(e))
+        reason = None if failure is None else _write_failure(failure, save_dir) or _first_line(failure)
+        reports = _all_gather((reason, files))
+        if any(r for r, _ in reports):
+            _fail_save(save_dir, tmp, iteration, [r for r, _ in reports], failure)
+        failure, reason = None, None
+        if rank == 0:
+            try:
+                _write_manifest(tmp, iteration, {k: v for _, part in reports for k, v in part.items()})
+                _fsync_dir(tmp)
+            except OSError as e:
+                failure, reason = e, _write_failure(e, save_dir) or _first_line(e)
+        reasons = _all_gather(reason)
+        if any(reasons):
+            _fail_save(save_dir, tmp, iteration, reasons, failure)
+        if rank == 0:
+            if final.exists():  # saving the same iteration again (e.g. a final save after an interval save)
+                old = save_dir / f".tmp_old_{final.name}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            _fsync_dir(save_dir)
+            try:
+                layout._write_latest(save_dir, iteration)
+            except OSError as e:
+                reason = _write_failure(e, save_dir) or _first_line(e)
+        reasons = _all_gather(reason)
+        if any(reasons):
+            # The checkpoint itself is complete and verified: a resume finds it although 'latest' lags behind.
+            raise CheckpointError(
+                f"--save {save_dir}: cannot update '{LATEST_FILE}' after writing {final.name}: "
+                f"{next(r for r in reasons if r)} ({final.name} is complete: --load {save_dir} resumes from it)"
+            )
+        return final
 
 
 # What DCP's metadata pickle may name: its own dataclasses and the torch types they hold.

@@ -161,9 +161,14 @@ def _fail_save(
         if isinstance(local, Exception):
             raise local
         raise RuntimeError(str(local)) from local  # DCP's CheckpointException, which `except Exception` misses
+    raise save_failed(save_dir, iteration, reason)
+
+
+def save_failed(save_dir: Path, iteration: int, reason: str) -> CheckpointError:
+    """The one line of a failed save, once its partial checkpoint is removed: why, and where ``latest`` points."""
     latest = save_dir / LATEST_FILE
     kept = f"'latest' still points at iteration {latest.read_text().strip()}" if latest.is_file() else "no 'latest'"
-    raise CheckpointError(
+    return CheckpointError(
         f"--save {save_dir}: cannot write the checkpoint of iteration {iteration}: {reason}; the partial checkpoint "
         f"was removed and {kept} (free space in {save_dir}, then resume with --load {save_dir})"
     )
