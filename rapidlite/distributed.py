@@ -31,6 +31,13 @@ from rapidlite.config.runtime import ParallelConfig
 from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError, RapidliteError
 
+_COLLECTIVE_TIMEOUT: datetime.timedelta | None = None  # the process group's (--distributed-timeout-minutes)
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """How long a collective of the process group rapidlite started waits before it fails (None: it started none)."""
+    return _COLLECTIVE_TIMEOUT
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -214,6 +221,8 @@ def init_distributed(cfg: ParallelConfig, need_process_group: bool = False) -> D
         dist.init_process_group(
             backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None, **rendezvous
         )
+        global _COLLECTIVE_TIMEOUT
+        _COLLECTIVE_TIMEOUT = timeout
     ctx.mesh = device_mesh(device.type, dims)
     return ctx
 

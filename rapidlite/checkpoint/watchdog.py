@@ -15,7 +15,6 @@ ends it first and the watchdog stops with the save.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import re
 import shutil
@@ -24,9 +23,6 @@ import threading
 import time
 import traceback
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from rapidlite.checkpoint.integrity import _write_failure, save_failed
 from rapidlite.errors import RapidliteError
@@ -60,13 +56,10 @@ def grace_seconds() -> float:
     """How long the ranks may take to end the save together once a failure is recorded: 60 s, or half the
     process group's timeout (``--distributed-timeout-minutes``) when that is shorter, so the watchdog acts before
     the process group's own timeout turns the hang into a traceback."""
-    try:
-        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # another backend's options, or none: the default stands
-        return GRACE_SECONDS
-    if isinstance(timeout, datetime.timedelta):
-        return min(GRACE_SECONDS, timeout.total_seconds() / 2)
-    return GRACE_SECONDS
+    from rapidlite.distributed import collective_timeout
+
+    timeout = collective_timeout()
+    return GRACE_SECONDS if timeout is None else min(GRACE_SECONDS, timeout.total_seconds() / 2)
 
 
 def _end_rank(error: BaseException) -> None:
