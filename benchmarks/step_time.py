@@ -191,11 +191,10 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: int, data: str, root: Path) -> list:
-    """Each layout at each micro-batch size: (name, predicted s, measured s), measured as the median step time
-    of a run's iterations after the first two."""
+    """Each layout at each micro-batch size: (name, predicted s, measured s), measured as the fastest step of a
+    run's iterations after the first two (another process on the machine only ever slows a step)."""
     import json
     import os
-    import statistics
     import subprocess
 
     from rapidlite.arguments import parse_args
@@ -218,7 +217,7 @@ def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: i
                 raise SystemExit(f"{name} micro-batch {micro} failed:\n{proc.stderr[-2000:]}")
             records = [json.loads(line) for line in open(save / "metrics.jsonl")]
             times = [r["step_time_s"] for r in records if "step_time_s" in r and r.get("iteration", 0) > 2]
-            measured = statistics.median(times)
+            measured = min(times)
             top = max(t.step.terms.items(), key=lambda kv: kv[1])[0]
             rows.append((f"{name}, micro-batch {micro}", t.step.seconds, measured, top))
             print(f"| {name} | {micro} | {t.step.seconds:.3f} | {measured:.3f} | {t.step.seconds / measured:.2f} | "
@@ -277,10 +276,14 @@ def main_here(quick: bool) -> int:
         write_tiny_corpus(data, docs=400)
         print("| layout | micro-batch | predicted s/step | measured s/step | predicted / measured | largest term |")
         print("|---|---|---|---|---|---|")
-        rows = here(layouts, (1, 2), 3 if quick else 6, str(data), Path(tmp))
+        rows = here(layouts, (1, 2), 3 if quick else 7, str(data), Path(tmp))
     predicted, measured = [r[1] for r in rows], [r[2] for r in rows]
     within = sum(abs(p / m - 1) <= 0.30 for p, m in zip(predicted, measured, strict=True))
     print(f"\nSpearman rank correlation of predicted and measured step times: {spearman(predicted, measured):.2f}")
+    # TP2 on a CPU runs 1.2-1.6x the model's step for a reason not found (docs/guides/step-time.md).
+    kept = [(p, m) for (name, *_), p, m in zip(rows, predicted, measured, strict=True) if not name.startswith("TP2")]
+    rest = spearman([p for p, _ in kept], [m for _, m in kept])
+    print(f"Spearman without TP2 (DDP, ZeRO-1/2/3, PP2): {rest:.2f}")
     print(f"predicted within 30% of measured: {within} of {len(rows)}")
     return 0
 
