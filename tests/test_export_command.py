@@ -279,16 +279,28 @@ def test_bad_input_is_one_line_exit_2_and_damages_nothing(runs, tmp_path, capsys
     assert not (tmp_path / "o").exists()
 
 
+LAYOUTS = {
+    "zero3": ["--micro-batch-size", "2", "--zero-3-memory-optimization"],
+    "tp2": ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"],  # one replica: 2 micro-batches
+    "deepspeed": ["--micro-batch-size", "2", "--deepspeed", "--zero-2-memory-optimization"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_two_rank_zero3_checkpoint_exports_the_weights_one_process_trains(runs, tmp_path):
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=[pytest.mark.deepspeed] if n == "deepspeed" else []) for n in LAYOUTS]
+)
+def test_a_two_rank_checkpoint_exports_the_weights_one_process_trains(runs, tmp_path, layout):
     from transformers import AutoModelForCausalLM
+
+    if layout == "deepspeed":
+        pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 
     common = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(runs["llama"]),
               "--data-path", str(runs["lora"].parent / "d.jsonl"), "--global-batch-size", "4", "--train-iters", "2",
               "--seq-length", "48", "--split", "80,20", "--lr", "1e-2"]  # fmt: skip
-    two = rapidlite(*common, "--micro-batch-size", "2", "--nproc-per-node", "2", "--zero-3-memory-optimization",
-                    "--save", str(tmp_path / "two"))  # fmt: skip
+    two = rapidlite(*common, *LAYOUTS[layout], "--nproc-per-node", "2", "--save", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert rapidlite_here(*common, "--micro-batch-size", "4", "--save", str(tmp_path / "one")) == 0
     for name in ("one", "two"):
