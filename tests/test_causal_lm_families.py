@@ -74,9 +74,8 @@ def test_a_tokenizer_without_pad_bos_or_eos_trains_and_exports(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path / "out") if "loss" in r)
 
 
-def test_added_tokens_grow_the_embeddings_and_adapters_refuse_them(tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
+def added_tokens_llama(tmp_path):
+    """A tiny LLaMA whose tokenizer gained ChatML's two special tokens (its embeddings did not), and chat rows."""
     tok = tokenizer()
     model = save_llama(tmp_path / "m", tok)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -84,6 +83,13 @@ def test_added_tokens_grow_the_embeddings_and_adapters_refuse_them(tmp_path, cap
     chat = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]} for t in TEXTS]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat))
+    return tok, model, data
+
+
+def test_added_tokens_grow_the_embeddings_and_adapters_refuse_them(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    tok, model, data = added_tokens_llama(tmp_path)
     common = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(model), "--data-path", str(data),
               "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "1", "--seq-length", "64",
               "--chat-template", "chatml"]  # fmt: skip

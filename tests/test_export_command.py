@@ -4,13 +4,12 @@ GGUF file (LLaMA, GPT-2, the built-in GPT in their layouts), each read back befo
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_causal_lm_families import TEXTS, run, save_llama, tokenizer
+from test_causal_lm_families import added_tokens_llama, run, save_llama, tokenizer
 
 from helpers import rapidlite, rapidlite_here
 from rapidlite.checkpoint.dcp import read_model_tensors
@@ -235,13 +234,7 @@ def test_a_built_in_gpt_run_exports_as_gpt2_for_transformers_and_llama_cpp(tmp_p
 def test_embeddings_the_run_grew_for_added_tokens_are_exported_grown(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    tok = tokenizer()
-    model = save_llama(tmp_path / "m", tok)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.save_pretrained(model)
-    chat = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]} for t in TEXTS]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat))
+    tok, model, data = added_tokens_llama(tmp_path)
     argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(model), "--data-path", str(data),
             "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "1", "--seq-length", "64",
             "--chat-template", "chatml", "--save", str(tmp_path / "run")]  # fmt: skip
