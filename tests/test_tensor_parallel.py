@@ -244,3 +244,79 @@ def test_hugging_face_bert_tensor_parallel_trains_like_one_process(bert, tmp_pat
     actual = read_model_tensors(saves[layout] / "iter_0000005")
     for k, v in expected.items():
         assert (actual[k] - v).abs().max().item() < 1e-4, k
+
+
+COUNT_COLLECTIVES = """
+import json, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import torch.distributed._functional_collectives as funcol
+
+
+def model(family, layers):
+    import transformers
+    from rapidlite.models.gpt import GPTConfig, GPTModel
+
+    torch.manual_seed(0)
+    if family.startswith("gpt"):
+        return GPTModel(GPTConfig(vocab_size=96, num_layers=layers, hidden_size=32, num_attention_heads=4,
+                                  seq_length=16, swiglu=family == "gpt-swiglu"))
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16))
+    return transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        max_position_embeddings=16))
+
+
+def run(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    mesh, counts, original = init_device_mesh("cpu", (2,)), {}, funcol.all_reduce
+
+    def counted(*args, **kwargs):
+        counts[phase] += 1
+        return original(*args, **kwargs)
+
+    funcol.all_reduce = counted
+    found = {}
+    for family in ("gpt", "gpt-swiglu", "llama", "bert"):
+        for layers in (1, 2):
+            m = apply_tensor_parallel(model(family, layers), mesh, sequence_parallel=False)
+            counts = {"forward": 0, "backward": 0}
+            phase = "forward"
+            out = m(torch.randint(0, 96, (2, 16)))
+            logits = out if torch.is_tensor(out) else out[0]
+            phase = "backward"
+            (logits.to_local() if hasattr(logits, "to_local") else logits).float().sum().backward()
+            found[f"{family}-{layers}"] = counts
+    if rank == 0:
+        print(json.dumps(found))
+    dist.destroy_process_group()
+
+
+mp.start_processes(run, nprocs=2, start_method="fork")
+"""
+
+
+def test_a_tensor_parallel_block_all_reduces_twice_forward_and_twice_backward(tmp_path):
+    """Megatron's layout: a block's attention and MLP each all-reduce their output in the forward pass and
+    their input's gradient in the backward, once each. The q, k and v projections (gate and up with SwiGLU)
+    read one shared input, so their gradients are summed before that one all-reduce, not reduced one by one;
+    the step-time model counts four per block."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-c", COUNT_COLLECTIVES, str(tmp_path / "store")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    for family in ("gpt", "gpt-swiglu", "llama", "bert"):
+        one, two = found[f"{family}-1"], found[f"{family}-2"]
+        per_block = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
+        assert per_block == {"forward": 2, "backward": 2}, (family, one, two)

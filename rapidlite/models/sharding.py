@@ -2,9 +2,12 @@
 
 Within a transformer block the q/k/v projections and the MLP's up/gate projections are split column-wise
 (each rank computes its heads and its slice of the MLP), the attention output and MLP down projections
-row-wise (one all-reduce per sub-layer). The word embedding is split along the vocabulary and the output
-layer column-wise along the vocabulary: the logits stay sharded and the cross-entropy is computed on the
-shards (``loss_parallel``), so the full ``[batch, seq, vocab]`` logits never exist on one rank.
+row-wise (one all-reduce per sub-layer). Each sub-layer's input enters as one replicated DTensor
+(``PrepareModuleInput``), so the projections that read it add their input gradients as partial sums and
+all-reduce the sum once: two all-reduces a block forward and two backward. The word embedding is split
+along the vocabulary and the output layer column-wise along the vocabulary: the logits stay sharded and
+the cross-entropy is computed on the shards (``loss_parallel``), so the full ``[batch, seq, vocab]``
+logits never exist on one rank.
 ``--sequence-parallel`` also splits the norms, dropout and residual stream along the sequence between the
 parallel regions (all-gather before attention/MLP, reduce-scatter after), as in Megatron.
 
@@ -157,6 +160,8 @@ def declared_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> No
     plan: dict[str, Any] = {pattern: styles[style]() for pattern, style in declared.items()}
     if sequence_parallel:
         plan.update(_llama_sequence_parallel_plan(base, declared))
+    elif _llama_like(base):
+        plan.update(_shared_inputs_plan())
     parallelize_module(base, tp_mesh, plan)
     shard_vocabulary(model.get_input_embeddings(), model.get_output_embeddings(), tp_mesh, sequence_parallel)
 
@@ -166,6 +171,20 @@ def _llama_like(base: nn.Module) -> bool:
     blocks = stack_blocks(layers) if layers is not None else []
     names = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
     return bool(blocks) and all(hasattr(b, n) for b in blocks for n in names) and hasattr(base, "norm")
+
+
+def _shared_inputs_plan() -> dict[str, Any]:
+    """A LLaMA-style block's attention and MLP inputs as one replicated DTensor each, so the column-wise q, k
+    and v (gate and up) projections share it: their input gradients add up as partial sums and are all-reduced
+    once (Megatron's layout), not once per projection."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    whole = {"hidden_states": Replicate()}
+    return {
+        "layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts=whole, desired_input_kwarg_layouts=whole),
+        "layers.*.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+    }
 
 
 def _llama_sequence_parallel_plan(base: nn.Module, declared: dict[str, str]) -> dict[str, Any]:

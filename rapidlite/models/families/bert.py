@@ -31,7 +31,12 @@ def bert_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     decoder's vocabulary shards are all-gathered (the one place the full logits exist); pooler, NSP head and
     norms are replicated."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     config, tp, name = model.config, tp_mesh.size(), type(model).__name__
     if not _has_pretraining_head(model):
@@ -46,6 +51,8 @@ def bert_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     )
     check_divisible(sizes, tp, of=name)
     layer_plan = {
+        # query, key and value share one replicated input: its gradient is all-reduced once, not three times
+        "attention.self": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
         "attention.self.query": ColwiseParallel(),
         "attention.self.key": ColwiseParallel(),
         "attention.self.value": ColwiseParallel(),

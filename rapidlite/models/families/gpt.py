@@ -74,13 +74,16 @@ def gpt_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
         }
         if block.mlp.gate_proj is not None:
             plan["mlp.gate_proj"] = ColwiseParallel()
+        # The attention's and MLP's input enters as one replicated DTensor (all-gathered from sequence shards
+        # with sequence parallelism), so q, k and v (gate and up) share it: their input gradients are summed
+        # as partial sums and reduced once, Megatron's one all-reduce, not once per projection.
         if sequence_parallel:
             plan["input_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            )
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan["mlp"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
     if model.tied and model.output is not None and model.embedding is not None:
         # Both shards are rows of the vocabulary: the same DTensor serves as both.
