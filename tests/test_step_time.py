@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,12 @@ def test_built_in_profiles_take_their_peaks_from_the_datasheet_table():
 
 def test_a_profile_file_overrides_a_built_in_one_and_bad_files_are_one_line(tmp_path):
     good = tmp_path / "my-h100.yaml"
-    good.write_text("base: h100-sxm\nmatmul_efficiency: 0.5\ninter_node_bandwidth: 1.0e10\n")
+    good.write_text(
+        "base: h100-sxm\nmatmul_efficiency: 0.5\ninter_node_bandwidth: 1.0e10\ntensor_parallel_overhead: 0\n"
+    )
     profile = device_profile(str(good))
     assert profile.name == "my-h100" and profile.matmul_efficiency == 0.5 and profile.inter_node_bandwidth == 1e10
+    assert profile.tensor_parallel_overhead == 0  # none is an overhead, not a refusal
     assert profile.peak("bf16") == 989e12  # from its base
     whole = tmp_path / "whole.json"
     whole.write_text(json.dumps({k: v for k, v in BUILT_IN["l40s"].items() if k not in ("name", "source")}))
@@ -60,6 +64,7 @@ def test_a_profile_file_overrides_a_built_in_one_and_bad_files_are_one_line(tmp_
         "broken.json": ("{", "cannot read it"),
         "text.yaml": ("base: h100-sxm\nmemory_bandwidth: fast\n", "memory_bandwidth is 'fast', not a number"),
         "zero.yaml": ("base: h100-sxm\nmatmul_efficiency: 0\n", "must be positive"),
+        "negative.yaml": ("base: h100-sxm\ntensor_parallel_overhead: -1e-3\n", "must be 0 or more"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
@@ -107,11 +112,20 @@ def test_the_layouts_terms_move_as_their_parallelism_says():
     tp = step_time(_plan(*base, "--tensor-model-parallel-size", "2"), profile, 8).step.terms
     assert tp["compute"] == pytest.approx(single["compute"] / 2) and tp["tensor parallel"] > 0
     across_nodes = step_time(_plan(*base, "--tensor-model-parallel-size", "2"), profile, 1).step.terms
-    # Four all-reduces of a block's bf16 activations per block and micro-batch, over the link the pair spans.
-    act = 2 * 2 * 256 * 256
+    # Four all-reduces of a block's bf16 activations per block and micro-batch, over the link the pair spans;
+    # per micro-batch two more (the embedding's, the output layer's) and the cross-entropy's three of a value a token.
+    act, tokens = 2 * 2 * 256 * 256, 2 * 256
     for terms, link in ((tp, "intra"), (across_nodes, "inter")):
-        bandwidth, latency = getattr(profile, f"{link}_node_bandwidth"), getattr(profile, f"{link}_node_latency")
-        assert terms["tensor parallel"] == pytest.approx(4 * 4 * 4 * all_reduce(act, 2, bandwidth, latency))
+        link = getattr(profile, f"{link}_node_bandwidth"), getattr(profile, f"{link}_node_latency")
+        blocks = 4 * 4 * 4 * all_reduce(act, 2, *link)
+        vocabulary = 4 * (2 * all_reduce(act, 2, *link) + 3 * all_reduce(4 * tokens, 2, *link))
+        assert terms["tensor parallel"] == pytest.approx(blocks + vocabulary)
+
+    # DTensor's dispatch (none on a GPU profile): the profile's overhead for each of 4 blocks x 4 micro-batches.
+    assert tp["tensor-parallel dispatch"] == 0 and "tensor-parallel dispatch" not in ddp
+    host_bound = replace(profile, tensor_parallel_overhead=0.01)
+    tp_plan = _plan(*base, "--tensor-model-parallel-size", "2")
+    assert step_time(tp_plan, host_bound, 8).step.terms["tensor-parallel dispatch"] == pytest.approx(4 * 4 * 0.01)
 
     pp = step_time(_plan(*base, "--pipeline-model-parallel-size", "2"), profile, 8).step.terms
     micro = pp["compute"] / 4  # 4 micro-batches a step
@@ -129,7 +143,6 @@ def test_the_layouts_terms_move_as_their_parallelism_says():
 def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism_not_ddp():
     """gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce: the profile's
     slowdowns multiply what FSDP2 and sequence parallelism spend in them, and leave DDP's all-reduce as it is."""
-    from dataclasses import replace
 
     nccl = device_profile("a100-80g")
     gloo = replace(nccl, all_gather_slowdown=2.0, reduce_scatter_slowdown=3.0, overlaps_communication=False)
@@ -143,7 +156,8 @@ def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism
     ratio = comm(gloo, "--zero-3-memory-optimization") / comm(flat, "--zero-3-memory-optimization")
     assert 2.0 < ratio < 3.0  # gathers at 2x, the gradients' reduce-scatter at 3x
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    assert comm(gloo, *tp, term="tensor parallel") == pytest.approx(2.5 * comm(flat, *tp, term="tensor parallel"))
+    ratio = comm(gloo, *tp, term="tensor parallel") / comm(flat, *tp, term="tensor parallel")
+    assert 2.2 < ratio < 2.5  # the activations' gathers and scatters, not the cross-entropy's small all-reduces
     assert comm(gloo, tp[0], tp[1], term="tensor parallel") == comm(flat, tp[0], tp[1], term="tensor parallel")
 
 
@@ -191,6 +205,7 @@ def test_the_cpu_profile_is_measured_once_then_read(tmp_path, monkeypatch):
     first = device_profile("cpu")
     assert isinstance(first, DeviceProfile) and first.shared_by_node
     assert first.peak("fp32") > 1e9 and first.intra_node_bandwidth > 1e7 and first.optimizer_rate > 1e6
+    assert first.tensor_parallel_overhead > 0  # DTensor's dispatch, measured on a one-rank mesh
     (cached,) = (tmp_path / "device-profiles").glob("cpu-*.json")
     data = json.loads(cached.read_text())
     data["matmul_efficiency"] = 0.123  # read back, not measured again
@@ -245,13 +260,13 @@ def test_search_over_two_ranks_ranks_fitting_layouts_by_speed():
 @pytest.mark.exclusive
 def test_the_predicted_order_of_the_two_rank_layouts_is_the_measured_one(tmp_path):
     """DDP, ZeRO-1/2/3, TP2 and PP2, each at micro-batch 1 and 2, run on this machine beside their predictions
-    from the cpu profile, measured in the same quiet turn (benchmarks/step_time.py --here, which prints both).
-    The order is required of the layouts but TP2, which runs 1.2-1.6x its predicted step on a CPU, for a reason
-    not found yet (docs/guides/step-time.md)."""
+    from the cpu profile, measured in the same quiet turn (benchmarks/step_time.py --here, which prints both):
+    the predicted order is the measured one (Spearman >= 0.8)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
     env = {**os.environ, "RAPIDLITE_CACHE": str(tmp_path / "cache")}  # the profile measured now, not under load
     proc = subprocess.run([sys.executable, str(script), "--here"], capture_output=True, text=True, env=env,
                           timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    spearman = re.search(r"Spearman without TP2 \(DDP, ZeRO-1/2/3, PP2\): (-?[\d.]+)", proc.stdout)
-    assert spearman and float(spearman.group(1)) >= 0.8, proc.stdout  # TP2: the model's known gap (the guide)
+    print(proc.stdout)  # the table, in the run's log
+    spearman = re.search(r"Spearman rank correlation of predicted and measured step times: (-?[\d.]+)", proc.stdout)
+    assert spearman and float(spearman.group(1)) >= 0.8, proc.stdout

@@ -62,6 +62,10 @@ class DeviceProfile:
     # through per-rank lists and runs them 1.5-4x slower than its all-reduce, measured by the cpu profile.
     all_gather_slowdown: float = 1.0
     reduce_scatter_slowdown: float = 1.0
+    # Seconds tensor parallelism's DTensor dispatch adds on the host to a block's forward and backward of one
+    # micro-batch. A GPU's kernels run behind the host's dispatch, so the built-in profiles have none; the cpu
+    # profile measures it.
+    tensor_parallel_overhead: float = 0.0
 
     def matmul_efficiency_at(self, size: int) -> float:
         """The efficiency of multiplies whose smallest side is ``size`` (log-linear between measured sizes)."""
@@ -177,6 +181,10 @@ def _number(path: Path, key: str, value: Any) -> Any:
         number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"--device-profile {path}: {key} is {value!r}, not a number") from None
+    if key == "tensor_parallel_overhead":  # none is a valid overhead
+        if number < 0:
+            raise ConfigError(f"--device-profile {path}: {key} is {value!r}; it must be 0 or more")
+        return number
     if number <= 0:
         raise ConfigError(f"--device-profile {path}: {key} is {value!r}; it must be positive")
     return int(number) if key == "devices_per_node" else number
@@ -188,13 +196,15 @@ def _number(path: Path, key: str, value: Any) -> Any:
 # Timed on one thread, as each process of a multi-process CPU run computes: the matrix-multiply peak at fp32
 # (and its efficiency at sizes from 128 to 2048) and at bf16 (``rapidlite.flops.measure_matmul_peak``), causal
 # attention's speed, the memory bandwidth (a large copy) and the speed of an AdamW step, each times the cores for
-# the machine; and gloo's loopback all-reduce bandwidth and latency between two processes, and how much slower its
-# all-gather and reduce-scatter into one tensor run than that bandwidth says. The processes of a CPU
+# the machine; and gloo's loopback all-reduce bandwidth between two processes, its latency as a training step
+# sees it (a small all-reduce between multiplies costs several times what back-to-back ones do: the ranks
+# wake and meet again), how much slower its all-gather and reduce-scatter into one tensor run than that
+# bandwidth says, and what DTensor's dispatch adds to a tensor-parallel block. The processes of a CPU
 # run share the machine's cores (``DeviceProfile.shared_by_node``). The result is kept in the cache
 # (``rapidlite.cache``) under the CPU's model name, core count and torch version, so later plans read it; delete
 # the file to measure again.
 _PORT_BASE = 29600
-_CACHE_VERSION = 2  # raised when the profile measures something new: an older file is measured again
+_CACHE_VERSION = 3  # raised when the profile measures something new: an older file is measured again
 SIZES = (128, 256, 512, 1024, 2048)  # the multiplies timed: a CPU's efficiency falls steeply below 1024
 
 
@@ -264,7 +274,7 @@ def _measure() -> DeviceProfile:
         p.grad = torch.randn_like(p)
     adam = torch.optim.AdamW(params, lr=1e-4)
     optimizer_rate = 4 * 2**20 / _timed(adam.step)
-    bandwidth, latency, gather_slowdown, scatter_slowdown = _gloo_loopback()
+    bandwidth, latency, gather_slowdown, scatter_slowdown, tp_overhead = _gloo_loopback()
     attention = _attention_flops() / fp32
     return DeviceProfile(
         name="cpu",
@@ -285,6 +295,7 @@ def _measure() -> DeviceProfile:
         overlaps_communication=False,
         all_gather_slowdown=gather_slowdown,
         reduce_scatter_slowdown=scatter_slowdown,
+        tensor_parallel_overhead=tp_overhead,
         source=f"measured on {_cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}",
     )
 
@@ -303,9 +314,10 @@ def _attention_flops() -> float:
     return 12 * tokens**2 * dim * heads / _timed(step)
 
 
-def _gloo_loopback() -> tuple[float, float, float, float]:
-    """gloo between two local processes: the all-reduce's bus bandwidth (bytes/s) and seconds per small message,
-    and the all-gather's and reduce-scatter's times into one tensor over the ring formula at that bandwidth."""
+def _gloo_loopback() -> tuple[float, ...]:
+    """gloo between two local processes (``_gloo_worker``): the all-reduce's bus bandwidth (bytes/s) and
+    latency (seconds a message), the all-gather's and reduce-scatter's slowdowns, and the tensor-parallel
+    overhead a block."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -314,7 +326,7 @@ def _gloo_loopback() -> tuple[float, float, float, float]:
     procs = [ctx.Process(target=_gloo_worker, args=(rank, port, queue)) for rank in range(2)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=120)
+    result = queue.get(timeout=180)
     for p in procs:
         p.join(timeout=60)
     return result
@@ -326,9 +338,11 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     n = 2
-    big, small = torch.ones(8 * 2**20), torch.ones(1)  # 32 MiB
+    big = torch.ones(8 * 2**20)  # 32 MiB
     seconds = _timed(lambda: dist.all_reduce(big), repeats=5)
-    latency = _timed(lambda: dist.all_reduce(small), repeats=20)
+    bandwidth = 2 * (n - 1) / n * big.nbytes / seconds
+    between = statistics.median(_latency_between_compute(bandwidth) for _ in range(5))  # it varies 2x run to run
+    latency = between / (2 * (n - 1))
     # FSDP2's calls (their older names before torch 2.13), at a transformer block's size: 8 MiB gathered.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -337,9 +351,53 @@ def _gloo_worker(rank: int, port: int, queue) -> None:
     reduced = _timed(lambda: dist.all_reduce(block), repeats=7)
     gather = _timed(lambda: all_gather(block, shard), repeats=7)
     scatter = _timed(lambda: reduce_scatter(shard, block), repeats=7)
+    tp_overhead = _tensor_parallel_overhead(rank)
     if rank == 0:
         ring = reduced / 2  # an all-gather or reduce-scatter at the all-reduce's bus bandwidth moves half its bytes
-        bandwidth = 2 * (n - 1) / n * big.nbytes / seconds
-        queue.put((bandwidth, latency / (2 * (n - 1)), max(1.0, gather / ring), max(1.0, scatter / ring)))
+        slowdowns = max(1.0, gather / ring), max(1.0, scatter / ring)
+        queue.put((bandwidth, latency, *slowdowns, tp_overhead))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _latency_between_compute(bandwidth: float, rounds: int = 16) -> float:
+    """Seconds a small all-reduce adds beyond its bytes when it follows a multiply on both ranks, as tensor
+    parallelism's do, less the bytes' time at ``bandwidth``."""
+    import torch.distributed as dist
+
+    a, b, small = torch.randn(512, 512), torch.randn(512, 512), torch.ones(16 * 2**10)  # 64 KiB
+
+    def rounds_of(reduce: bool) -> None:
+        for _ in range(rounds):
+            a @ b
+            if reduce:
+                dist.all_reduce(small)
+
+    dist.barrier()
+    alone = _timed(lambda: rounds_of(False), repeats=3)
+    dist.barrier()
+    paired = _timed(lambda: rounds_of(True), repeats=3)
+    return max(0.0, (paired - alone) / rounds - small.nbytes / bandwidth)
+
+
+def _tensor_parallel_overhead(rank: int) -> float:
+    """Seconds DTensor adds to a built-in GPT block's forward and backward: the block sharded on a one-rank
+    mesh (the dispatch, without the collectives the model costs apart) less the plain block, at a size whose
+    compute is small beside it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rapidlite.models.gpt import GPTConfig, GPTModel
+    from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
+
+    groups = [dist.new_group([r]) for r in range(2)]  # every rank creates every group, in one order
+    mesh = DeviceMesh.from_group(groups[rank], "cpu")
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    times = []
+    for sharded in (False, True):
+        model = GPTModel(GPTConfig(vocab_size=96, num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16))
+        if sharded:
+            apply_tensor_parallel(model, mesh, sequence_parallel=False)
+        block = model.layers[0]
+        times.append(_timed(lambda block=block: block(x).sum().backward(), repeats=15))
+    return max(0.0, times[1] - times[0])

@@ -175,8 +175,9 @@ def _estimate(base: Any, settings: Any, profile: DeviceProfile, per_node: int) -
     dp = base.world_size // (tp * pp)
     zero = DataParallelConfig.of(parallel).zero_stage
     trainable = base.trainable_params // (tp * pp)
-    rank = SimpleNamespace(
+    rank = SimpleNamespace(  # the last stage's (the output layer's): the slowest where the stages are even
         rank=0,
+        stage=pp - 1,
         compute_params=base.total_params // (tp * pp),
         trainable_params=trainable,
         stepped_params=trainable // (dp if zero >= 1 else 1),

@@ -12,7 +12,11 @@ A step is the sum of terms, each shown so a user sees what dominates:
   virtual stages per rank).
 - **tensor parallel**: per block and micro-batch, two all-reduces of the activations in the forward pass and
   two in the backward (with sequence parallelism the same bytes move as all-gathers and reduce-scatters), two
-  more with full recomputation; not overlapped with compute.
+  more with full recomputation; per micro-batch, the vocabulary-parallel embedding's (first stage) and output
+  layer's (last stage) and the parallel cross-entropy's three of one value a token; not overlapped with compute.
+- **tensor-parallel dispatch**: what DTensor's dispatch adds on the host to each block's forward and backward
+  (the profile's ``tensor_parallel_overhead``: measured by the cpu profile, none on a GPU, whose kernels run
+  behind the host).
 - **pipeline send/receive**: each micro-batch's activations forward and their gradient backward, per stage
   boundary.
 - **data parallel** (exposed): DDP and ZeRO-1 all-reduce the gradients once a step in 25 MiB buckets, overlapped
@@ -28,9 +32,9 @@ profile's intra-node bandwidth and latency, else the inter-node ones. ``all_redu
 the bytes through each rank, ``all_gather``/``reduce_scatter`` ``(n-1)/n``, times the profile's slowdown of
 that collective (1 for NCCL; gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce).
 
-What the model leaves out: kernel launch overheads and small-kernel inefficiency, the data loader, imbalance
-between stages (the slowest rank is taken), FP8 and custom kernels, and compute slowed by communication sharing
-the device's memory bandwidth.
+What the model leaves out: kernel launch overheads (but DTensor's on a CPU) and small-kernel inefficiency, the
+data loader, imbalance between stages (the slowest rank is taken), FP8 and custom kernels, and compute slowed by
+communication sharing the device's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -148,7 +152,14 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
             tp_collective = slowdown * all_gather(act, dims.tp, *tp_link)
         else:
             tp_collective = all_reduce(act, dims.tp, *tp_link)
-        t.terms["tensor parallel"] = m * (layers / dims.pp) * per_layer * tp_collective
+        blocks = m * layers / dims.pp
+        t.terms["tensor parallel"] = blocks * per_layer * tp_collective
+        if dims.tp > 1:  # the vocabulary-parallel embedding, output layer and cross-entropy
+            first, last = r.stage == 0, r.stage == dims.pp - 1
+            token_values = all_reduce(4 * micro * seq, dims.tp, *tp_link)
+            t.terms["tensor parallel"] += m * ((first + last) * tp_collective + 3 * last * token_values)
+            forward_again = recompute / 3 if s.model.recompute_granularity == "full" else 0.0
+            t.terms["tensor-parallel dispatch"] = blocks * profile.tensor_parallel_overhead * (1 + forward_again)
         t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
         overlap = per_micro if profile.overlaps_communication else 0.0
         exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, overlap, plan.precision, dp_link, profile)
