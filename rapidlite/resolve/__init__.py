@@ -147,7 +147,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     notices += check_lr(args)
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += resolve_load(args)
-    check_save_dir(args, given_load)
+    notices += check_save_dir(args, given_load)
     if args.tensorboard_dir:
         check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     check_lora(args)

@@ -105,28 +105,35 @@ def _refuse_inside_an_export(given: str, save: str) -> None:
         path = run
 
 
-def check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> None:
+def check_save_dir(args: argparse.Namespace, given_load: str | None = None) -> list[str]:
     """``--save``: a directory that can be written, and not another run's unless this one resumes it (``--load``
     the same directory) or replaces it (``--overwrite``, carried out by the trainer when the run starts).
-    ``--eval-only`` only appends to ``metrics.jsonl``."""
+    ``--eval-only`` only appends to ``metrics.jsonl``. Returns the notice that ``--overwrite`` was not applied
+    when ``--load`` resumes the run it would have removed (a requeued job's command may carry both)."""
     args.overwrite_save = False
     if args.save is None:
-        return
+        return []
     save = os.path.abspath(args.save)
     check_writable_dir("--save", args.save, "the checkpoints")
     _refuse_inside_an_export(args.save, save)
     # A worker group restarted by --max-restarts continues the run that owns the directory.
     if args.eval_only or not os.path.isdir(save) or env_int("TORCHELASTIC_RESTART_COUNT", 0):
-        return
+        return []
     names = os.listdir(save)
     iterations = sorted(n for n in names if n.startswith("iter_"))
     held = [*iterations[-1:], *(n for n in ("latest", "metrics.jsonl", "hf") if n in names)]
     resumes = _same_dir(given_load, args.save) or _same_dir(args.load, args.save)
-    if not held or resumes:
-        return
+    if not held:
+        return []
+    if resumes:
+        if args.overwrite:
+            return [f"--overwrite: not applied; --load {args.save} resumes the run held there (to start over in "
+                    "it, drop --load)"]  # fmt: skip
+        return []
     if not args.overwrite:
         raise ConfigError(
             f"--save {args.save} holds another run ({', '.join(held)}): pass --load {args.save} to resume it, "
             "--overwrite to replace it, or a new --save directory"
         )
     args.overwrite_save = True
+    return []
