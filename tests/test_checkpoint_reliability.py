@@ -279,11 +279,17 @@ def test_shapes_are_checked_against_tensors_too():
 
 
 def _no_space(*args, **kwargs):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    raise OSError(_ERRNO["n"], os.strerror(_ERRNO["n"]))
 
 
-@pytest.mark.parametrize("where", ["dcp", "torch.save"])
-def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypatch, where):
+_ERRNO = {"n": errno.ENOSPC}
+
+
+@pytest.mark.parametrize("where,cause", [("dcp", "full"), ("torch.save", "full"), ("dcp", "permissions")])
+def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypatch, where, cause):
+    """A full disk (or another refusal of the file system: permissions) while saving: one line with the cause and
+    its fix, the partial checkpoint removed, ``latest`` on the last good one."""
+    monkeypatch.setitem(_ERRNO, "n", errno.ENOSPC if cause == "full" else errno.EACCES)
     save = tmp_path / "run"
     trainer = ToyFinetuner(engine(*ARGV, "--train-iters", "4", "--save-interval", "2", "--save", str(save)))
     calls = {"n": 0}
@@ -316,7 +322,10 @@ def test_full_disk_while_saving_is_one_line_and_keeps_latest(tmp_path, monkeypat
         trainer.train()
     message = str(e.value)
     assert "\n" not in message
-    assert "no space left on device" in message and str(save) in message, message
+    if cause == "full":
+        assert "no space left on device" in message and f"(free space in {save}, then resume" in message, message
+    else:  # not a full disk: the advice is not to free space
+        assert "Permission denied" in message and "(fix that, then resume" in message, message
     assert "'latest' still points at iteration 2" in message
     assert (save / "latest").read_text().strip() == "2"
     assert not list(save.glob(".tmp_*")) and not (save / "iter_0000004").exists()

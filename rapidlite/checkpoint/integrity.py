@@ -128,6 +128,9 @@ def _causes(error: BaseException) -> list[BaseException]:
     return found
 
 
+DISK_FULL = "the disk is full (no space left on device)"
+
+
 def _write_failure(error: BaseException, directory: Path) -> str | None:
     """Why writing into ``directory`` failed, in a few words, when the cause is the file system's (a full disk,
     a quota, permissions); None for anything else, which is a bug and keeps its traceback."""
@@ -142,7 +145,7 @@ def _write_failure(error: BaseException, directory: Path) -> str | None:
         with contextlib.suppress(OSError):
             no_space = shutil.disk_usage(directory).free < _CHUNK
     if no_space:
-        return "the disk is full (no space left on device)"
+        return DISK_FULL
     if os_errors:
         e = os_errors[0]
         return f"{e.strerror or type(e).__name__}" + (f": {e.filename}" if e.filename else "")
@@ -156,7 +159,9 @@ def _fail_save(
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    reason = next(r for r in reasons if r)
+    rank, reason = next((rank, r) for rank, r in enumerate(reasons) if r)
+    if len(reasons) > 1:
+        reason = f"rank {rank}: {reason}"
     if local is not None and _write_failure(local, save_dir) is None:  # not the file system's doing: a bug
         if isinstance(local, Exception):
             raise local
@@ -168,9 +173,10 @@ def save_failed(save_dir: Path, iteration: int, reason: str) -> CheckpointError:
     """The one line of a failed save, once its partial checkpoint is removed: why, and where ``latest`` points."""
     latest = save_dir / LATEST_FILE
     kept = f"'latest' still points at iteration {latest.read_text().strip()}" if latest.is_file() else "no 'latest'"
+    fix = f"free space in {save_dir}" if DISK_FULL in reason else "fix that"
     return CheckpointError(
         f"--save {save_dir}: cannot write the checkpoint of iteration {iteration}: {reason}; the partial checkpoint "
-        f"was removed and {kept} (free space in {save_dir}, then resume with --load {save_dir})"
+        f"was removed and {kept} ({fix}, then resume with --load {save_dir})"
     )
 
 
