@@ -132,6 +132,7 @@ def split_sequence(tp_mesh: Any) -> Any:
 def declared_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     """Shard a Hugging Face model by the column/row-wise plan its config declares (``base_model_tp_plan``:
     LLaMA, Mistral, Qwen2 and the like), plus a vocabulary-parallel embedding and output layer."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     config, name = getattr(model, "config", None), type(model).__name__
@@ -161,7 +162,7 @@ def declared_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> No
     if sequence_parallel:
         plan.update(_llama_sequence_parallel_plan(base, declared))
     elif _llama_like(base):
-        plan.update(_shared_inputs_plan())
+        plan.update(_shared_inputs_plan(Replicate()))
     parallelize_module(base, tp_mesh, plan)
     shard_vocabulary(model.get_input_embeddings(), model.get_output_embeddings(), tp_mesh, sequence_parallel)
 
@@ -173,17 +174,19 @@ def _llama_like(base: nn.Module) -> bool:
     return bool(blocks) and all(hasattr(b, n) for b in blocks for n in names) and hasattr(base, "norm")
 
 
-def _shared_inputs_plan() -> dict[str, Any]:
-    """A LLaMA-style block's attention and MLP inputs as one replicated DTensor each, so the column-wise q, k
-    and v (gate and up) projections share it: their input gradients add up as partial sums and are all-reduced
-    once (Megatron's layout), not once per projection."""
+def _shared_inputs_plan(residual: Any) -> dict[str, Any]:
+    """A LLaMA-style block's attention and MLP inputs, arriving as ``residual`` (whole, or sequence shards), as one
+    replicated DTensor each, so the column-wise q, k and v (gate and up) projections share it: their input
+    gradients add up as partial sums and are all-reduced (reduce-scattered) once, as Megatron's are, not once per
+    projection."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    whole = {"hidden_states": Replicate()}
     return {
-        "layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts=whole, desired_input_kwarg_layouts=whole),
-        "layers.*.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        "layers.*.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": residual}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        "layers.*.mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
     }
 
 
@@ -201,10 +204,7 @@ def _llama_sequence_parallel_plan(base: nn.Module, declared: dict[str, str]) -> 
         ),
         "layers.*.input_layernorm": SequenceParallel(),
         "layers.*.post_attention_layernorm": SequenceParallel(),
-        "layers.*.self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
-        ),
-        "layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        **_shared_inputs_plan(Shard(1)),
         "norm": SequenceParallel(),
     }
     for pattern, style in declared.items():
