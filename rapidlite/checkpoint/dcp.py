@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 # Through their modules, not imported by name: tests and benchmarks replace _write_latest and _hash_own_files there.
 from rapidlite.checkpoint import integrity, layout
-from rapidlite.checkpoint.integrity import _fail_save, _first_line, _write_failure, _write_manifest
+from rapidlite.checkpoint.integrity import _fail_save, _first_line, _write_failure, _write_manifest, first_failure
 from rapidlite.checkpoint.layout import (
     DEEPSPEED_TAG,
     LATEST_FILE,
@@ -245,7 +245,7 @@ def save_checkpoint(
             # The checkpoint itself is complete and verified: a resume finds it although 'latest' lags behind.
             raise CheckpointError(
                 f"--save {save_dir}: cannot update '{LATEST_FILE}' after writing {final.name}: "
-                f"{next(r for r in reasons if r)} ({final.name} is complete: --load {save_dir} resumes from it)"
+                f"{first_failure(reasons)} ({final.name} is complete: --load {save_dir} resumes from it)"
             )
         return final
 

@@ -159,14 +159,18 @@ def _fail_save(
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    rank, reason = next((rank, r) for rank, r in enumerate(reasons) if r)
-    if len(reasons) > 1:
-        reason = f"rank {rank}: {reason}"
+    reason = first_failure(reasons)
     if local is not None and _write_failure(local, save_dir) is None:  # not the file system's doing: a bug
         if isinstance(local, Exception):
             raise local
         raise RuntimeError(str(local)) from local  # DCP's CheckpointException, which `except Exception` misses
     raise save_failed(save_dir, iteration, reason)
+
+
+def first_failure(reasons: list[str | None]) -> str:
+    """The lowest failed rank's reason (``reasons`` by rank), naming the rank when there are several."""
+    rank, reason = next((rank, r) for rank, r in enumerate(reasons) if r)
+    return f"rank {rank}: {reason}" if len(reasons) > 1 else reason
 
 
 def save_failed(save_dir: Path, iteration: int, reason: str) -> CheckpointError:
