@@ -213,11 +213,11 @@ def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: i
             argv += ["--train-iters", str(iters)]
             t = step_time(plan(parse_args(argv).sections, gpu=False), profile, 2)
             top = max(t.step.terms.items(), key=lambda kv: kv[1])[0]
-            runs.append((f"{name}, micro-batch {micro}", argv, t.step.seconds, top))
+            runs.append((f"{name}, micro-batch {micro}", name, micro, argv, t.step.seconds, top))
     measured: dict[str, float] = {}
     step_line = re.compile(r"iteration: (\d+) \|.*\| step_time_s: ([\d.]+)")
     for turn in range(rounds):
-        for label, argv, *_ in runs:
+        for label, _, _, argv, *_ in runs:
             # No --save: the log's lines carry each step's time, and a checkpoint and export would only add time.
             cmd = [sys.executable, "-m", "rapidlite", *argv, "--no-progress"]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -230,9 +230,8 @@ def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: i
             measured[label] = min(times + [measured.get(label, math.inf)])
             print(f"round {turn + 1}: {label}: {min(times):.3f} s", file=sys.stderr, flush=True)
     rows = []
-    for label, _, predicted, top in runs:
+    for label, name, micro, _, predicted, top in runs:
         rows.append((label, predicted, measured[label], top))
-        name, micro = label.split(", micro-batch ")
         print(f"| {name} | {micro} | {predicted:.3f} | {measured[label]:.3f} | {predicted / measured[label]:.2f} | "
               f"{top} |", flush=True)  # fmt: skip
     return rows
