@@ -86,12 +86,12 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "rapidlite=rapidlite.cli:console",
+            "rapidlite=rapidlite.cli.main:console",
             # Rapidformer's command name, so launch scripts written for it run unchanged.
-            "rapidformer=rapidlite.cli:console",
-            "rapidlite-preprocess=rapidlite.data.preprocess:main",
-            "rapidlite-bench=rapidlite.flops:bench_main",
-            "rapidlite-eval=rapidlite.evaluation.command:main",
+            "rapidformer=rapidlite.cli.main:console",
+            "rapidlite-preprocess=rapidlite.cli.preprocess:main",
+            "rapidlite-bench=rapidlite.cli.bench:bench_main",
+            "rapidlite-eval=rapidlite.cli.evaluate:main",
         ]
     },
 )

@@ -204,7 +204,7 @@ def run_trainer(w: LoraWorkload, workdir: str) -> list[float]:
 
 
 def run_rapidlite(w: LoraWorkload, c: Contender, workdir: str) -> list[float]:
-    from rapidlite.cli import main as rapidlite_main
+    from rapidlite.cli.main import main as rapidlite_main
 
     argv = [
         *("--user-script", str(WORKLOAD_SCRIPT), *w.model_flags(), *(w.lora_flags() if c.lora else ())),
@@ -228,7 +228,7 @@ def contender_main(key: str, result: str, quick: bool) -> None:
     import transformers  # noqa: F401
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    import rapidlite.cli  # noqa: F401
+    import rapidlite.cli.main  # noqa: F401
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     rss_start = peak_rss_kib() * 1024

@@ -193,7 +193,7 @@ def contender_main(key: str, work: Path, s: Setup, batches: int, result: Path) -
     if key == "trainer":
         losses = run_trainer(work, s)
     else:
-        from rapidlite.cli import main as rapidlite_main
+        from rapidlite.cli.main import main as rapidlite_main
 
         if rapidlite_main(rapidlite_argv(work, s, key, batches)) != 0:
             raise SystemExit(f"rapidlite {key} failed")

@@ -254,7 +254,7 @@ def run_rapidlite(work: Path, s: Setup, w: Workload, c: Contender) -> dict:
 
     save = work / w.key / c.key
     if w.key == "cls":
-        from rapidlite.cli import main as rapidlite_main
+        from rapidlite.cli.main import main as rapidlite_main
 
         argv = ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(work / w.key / "model")]
         argv += [

@@ -5,7 +5,7 @@ python -m benchmarks.peak [--threads 2]      # same as: rapidlite-bench peak
 
 import sys
 
-from rapidlite.flops import bench_main
+from rapidlite.cli.bench import bench_main
 
 if __name__ == "__main__":
     sys.exit(bench_main(["peak", *sys.argv[1:]]))

@@ -68,7 +68,7 @@ def import_everything() -> None:
     import transformers  # noqa: F401
     import trl  # noqa: F401
 
-    import rapidlite.cli  # noqa: F401
+    import rapidlite.cli.main  # noqa: F401
     import rapidlite.tasks.dpo  # noqa: F401
 
 
@@ -201,7 +201,7 @@ def rapidlite_argv(w: Workload, model_dir: Path, data: Path, save: Path, flags: 
 def run_rapidlite(w: Workload, model_dir: Path, data: Path, save: Path, flags: list[str], result: Path) -> None:
     """rapidlite in this process (one of the ranks, under torchrun): after every step this rank's training peak
     so far goes to ``result`` (a rank's process ends inside the run: gloo workers exit at its end)."""
-    from rapidlite.cli import main
+    from rapidlite.cli.main import main
     from rapidlite.trainer.base import BaseTrainer
 
     import_everything()

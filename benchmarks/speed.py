@@ -217,7 +217,7 @@ def run_trainer(w: Workload, workdir: str) -> list[float]:
 
 
 def run_rapidlite(w: Workload, flags: tuple[str, ...], workdir: str) -> list[float]:
-    from rapidlite.cli import main as rapidlite_main
+    from rapidlite.cli.main import main as rapidlite_main
 
     argv = [
         *("--user-script", str(WORKLOAD_SCRIPT), *w.model_flags()),
@@ -410,7 +410,7 @@ def main() -> None:
 
     import torch
 
-    from rapidlite.flops import ModelFlops, measure_matmul_peak
+    from rapidlite.models.flops import ModelFlops, measure_matmul_peak
 
     torch.set_num_threads(args.threads)
     w = QUICK if args.quick else W

@@ -131,9 +131,9 @@ def megatron_rows() -> list[Row]:
 
 def predict(row: Row, profiles: dict) -> tuple[float, str]:
     """(the predicted figure in the row's metric, the dominant terms)."""
-    from rapidlite.arguments import parse_args
     from rapidlite.planning import plan
     from rapidlite.planning.timing import step_time
+    from rapidlite.resolve import parse_args
 
     argv = ["--task", "pretraining", "--data-path", "unused", "--train-iters", "1", "--dry-run", *row.flags]
     settings = parse_args(argv).sections
@@ -199,10 +199,10 @@ def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: i
     import re
     import subprocess
 
-    from rapidlite.arguments import parse_args
     from rapidlite.planning import plan
     from rapidlite.planning.devices import device_profile
     from rapidlite.planning.timing import step_time
+    from rapidlite.resolve import parse_args
 
     profile = device_profile("cpu")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -17,22 +17,23 @@ _LAZY = {
     "Finetuner": "rapidlite.trainer",
     "PreTrainer": "rapidlite.trainer",
     "Pretrainer": "rapidlite.trainer",  # Rapidformer spells it so in places
-    "get_args": "rapidlite.global_vars",
-    "get_logger": "rapidlite.global_vars",
-    "get_timers": "rapidlite.global_vars",
-    "get_tokenizer": "rapidlite.global_vars",
+    "get_args": "rapidlite.compat.global_vars",
+    "get_logger": "rapidlite.compat.global_vars",
+    "get_timers": "rapidlite.compat.global_vars",
+    "get_tokenizer": "rapidlite.compat.global_vars",
     "build_train_valid_test_datasets": "rapidlite.data.gpt_dataset",
     "get_ltor_masks_and_position_ids": "rapidlite.data.gpt_dataset",
-    "build_train_valid_test_datasets_for_huggingface": "rapidlite.data.bert_dataset",
-    "mpu": None,  # a module: rapidlite.mpu
+    "build_train_valid_test_datasets_for_huggingface": "rapidlite.compat.megatron",
+    "GPTModel": "rapidlite.compat.megatron",  # GPTModel() from the flags, as Megatron's scripts build it
+    "mpu": None,  # a module: rapidlite.compat.mpu
 }
 
 if TYPE_CHECKING:
-    from rapidlite import mpu
-    from rapidlite.data.bert_dataset import build_train_valid_test_datasets_for_huggingface
+    from rapidlite.compat import mpu
+    from rapidlite.compat.global_vars import get_args, get_logger, get_timers, get_tokenizer
+    from rapidlite.compat.megatron import GPTModel, build_train_valid_test_datasets_for_huggingface
     from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
     from rapidlite.engine import RapidformerEngine, RapidliteEngine
-    from rapidlite.global_vars import get_args, get_logger, get_timers, get_tokenizer
     from rapidlite.trainer import Finetuner, PreTrainer, Pretrainer
 
 
@@ -40,7 +41,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module = _LAZY[name]
         value = (
-            importlib.import_module(f"rapidlite.{name}")
+            importlib.import_module(f"rapidlite.compat.{name}")
             if module is None
             else getattr(importlib.import_module(module), name)
         )
@@ -54,6 +55,7 @@ __all__ = [
     "RapidformerEngine",
     "mpu",
     "build_train_valid_test_datasets_for_huggingface",
+    "GPTModel",
     "Finetuner",
     "PreTrainer",
     "Pretrainer",

@@ -1,3 +1,3 @@
-from rapidlite.cli import console
+from rapidlite.cli.main import console
 
 console()

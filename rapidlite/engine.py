@@ -25,20 +25,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from rapidlite import distributed, preemption, strategies
-from rapidlite.arguments import ExtraArgsProvider, parse_args
+from rapidlite import strategies
+from rapidlite.config.parser import ExtraArgsProvider
 from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
-from rapidlite.flops import ModelFlops, device_peak_flops
-from rapidlite.global_vars import set_distributed_context, set_global_args
-from rapidlite.logging import Timers, setup_logger
 from rapidlite.models import lora
+from rapidlite.models.flops import ModelFlops, device_peak_flops
 from rapidlite.models.hf import disable_kv_cache
+from rapidlite.observe.logging import Timers, setup_logger
+from rapidlite.observe.progress import close_bars
 from rapidlite.optim import build_lr_scheduler
 from rapidlite.parallel.data_parallel import DataParallelConfig
 from rapidlite.precision import resolve_precision, set_tf32
-from rapidlite.progress import close_bars
+from rapidlite.resolve import parse_args
+from rapidlite.runtime import distributed, preemption
 from rapidlite.strategies import Strategy, StrategyContext
+
+_CURRENT: RapidliteEngine | None = None
+
+
+def current_engine() -> RapidliteEngine | None:
+    """The engine created last in this process, or None before any: Rapidformer's ``get_args()``, ``mpu`` and
+    ``get_timers()`` (``rapidlite.compat``) read it for user scripts; library code is handed what it needs."""
+    return _CURRENT
 
 
 def set_seed(seed: int) -> None:
@@ -93,7 +102,7 @@ class RapidliteEngine:
         if args is None:
             args = parse_args(argv, extra_args_provider, require_task=False)  # parsed once, resolved, frozen
             if argv is None:
-                from rapidlite.launcher import launch_script_or_join
+                from rapidlite.runtime.launcher import launch_script_or_join
 
                 # ``python my_trainer.py --nproc-per-node N``: ends the launcher here
                 launch_script_or_join(args.sections.parallel)
@@ -101,7 +110,8 @@ class RapidliteEngine:
         self.settings = settings = args.sections
         self.extra_args_provider = extra_args_provider  # the script's own flags, for the config a checkpoint keeps
         self.timers = Timers()
-        set_global_args(args, self.timers)
+        global _CURRENT
+        _CURRENT = self  # what get_args()/mpu (rapidlite.compat) read for Rapidformer-style scripts
         self.data_parallel = DataParallelConfig.of(settings.parallel)
         self.lora = settings.lora
         owned = not distributed.dist.is_initialized()
@@ -118,7 +128,6 @@ class RapidliteEngine:
             # init_process_group put torch's rank-prefixing hook in front of ours: ours goes first again, so a
             # user error is still one line (torch's hook would buffer it past our os._exit).
             sys.excepthook = _excepthook(sys.excepthook)
-        set_distributed_context(self.dist)
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.dp_rank, self.dp_size = self.dist.dp_rank, self.dist.dp_size
         self.is_main_process = self.dist.is_main_process
@@ -259,7 +268,7 @@ class RapidliteEngine:
         """A loop of one's own stops on a scheduler's signal as the trainers do. Inside the block SIGTERM and
         SIGUSR1 only set a flag; ``watch.stop()`` at the end of each step (on every rank) says whether any rank got
         one, so every rank leaves after the same step, saves what it wants and breaks out. Leaving the block after a
-        signal ends the process with exit code 143 (``rapidlite.preemption``: a scheduler's "run it again")::
+        signal ends the process with exit code 143 (``rapidlite.runtime.preemption``: a scheduler's "run it again")::
 
             with engine.preemption() as watch:
                 for batch in loader:

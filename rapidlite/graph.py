@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rapidlite.cache import cache_root
 from rapidlite.models.spec import find_blocks
+from rapidlite.runtime.cache import cache_root
 
 
 def ort_import_error() -> str | None:

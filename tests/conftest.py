@@ -30,7 +30,7 @@ class _Records(logging.Handler):
 @pytest.fixture
 def log_lines():
     """The messages rapidlite's logger emits during the test (its console handler writes to the real stdout)."""
-    from rapidlite.logging import LOGGER_NAME
+    from rapidlite.observe.logging import LOGGER_NAME
 
     handler = _Records()
     logger = logging.getLogger(LOGGER_NAME)

@@ -182,7 +182,7 @@ def rapidlite(*argv, env=None, timeout=300):
 def rapidlite_here(*argv: str) -> int:
     """``rapidlite ARGV`` in this process (a one-process run whose launch is not what a test is about); a
     ``--user-script`` run's changes to ``sys.argv`` and ``sys.path`` are undone."""
-    from rapidlite.cli import main
+    from rapidlite.cli.main import main
 
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:

@@ -19,11 +19,11 @@ NOT_FLAGS = {"sections", "given", "notices", "deepspeed_notices"}
 # Separate programs with their own small parsers (rapidlite-preprocess, rapidlite-eval, rapidlite-bench peak,
 # rapidlite env, rapidlite plot): their ``args`` is their own command line, not the run's settings.
 OWN_COMMAND_LINES = {
-    "rapidlite/data/preprocess.py",
-    "rapidlite/evaluation/command.py",
-    "rapidlite/flops.py",
-    "rapidlite/env_report.py",
-    "rapidlite/plot.py",
+    "rapidlite/cli/preprocess.py",
+    "rapidlite/cli/evaluate.py",
+    "rapidlite/cli/bench.py",
+    "rapidlite/cli/env.py",
+    "rapidlite/observe/curves.py",
 }
 
 
@@ -139,3 +139,27 @@ def test_the_measures_see_what_they_measure(tmp_path):
     assert re.search(TASK_NAME_COMPARISON, "if task in ('pretraining', 'causal_lm'):")
     assert not re.search(TASK_NAME_COMPARISON, "if task == MULTIPLE_CHOICE:")  # rapidlite-eval's own item kinds
     assert namespace_readers()  # the command line and resolve read the namespace on purpose
+
+
+def root_modules() -> list[str]:
+    """The modules at the package root, besides the layer packages."""
+    return sorted(path.name for path in PACKAGE.glob("*.py"))
+
+
+def logic_in_package_inits() -> list[str]:
+    """``__init__.py`` files that define something instead of handing names on."""
+    return [
+        f"{path.relative_to(REPO)}:{node.lineno} {node.name}"
+        for path in sorted(PACKAGE.rglob("__init__.py"))
+        if path.parent != PACKAGE  # the facade's lazy ``__getattr__`` keeps ``import rapidlite`` free of torch
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+
+
+def test_the_package_root_holds_few_modules():
+    assert len(root_modules()) - 1 <= 8, root_modules()  # besides __init__.py
+
+
+def test_package_inits_only_hand_names_on():
+    assert logic_in_package_inits() == []

@@ -5,9 +5,10 @@ import sys
 import pytest
 
 from helpers import REPO, run_cli
-from rapidlite.arguments import build_parser, parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
+from rapidlite.config.parser import build_parser
 from rapidlite.errors import ConfigError
+from rapidlite.resolve import parse_args
 
 # Every flag rapidlite accepts. Adding or renaming one is a deliberate change: update this list with it.
 FLAGS = """
@@ -261,7 +262,7 @@ def test_help_and_flag_errors_do_not_import_torch():
     """``--help`` and flag mistakes answer before torch, transformers and the task modules are imported."""
     code = (
         "import sys\n"
-        "from rapidlite.cli import main\n"
+        "from rapidlite.cli.main import main\n"
         "assert main(['--task', 'sequence_classification', '--demo', '--fp16', '--bf16']) == 2\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)\n"
         "assert not heavy, heavy\n"

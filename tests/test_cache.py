@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rapidlite.cache import COMPLETE, build_once
+from rapidlite.runtime.cache import COMPLETE, build_once
 
 
 def test_racing_builders_leave_one_whole_directory_and_no_scratch(tmp_path):
@@ -46,8 +46,8 @@ def test_a_crashed_build_leaves_nothing_and_an_incomplete_directory_is_rebuilt(t
 
 def test_a_cache_under_a_file_is_one_line(tmp_path, monkeypatch, capsys):
     """RAPIDLITE_CACHE under a file (or unwritable): the run that needs the cache says so in one line, exit 2."""
-    from rapidlite.cache import CacheError, build_once, cache_root
-    from rapidlite.cli import main
+    from rapidlite.cli.main import main
+    from rapidlite.runtime.cache import CacheError, build_once, cache_root
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -9,9 +9,9 @@ import torch
 
 from helpers import read_metrics, run_cli
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.cli.main import main
+from rapidlite.observe.logging import LOGGER_NAME
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm import CausalLMFinetuner, honours_packed_positions, load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 

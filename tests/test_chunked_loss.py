@@ -1,4 +1,4 @@
-"""The chunked output layer and loss (``rapidlite.chunked_loss``, ``rapidlite.models.head``): the same numbers
+"""The chunked output layer and loss (``rapidlite.models.chunked_loss``, ``rapidlite.models.head``): the same numbers
 as the whole logits and ``F.cross_entropy``, for the function, each model family it serves, every task path
 that uses it, tensor parallelism (vocabulary-parallel) and data parallelism; and the memory it saves, measured."""
 
@@ -19,7 +19,7 @@ from helpers import (
     train_losses,
     write_tiny_corpus,
 )
-from rapidlite.chunked_loss import IGNORE, token_logps
+from rapidlite.models.chunked_loss import IGNORE, token_logps
 from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
 from rapidlite.tasks.pretraining import bert_loss
 
@@ -58,7 +58,7 @@ def test_a_target_outside_the_vocabulary_is_an_error_not_a_zero():
 
 
 def test_a_gpu_kernel_takes_the_sums_where_it_runs(monkeypatch):
-    import rapidlite.chunked_loss as chunked_loss
+    import rapidlite.models.chunked_loss as chunked_loss
 
     assert chunked_loss.gpu_kernel(torch.zeros(1, 4)) is None  # on the CPU: the PyTorch path
     h, w, targets = torch.randn(6, 4), torch.randn(10, 4), torch.tensor([1, IGNORE, 3, 9, 0, IGNORE])
@@ -84,7 +84,7 @@ def test_cut_cross_entropy_serves_where_liger_is_missing(monkeypatch):
     import sys
     import types
 
-    import rapidlite.chunked_loss as chunked_loss
+    import rapidlite.models.chunked_loss as chunked_loss
 
     calls = []
 
@@ -374,8 +374,8 @@ def test_a_gpt_pipeline_stage_returns_the_chunked_loss_not_the_logits():
 # ---------------------------------------------------------------- memory, measured
 MEASURE = """
 import sys, torch, torch.nn.functional as F
-from rapidlite.chunked_loss import token_logps
-from rapidlite.logging import peak_memory_bytes
+from rapidlite.models.chunked_loss import token_logps
+from rapidlite.observe.logging import peak_memory_bytes
 chunked, n, hidden, vocab = sys.argv[1] == "chunked", 2048, 64, 32768
 torch.manual_seed(0)
 peak_memory_mb = lambda: peak_memory_bytes(torch.device("cpu")) / 2**20
@@ -417,7 +417,7 @@ def test_the_whole_logits_never_exist():
 MEASURE_DPO = """
 import sys, types, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from rapidlite.logging import peak_memory_bytes
+from rapidlite.observe.logging import peak_memory_bytes
 from rapidlite.tasks.dpo import DPOFinetuner
 from rapidlite.tasks.preference_losses import PairScores, pair_loss
 chunked, vocab = sys.argv[1] == "chunked", 32768
@@ -466,7 +466,7 @@ def test_dpo_through_chunks_never_holds_the_whole_logits():
 
 STATS_SHARDED = """
 import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
-from rapidlite.chunked_loss import IGNORE, token_stats
+from rapidlite.models.chunked_loss import IGNORE, token_stats
 
 
 def run(rank):
@@ -489,7 +489,7 @@ print("equal")
 def test_token_stats_equal_the_whole_logits_and_their_vocabulary_shards(tmp_path):
     """KTO's entropy and mean logit a chunk at a time: as from the whole logits (``logits_stats``), and from two
     vocabulary shards all-reduced (tensor parallelism) as from the whole output layer."""
-    from rapidlite.chunked_loss import token_stats
+    from rapidlite.models.chunked_loss import token_stats
     from rapidlite.models.head import logits_stats
 
     torch.manual_seed(0)

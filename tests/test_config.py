@@ -13,12 +13,12 @@ import sys
 import pytest
 
 from helpers import ToyFinetuner
-from rapidlite import arguments
-from rapidlite.arguments import build_parser, parse, parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
+from rapidlite.config import parser as arguments
 from rapidlite.config import tasks as registry
+from rapidlite.config.parser import build_parser, parse
 from rapidlite.errors import ConfigError
-from rapidlite.resolve import FrozenConfigError, RunConfig, resolve, with_embedded_demo
+from rapidlite.resolve import FrozenConfigError, RunConfig, parse_args, resolve, with_embedded_demo
 
 BASE = ["--task", "sequence_classification", "--demo"]
 

@@ -16,11 +16,11 @@ import yaml
 
 from helpers import REPO, ToyFinetuner
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import build_parser, parse, parse_args
 from rapidlite.checkpoint.integrity import verify_checkpoint
-from rapidlite.cli import main
-from rapidlite.config_file import FILE_NAME, saved_flags
-from rapidlite.resolve import with_embedded_demo
+from rapidlite.cli.main import main
+from rapidlite.config.files import FILE_NAME, saved_flags
+from rapidlite.config.parser import build_parser, parse
+from rapidlite.resolve import parse_args, with_embedded_demo
 
 ARGV = [
     "--task", "pretraining",
@@ -152,7 +152,7 @@ def test_bad_files_and_help_do_not_import_torch(tmp_path):
     good = write(tmp_path, "task: sequence_classification\ndemo: true\nfp16: true\n", "good.yaml")
     code = (
         "import sys\n"
-        "from rapidlite.cli import main\n"
+        "from rapidlite.cli.main import main\n"
         f"assert main(['--config', {bad!r}]) == 2\n"
         f"assert main(['--config', {good!r}, '--bf16']) == 2\n"  # a contradiction between the file and the line
         "try:\n"

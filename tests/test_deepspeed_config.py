@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from helpers import REPO, run_cli
-from rapidlite.arguments import parse_args
 from rapidlite.errors import ConfigError
 from rapidlite.parallel.deepspeed_config import build_config
+from rapidlite.resolve import parse_args
 
 BASE = ["--task", "sequence_classification", "--demo"]
 

@@ -276,7 +276,7 @@ def test_two_nodes_on_one_machine(runs, tmp_path):
     import subprocess
     import sys
 
-    from rapidlite.distributed import free_port
+    from rapidlite.runtime.distributed import free_port
 
     port = str(free_port())
     argv = [
@@ -376,7 +376,7 @@ def test_one_node_launch_does_not_need_a_resolvable_hostname(tmp_path):
     code = (
         "import socket, sys\n"
         "socket.getfqdn = lambda *args: 'no-such-host.invalid'  # the name torchrun's agent would publish\n"
-        "from rapidlite.cli import main\n"
+        "from rapidlite.cli.main import main\n"
         f"sys.exit(main({[*argv, '--distributed-timeout-minutes', '1']!r}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -143,9 +143,9 @@ def test_cheap_blocks_run(block, tmp_path):
 
 
 def test_the_flags_page_is_generated_from_the_parser():
-    from rapidlite.arguments import build_parser
-    from rapidlite.config.reference import render
+    from rapidlite.cli.reference import render
+    from rapidlite.config.parser import build_parser
 
     assert FLAGS_PAGE.read_text(encoding="utf-8") == render(build_parser()), (
-        "docs/reference/flags.md is stale: python -m rapidlite.config.reference > docs/reference/flags.md"
+        "docs/reference/flags.md is stale: python -m rapidlite.cli.reference > docs/reference/flags.md"
     )

@@ -12,9 +12,9 @@ import torch
 
 from helpers import as_layout, assert_same_metrics, big_vocab_llama, read_jsonl, read_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
 from rapidlite.models.head import MIN_VOCAB, loss_line
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm import load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 from rapidlite.tasks.dpo import DPOFinetuner

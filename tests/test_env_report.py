@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from helpers import REPO
-from rapidlite import env_report
-from rapidlite.cli import main
+from rapidlite.cli.main import env as env_report
+from rapidlite.cli.main import main
 from rapidlite.precision import cpu_bf16_is_fast
 
 
 def test_the_report_as_json_without_importing_heavy_libraries():
     code = (
         "import io, contextlib, json, sys\n"
-        "from rapidlite.cli import main\n"
+        "from rapidlite.cli.main import main\n"
         "out = io.StringIO()\n"
         "with contextlib.redirect_stdout(out):\n"
         "    assert main(['env', '--json']) == 0\n"

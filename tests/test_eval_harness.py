@@ -45,7 +45,7 @@ def harness(save):
 
 
 def run_eval(model, data):
-    cmd = [sys.executable, "-m", "rapidlite.evaluation.command", "--model", str(model), "--data", str(data)]
+    cmd = [sys.executable, "-m", "rapidlite.cli.evaluate", "--model", str(model), "--data", str(data)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PYTHONPATH": str(REPO),
                           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -115,7 +115,7 @@ def run_eval(*argv: str, threads: int = 1) -> subprocess.CompletedProcess:
     """``rapidlite-eval ARGV`` in a fresh process, as a user runs it (one thread per process: two cores)."""
     env = {k: v for k, v in os.environ.items() if k != "RAPIDLITE_NO_PROGRESS"}  # as a user's: bars by the rule
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "rapidlite.evaluation.command", *argv]
+    cmd = [sys.executable, "-m", "rapidlite.cli.evaluate", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -125,7 +125,7 @@ def last_json(out: str) -> dict:
 
 @pytest.mark.parametrize("model", ["model_dir", "llama_dir"])
 def test_multiple_choice_equals_the_hand_computed_scores(model, tmp_path, capsys, request):
-    from rapidlite.evaluation.command import main
+    from rapidlite.cli.evaluate import main
 
     model_dir = request.getfixturevalue(model)
     capsys.readouterr()  # what building the model printed
@@ -173,7 +173,7 @@ def test_perplexity_equals_the_models_own_loss(model_dir, tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2_with_nothing_overwritten(model_dir, tmp_path, capsys):
-    from rapidlite.evaluation.command import main
+    from rapidlite.cli.evaluate import main
 
     output = tmp_path / "results.json"
     output.write_text("keep me")
@@ -231,7 +231,7 @@ def test_acc_and_acc_norm_equal_lm_evals(model, tmp_path, request):
     lm_eval = pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install lm_eval)")
     from lm_eval.tasks import TaskManager
 
-    from rapidlite.evaluation.command import main
+    from rapidlite.cli.evaluate import main
 
     model_dir = request.getfixturevalue(model)
 
@@ -275,7 +275,7 @@ def test_a_classifier_checkpoint_is_refused_naming_its_head(model_dir, tmp_path,
     scores of a random LM head put on its body; nothing written."""
     from transformers import AutoTokenizer, GPT2ForSequenceClassification
 
-    from rapidlite.evaluation.command import main
+    from rapidlite.cli.evaluate import main
 
     classifier = tmp_path / "classifier"
     GPT2ForSequenceClassification.from_pretrained(model_dir, num_labels=2).save_pretrained(classifier)

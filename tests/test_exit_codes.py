@@ -137,7 +137,7 @@ def test_a_user_scripts_own_error_shows_its_frames_then_one_line(tmp_path, case)
     assert lines[-1].startswith(f"rapidlite: error: --user-script {script} raised {error.split(':')[0]}"), lines
     assert error in lines[-2], lines
     assert f'File "{script}", line 2' in proc.stderr
-    assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr
+    assert "runpy" not in proc.stderr and "rapidlite/cli/main.py" not in proc.stderr, proc.stderr
     assert len(lines) <= 8, proc.stderr
 
 
@@ -149,4 +149,4 @@ def test_a_user_scripts_own_error_on_two_ranks_shows_its_frames(tmp_path):
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     assert "failed: ModuleNotFoundError: No module named 'no_such_module_xyz'" in proc.stderr
     assert f'File "{script}", line 2' in proc.stderr
-    assert "runpy" not in proc.stderr and "rapidlite/cli.py" not in proc.stderr, proc.stderr
+    assert "runpy" not in proc.stderr and "rapidlite/cli/main.py" not in proc.stderr, proc.stderr

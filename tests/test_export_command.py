@@ -160,7 +160,7 @@ def test_a_gguf_tensor_written_wrong_fails_the_check_with_exit_1(runs, tmp_path,
 
 
 def test_hf_logits_that_differ_fail_the_check_with_exit_1(runs, tmp_path, capsys, monkeypatch):
-    from rapidlite import export_command
+    from rapidlite.cli.main import export as export_command
 
     reload = export_command.reload_hf
 
@@ -178,8 +178,8 @@ def test_hf_logits_that_differ_fail_the_check_with_exit_1(runs, tmp_path, capsys
 
 def test_the_built_in_gpt_exports_in_its_hugging_face_layout_or_is_refused(tmp_path):
     from rapidlite.checkpoint.gguf_file import ExportCheckFailed, SourceTensor, check_gguf, source_tensors
+    from rapidlite.cli.export import export_gguf_checked
     from rapidlite.errors import ConfigError
-    from rapidlite.export_command import export_gguf_checked
     from rapidlite.models import gpt_hf
     from rapidlite.models.gpt import GPTConfig, GPTModel
 

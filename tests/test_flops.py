@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers import TINY, read_metrics, run_cli, write_tiny_corpus
-from rapidlite.flops import ModelFlops, bench_main, device_peak_flops, matmul_parameters, measure_matmul_peak
+from rapidlite.cli.bench import bench_main
+from rapidlite.models.flops import ModelFlops, device_peak_flops, matmul_parameters, measure_matmul_peak
 from rapidlite.models.gpt import GPTConfig, GPTModel
 
 

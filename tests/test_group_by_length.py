@@ -9,7 +9,7 @@ import torch
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from helpers import ToyFinetuner, engine, rapidlite_here, train_losses
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.samplers import EpochSampler, padded_share, sample_lengths
 from rapidlite.errors import DataError
 from rapidlite.tasks.demo import write_demo_assets

@@ -11,9 +11,9 @@ import torch
 
 from helpers import assert_same_metrics, big_vocab_llama, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, UnpairedCollator, add_kl_completions, encode_unpaired, unpaired_rows
 from rapidlite.models.head import MIN_VOCAB, loss_line
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm import load_causal_lm
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 from rapidlite.tasks.kto import KTOFinetuner

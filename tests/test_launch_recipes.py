@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from helpers import REPO
-from rapidlite.arguments import parse_args
-from rapidlite.launcher import needs_launch, torchrun_args
+from rapidlite.resolve import parse_args
+from rapidlite.runtime.launcher import needs_launch, torchrun_args
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema comes with the [test] extra")
 

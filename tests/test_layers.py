@@ -10,72 +10,26 @@ from helpers import REPO
 
 PACKAGE = REPO / "rapidlite"
 
-# Top to bottom. The package itself (rapidlite/__init__.py) is the public facade over every layer.
+# Top to bottom: a package is a layer (docs/dev/architecture.md draws the same picture). The package itself
+# (rapidlite/__init__.py) is the public facade over every layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("rapidlite",)),
-    (
-        "cli",
-        (
-            "rapidlite.cli",
-            "rapidlite.__main__",
-            "rapidlite.evaluation.command",
-            "rapidlite.planning",
-            "rapidlite.env_report",
-            "rapidlite.export_command",
-        ),
-    ),
+    # the programs, and the Rapidformer/Megatron facade user scripts read (get_args, mpu, GPTModel())
+    ("cli and compat", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.compat")),
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
-    ("engine", ("rapidlite.engine", "rapidlite.launcher", "rapidlite.mpu")),
+    ("engine", ("rapidlite.engine",)),
+    ("planning", ("rapidlite.planning",)),
+    ("resolve", ("rapidlite.resolve",)),
+    ("evaluation", ("rapidlite.evaluation",)),
     ("strategies", ("rapidlite.strategies",)),
-    (
-        "config",
-        (
-            # the flags reference page is rendered from the command line's parser
-            "rapidlite.config.reference",
-            "rapidlite.arguments",
-            "rapidlite.resolve",
-            "rapidlite.config_file",
-            "rapidlite.megatron_flags",
-        ),
-    ),
-    (
-        "parallel and training machinery",
-        (
-            "rapidlite.parallel",
-            "rapidlite.graph",
-            "rapidlite.optim",
-            "rapidlite.precision",
-            "rapidlite.checkpoint",
-            "rapidlite.evaluation",
-        ),
-    ),
-    ("models", ("rapidlite.models", "rapidlite.flops")),
-    ("data", ("rapidlite.data", "rapidlite.global_vars")),
-    (
-        "base",
-        (
-            "rapidlite.errors",
-            "rapidlite.entry",
-            "rapidlite.environ",
-            "rapidlite.slurm",
-            "rapidlite.logging",
-            "rapidlite.tracking",
-            "rapidlite.distributed",
-            "rapidlite.preemption",
-            "rapidlite.losses",
-            "rapidlite.chunked_loss",
-            "rapidlite.metrics",
-            "rapidlite.cache",
-            "rapidlite.paths",
-            "rapidlite.apex_kernels",
-            "rapidlite.progress",
-            "rapidlite.plot",
-            "rapidlite.time_budget",
-            # the flag declarations and typed settings sections every layer reads
-            "rapidlite.config",
-        ),
-    ),
+    ("checkpoint", ("rapidlite.checkpoint",)),
+    ("parallel", ("rapidlite.parallel", "rapidlite.optim", "rapidlite.precision", "rapidlite.graph")),
+    ("models", ("rapidlite.models",)),
+    ("data", ("rapidlite.data",)),
+    ("runtime and observe", ("rapidlite.runtime", "rapidlite.observe")),
+    ("config", ("rapidlite.config",)),
+    ("errors", ("rapidlite.errors",)),
 ]
 
 

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 from helpers import REPO, rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
 from rapidlite.checkpoint.dcp import SafeFileSystemReader
 from rapidlite.checkpoint.layout import checkpoint_path
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import ConfigError
 from rapidlite.models import lora
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 

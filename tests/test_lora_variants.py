@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from helpers import rapidlite, rapidlite_here
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
 from rapidlite.models import lora
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
@@ -146,7 +146,7 @@ def test_zero3_on_two_ranks_equals_one_process(runs, variant):
 
 
 def test_variant_flags_need_a_rank_and_sane_values(assets, capsys):
-    from rapidlite.cli import main
+    from rapidlite.cli.main import main
 
     cases = [
         (["--use-dora"], "--use-dora configures LoRA adapters: add --lora-rank"),

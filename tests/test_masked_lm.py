@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import rapidlite, rapidlite_here, read_metrics, run_cli, train_losses
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.masked_lm import (
     EVAL_STREAM,
     IGNORE_INDEX,

@@ -8,10 +8,10 @@ import shlex
 import pytest
 
 from helpers import ToyFinetuner, engine, read_metrics
-from rapidlite import time_budget
-from rapidlite.arguments import parse_args
 from rapidlite.errors import ConfigError
 from rapidlite.models.gpt import GPTConfig
+from rapidlite.resolve import parse_args
+from rapidlite.runtime import time_budget
 
 BASE = ["--task", "pretraining", "--micro-batch-size", "2", "--global-batch-size", "8"]
 

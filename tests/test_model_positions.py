@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, DebertaV2Config, ModernBertConfig, RobertaConfig, T5Config
 
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import ConfigError
 from rapidlite.models.hf import position_limit, sequence_length
 from rapidlite.tasks.demo_build import build_wordpiece_tokenizer

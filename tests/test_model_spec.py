@@ -113,7 +113,7 @@ def tower_family(monkeypatch):
 def test_a_registered_family_is_used_for_blocks_tensor_and_pipeline_parallelism_and_flops(tower_family):
     import types
 
-    from rapidlite.flops import ModelFlops
+    from rapidlite.models.flops import ModelFlops
     from rapidlite.parallel.pipeline import family_of
     from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -194,7 +194,7 @@ def test_pipeline_splits_refuse_what_they_would_get_wrong_in_one_line():
 def test_flops_read_the_size_keys_of_the_family():
     import types
 
-    from rapidlite.flops import ModelFlops
+    from rapidlite.models.flops import ModelFlops
 
     t5_like = ModelFlops.of(Tower(types.SimpleNamespace(num_layers=3, d_model=8)))  # the generic family's keys
     assert (t5_like.num_layers, t5_like.hidden_size) == (3, 8)

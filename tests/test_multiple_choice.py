@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import rapidlite, rapidlite_here, read_metrics, run_cli, train_losses
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.multiple_choice import Layout, build_multiple_choice_data, detect_layout, label_index
-from rapidlite.metrics import multiple_choice_accuracy
+from rapidlite.evaluation.metrics import multiple_choice_accuracy
 from rapidlite.tasks.multiple_choice_demo import write_demo_assets
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from helpers import ToyFinetuner, rapidlite, read_metrics, write_tiny_corpus
 from rapidlite import RapidliteEngine
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import TrainingDiverged
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32"]
@@ -300,7 +300,7 @@ def test_a_full_disk_while_writing_metrics_stops_with_one_line_and_no_half_recor
     import errno
     import io
 
-    import rapidlite.logging
+    import rapidlite.observe.logging
     from rapidlite.errors import RapidliteError
 
     class FillsUp(io.FileIO):
@@ -319,7 +319,7 @@ def test_a_full_disk_while_writing_metrics_stops_with_one_line_and_no_half_recor
         assert mode == "ab" and buffering == 0, (mode, buffering)
         return FillsUp(path, "a")
 
-    monkeypatch.setattr(rapidlite.logging, "open", fake_open, raising=False)
+    monkeypatch.setattr(rapidlite.observe.logging, "open", fake_open, raising=False)
     save = tmp_path / "run"
     trainer = ToyFinetuner(
         RapidliteEngine(argv=["--micro-batch-size", "8", "--log-interval", "1", "--save", str(save)])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import read_metrics
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.config import tasks as registry
 from rapidlite.errors import ConfigError
 

@@ -17,10 +17,10 @@ from helpers import REPO, engine, params, run_cli
 sys.path.insert(0, str(REPO / "examples"))
 from pretrain_custom_model import MyPreTrainer, TinyCausalLM  # noqa: E402
 
-from rapidlite.arguments import parse_args  # noqa: E402
 from rapidlite.parallel.activation_offload import OffloadActivations  # noqa: E402
 from rapidlite.parallel.recompute import apply_activation_checkpointing  # noqa: E402
 from rapidlite.planning.activations import offload_activations  # noqa: E402
+from rapidlite.resolve import parse_args
 
 TINY = ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "3", "--seq-length", "16"]
 TINY += ["--hidden-size", "32", "--num-layers", "3", "--lr", "1e-3", "--log-interval", "1"]

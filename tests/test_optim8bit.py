@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from helpers import TINY, rapidlite, rapidlite_here, read_metrics, stopped_copy, train_losses, write_tiny_corpus
-from rapidlite.arguments import parse_args
 from rapidlite.checkpoint.dcp import SafeFileSystemReader
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.config.sections import OptimizerConfig
 from rapidlite.optim import build_optimizer, optimizer_state_bytes
 from rapidlite.parallel.data_parallel import model_state_bytes
+from rapidlite.resolve import parse_args
 
 pytest.importorskip("bitsandbytes")
 

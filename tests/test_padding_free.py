@@ -7,7 +7,7 @@ import torch
 import transformers as T
 
 from helpers import rapidlite, rapidlite_here, read_metrics, train_losses
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.collate import FlatteningCollator, PadCollator, flatten_rows
 from rapidlite.data.loader import batch_stats
 from rapidlite.errors import ConfigError, DataError

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers import ToyFinetuner, engine, read_metrics
-from rapidlite.cli import main
-from rapidlite.logging import MetricsWriter
-from rapidlite.plot import CURVES_FILE, figure_of, read_curves, write_curves
+from rapidlite.cli.main import main
+from rapidlite.observe.curves import CURVES_FILE, figure_of, read_curves, write_curves
+from rapidlite.observe.logging import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import torch
 
 from helpers import ToyFinetuner, engine
 from rapidlite import precision
-from rapidlite.arguments import parse_args
-from rapidlite.flops import device_peak_flops
+from rapidlite.models.flops import device_peak_flops
+from rapidlite.resolve import parse_args
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from helpers import DP_COMMON, DP_ONE, DP_TWO, REPO, read_metrics
-from rapidlite.arguments import parse_args
 from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.errors import CheckpointError
-from rapidlite.preemption import EXIT_CODE
+from rapidlite.resolve import parse_args
+from rapidlite.runtime.preemption import EXIT_CODE
 
 SCRIPT = str(REPO / "tests" / "scripts" / "preemptible.py")
 ITERS = 24
@@ -319,7 +319,7 @@ def test_a_signal_at_an_epoch_end_loses_no_validation(tmp_path, monkeypatch, log
     """SIGTERM after an epoch's last step stops before its validation; the resumed run validates that epoch
     first, so the run ends with one validation per epoch, as an uninterrupted run does."""
     from helpers import ToyFinetuner, engine
-    from rapidlite.preemption import Preempted
+    from rapidlite.runtime.preemption import Preempted
     from rapidlite.trainer.clock import RunClock
 
     flags = ("--micro-batch-size", "16", "--epochs", "3")  # 64 samples: 4 steps per epoch

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import REPO
+from rapidlite.cli.preprocess import main
 from rapidlite.data.documents import SentenceSplitter
 from rapidlite.data.indexed_dataset import IndexedDataset
-from rapidlite.data.preprocess import main, preprocess
+from rapidlite.data.preprocess import preprocess
 from rapidlite.data.tokenizers import build_tokenizer, train_byte_level_bpe, write_wordpiece_vocab
 from rapidlite.errors import ConfigError, DataError
 
@@ -227,7 +228,7 @@ def test_bad_json_lines_name_the_file_and_line(corpus, tmp_path):
 def run_preprocess(*argv, cwd):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "rapidlite.data.preprocess", *argv],
+        [sys.executable, "-m", "rapidlite.cli.preprocess", *argv],
         capture_output=True, text=True, cwd=cwd, env=env, timeout=120,
     )  # fmt: skip
 

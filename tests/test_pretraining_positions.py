@@ -5,9 +5,9 @@ config's length, rotary models have none. Pretraining from a config grows the ta
 import pytest
 import torch
 
-from rapidlite.arguments import parse_args
 from rapidlite.errors import ConfigError
 from rapidlite.models.hf import position_limit
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.pretraining import hf_causal_lm
 
 

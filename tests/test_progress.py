@@ -20,10 +20,10 @@ import pytest
 import torch.nn.functional as F
 
 from helpers import PRETRAIN, REPO, ToyFinetuner, engine
-from rapidlite.data.preprocess import main as preprocess_main
+from rapidlite.cli.preprocess import main as preprocess_main
 from rapidlite.data.preprocess import preprocess
 from rapidlite.data.tokenizers import build_tokenizer
-from rapidlite.progress import hf_datasets_progress, progress_allowed, progress_bar
+from rapidlite.observe.progress import hf_datasets_progress, progress_allowed, progress_bar
 
 # A render of a bar part-way: "N/T [elapsed<remaining, rate unit/s" (tqdm's format), remaining known.
 ETA = r"\[\d\d:\d\d<\d\d:\d\d, +[\d.]+ ?{unit}/s"
@@ -102,8 +102,9 @@ def test_no_bar_into_a_pipe_or_with_no_progress(monkeypatch, capsys):
 
 def test_no_progress_belongs_to_one_launch():
     """A checkpoint's settings (iter_N/config.yaml) leave out --no-progress: how one terminal showed the run."""
-    from rapidlite.arguments import build_parser, parse_args
-    from rapidlite.config_file import saved_flags
+    from rapidlite.config.files import saved_flags
+    from rapidlite.config.parser import build_parser
+    from rapidlite.resolve import parse_args
 
     args = parse_args([*TOY, "--no-progress", "--log-interval", "3"], require_task=False)
     assert args.no_progress and "no-progress" not in saved_flags(args, build_parser())
@@ -192,7 +193,7 @@ def test_hf_datasets_bars_follow_the_rule(monkeypatch):
 def test_transformers_bars_follow_the_rule(monkeypatch):
     from transformers.utils import logging as hf_logging
 
-    from rapidlite.progress import hf_transformers_progress
+    from rapidlite.observe.progress import hf_transformers_progress
 
     on_pipe(monkeypatch)
     assert hf_logging.is_progress_bar_enabled()
@@ -238,7 +239,7 @@ def run_on_pty(argv: list[str], timeout: float = 600) -> tuple[int, str, str]:
 
 
 def test_preprocess_on_a_pseudo_terminal(ids_corpus, tmp_path):
-    argv = [sys.executable, "-m", "rapidlite.data.preprocess", "--input", str(ids_corpus)]
+    argv = [sys.executable, "-m", "rapidlite.cli.preprocess", "--input", str(ids_corpus)]
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--output-prefix", str(tmp_path / "out")]
     code, _, screen = run_on_pty(argv)
     assert code == 0, screen[-2000:]

@@ -11,11 +11,11 @@ from torchmetrics.functional.text import squad as torchmetrics_squad
 
 from helpers import rapidlite, rapidlite_here, read_metrics, train_losses
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.question_answering import FeatureMeta, postprocess_predictions
 from rapidlite.data.question_answering_rows import QAExample, read_answers
-from rapidlite.metrics import normalize_answer, squad_v1_metrics, squad_v2_metrics
+from rapidlite.evaluation.metrics import normalize_answer, squad_v1_metrics, squad_v2_metrics
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.question_answering import QuestionAnsweringFinetuner
 from rapidlite.tasks.question_answering_demo import write_demo_assets
 

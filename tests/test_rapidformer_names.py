@@ -10,16 +10,17 @@ import torch
 
 import rapidlite
 from helpers import TokenSumFinetuner, engine, run_cli
-from rapidlite import mpu
-from rapidlite.arguments import parse_args
+from rapidlite.compat import mpu
 from rapidlite.data.text_classification import load_raw_datasets
 from rapidlite.errors import ConfigError
+from rapidlite.models import gpt
 from rapidlite.models.gpt import GPTConfig, GPTModel
+from rapidlite.resolve import parse_args
 
 
 def test_rapidformer_names_are_exported():
     assert rapidlite.RapidformerEngine is rapidlite.RapidliteEngine
-    assert rapidlite.mpu is mpu
+    assert rapidlite.compat.mpu is mpu
     assert callable(rapidlite.build_train_valid_test_datasets_for_huggingface)
     for name in ("RapidformerEngine", "mpu", "build_train_valid_test_datasets_for_huggingface"):
         assert name in rapidlite.__all__
@@ -53,7 +54,7 @@ def test_gpt_model_megatron_convention_gives_per_token_losses():
     engine("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50")  # fmt: skip
     torch.manual_seed(0)
-    megatron = GPTModel().eval()  # from the flags, as Megatron builds it (eval: no dropout)
+    megatron = rapidlite.GPTModel().eval()  # from the flags, as Megatron builds it (eval: no dropout)
     assert megatron.config.num_layers == 2 and megatron.config.hidden_size == 32 and megatron.per_token_loss
     assert megatron.config.vocab_size == 51  # NullTokenizer: the ids plus EOD
     tokens = torch.randint(0, 50, (2, 9))
@@ -67,7 +68,9 @@ def test_gpt_model_megatron_convention_gives_per_token_losses():
     assert count == 16 and float(loss_sum) == pytest.approx(float(losses.sum()), rel=1e-6)
     assert not exact.per_token_loss
     with pytest.raises(ConfigError, match="pre_process=True"):
-        GPTModel(pre_process=False)
+        rapidlite.GPTModel(pre_process=False)
+    with pytest.raises(ConfigError, match="from rapidlite import GPTModel"):
+        gpt.GPTModel()  # the library's own class is handed its config
     assert GPTModel(GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2), per_token_loss=True)(
         torch.zeros(1, 3, dtype=torch.long), labels=torch.zeros(1, 3, dtype=torch.long)
     ).shape == (1, 3)

@@ -26,7 +26,7 @@ PAGE_ENV = {"MASTER_ADDR": "localhost", "NNODES": "1", "NODE_RANK": "0"}
 def command(name: str, *argv: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     """A console script of the installed package (``rapidformer``, ``rapidlite-preprocess``), as the page runs
     it; MASTER_PORT is a free one (the page's 6010 may be taken on a shared test machine)."""
-    from rapidlite.distributed import free_port
+    from rapidlite.runtime.distributed import free_port
 
     script = Path(sys.executable).parent / name
     assert script.is_file(), f"{name} is not installed next to {sys.executable}: pip install -e ."
@@ -508,7 +508,7 @@ import torch  # page: not imported in the snippets
 from rapidlite import mpu  # page: from megatron import mpu
 from rapidlite import RapidformerEngine, get_args, PreTrainer
 from rapidlite import build_train_valid_test_datasets, get_tokenizer, get_ltor_masks_and_position_ids
-from rapidlite.models.gpt import GPTModel  # page: from yourmodel import GPTModel
+from rapidlite import GPTModel  # page: from yourmodel import GPTModel
 
 
 class MyGPTPreTrainer(PreTrainer):  # page: three snippets of one class (MegatronGPTPreTrainer / MyGPTPreTrainer)

@@ -10,7 +10,7 @@ import torch
 
 from helpers import rapidlite
 from rapidlite.errors import ConfigError
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.observe.logging import LOGGER_NAME
 from rapidlite.tasks import causal_lm_demo
 from rapidlite.tasks.causal_lm import load_causal_lm
 from rapidlite.tasks.multiple_choice import load_multiple_choice_model

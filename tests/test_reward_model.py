@@ -16,9 +16,9 @@ import torch
 
 from helpers import REPO, as_layout, assert_same_metrics, read_jsonl, read_metrics, run_cli, write_jsonl
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
 from rapidlite.data.preference import Counts, encode_reward_pairs
 from rapidlite.errors import ConfigError
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 from rapidlite.tasks.reward_model import RewardModelFinetuner
 from rapidlite.tasks.sequence_classification import load_classifier
@@ -160,7 +160,7 @@ def test_flags_it_does_not_use_are_refused(assets):
 def _rapidlite_eval(model, data, *flags):
     """``rapidlite-eval --model MODEL --data DATA FLAGS`` as a user runs it: its JSON line."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rapidlite.evaluation.command", "--model", str(model), "--data", str(data)]
+    command = [sys.executable, "-m", "rapidlite.cli.evaluate", "--model", str(model), "--data", str(data)]
     scored = subprocess.run([*command, *flags], capture_output=True, text=True, env=env, timeout=300)
     assert scored.returncode == 0, scored.stderr[-3000:]
     return json.loads(scored.stdout.strip().splitlines()[-1])
@@ -314,7 +314,7 @@ def test_training_raises_accuracy_exports_and_rapidlite_eval_scores_the_export(a
 
 
 def test_rapidlite_eval_refuses_what_is_not_a_reward_model_or_pairs(assets, tmp_path, capsys):
-    from rapidlite.evaluation.command import main
+    from rapidlite.cli.evaluate import main
 
     model_dir, root = assets
     mixed = write_jsonl(

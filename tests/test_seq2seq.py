@@ -8,8 +8,8 @@ import torch
 
 from helpers import rapidlite, rapidlite_here, read_metrics, run_cli
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.seq2seq import (
     Seq2SeqFinetuner,
     bleu,

@@ -9,8 +9,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from helpers import read_metrics, run_cli
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.demo import write_demo_assets
 from rapidlite.tasks.sequence_classification import SequenceClassificationFinetuner
 

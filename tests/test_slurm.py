@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, write_tiny_corpus
-from rapidlite.distributed import free_port
+from rapidlite.runtime.distributed import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # slow too: the fast set stays fast where Slurm is installed
 
@@ -270,9 +270,9 @@ def test_a_signalled_job_saves_and_its_requeued_run_resumes(cluster, tmp_path):
 
 def test_srun_tasks_carry_what_rapidlite_reads(cluster, tmp_path):
     """The batch script has the job's variables but no step (rapidlite derives nothing there); an srun task has
-    the step's: the names rapidlite.slurm reads, with this node as the first host of the step's list."""
+    the step's: the names rapidlite.runtime.slurm reads, with this node as the first host of the step's list."""
     probe = (
-        f'"{sys.executable}" -c "import json, os; from rapidlite.slurm import rendezvous; '
+        f'"{sys.executable}" -c "import json, os; from rapidlite.runtime.slurm import rendezvous; '
         "print(json.dumps({'env': {k: v for k, v in os.environ.items() if k.startswith('SLURM_')}, "
         "'derived': rendezvous(os.environ)}))\""
     )

@@ -11,11 +11,11 @@ import subprocess
 
 import pytest
 
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import ConfigError
-from rapidlite.launcher import needs_launch, torchrun_args
-from rapidlite.slurm import expand_hostlist, rendezvous
+from rapidlite.resolve import parse_args
+from rapidlite.runtime.launcher import needs_launch, torchrun_args
+from rapidlite.runtime.slurm import expand_hostlist, rendezvous
 
 HOSTLISTS = [
     pytest.param(hostlist, hosts, id=hostlist)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from helpers import rapidlite
-from rapidlite.arguments import parse_args
 from rapidlite.errors import ConfigError
-from rapidlite.flops import GPU_PEAKS
+from rapidlite.models.flops import GPU_PEAKS
 from rapidlite.planning import plan
 from rapidlite.planning.devices import BUILT_IN, DeviceProfile, device_profile
 from rapidlite.planning.timing import all_gather, all_reduce, send, step_time
+from rapidlite.resolve import parse_args
 
 MODEL = ["--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "4"]
 MODEL += ["--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2"]

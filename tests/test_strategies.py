@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from helpers import MLP, engine
 from rapidlite import strategies
 from rapidlite.config.settings import Sections
-from rapidlite.distributed import DistributedContext, ParallelDims
 from rapidlite.optim import RapidliteOptimizer, StepHooks
 from rapidlite.parallel.data_parallel import DataParallelConfig
 from rapidlite.precision import Precision
+from rapidlite.runtime.distributed import DistributedContext, ParallelDims
 
 
 def _context(world: int = 1, pp: int = 1, zero: int = 0, deepspeed: bool = False, mesh: object = None):

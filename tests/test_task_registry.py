@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import ToyFinetuner
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.config import tasks as registry
 from rapidlite.errors import ConfigError
+from rapidlite.resolve import parse_args
 
 
 def toy_trainer(args):

@@ -387,7 +387,7 @@ def test_float_scores_are_a_regression(tokenizer):
 def test_regression_metrics_are_pearson_spearman_and_mse():
     from scipy.stats import pearsonr, spearmanr
 
-    from rapidlite.metrics import regression_metrics
+    from rapidlite.evaluation.metrics import regression_metrics
 
     scores, labels = torch.tensor([0.1, 2.0, 2.5, 4.0, 3.0]), torch.tensor([0.0, 1.5, 3.0, 5.0, 2.0])
     metrics = regression_metrics(scores, labels)

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from helpers import TINY, rapidlite_here, read_metrics, write_tiny_corpus
-from rapidlite import time_budget
-from rapidlite.arguments import parse
+from rapidlite.config.parser import parse
 from rapidlite.resolve import resolve, with_embedded_demo
+from rapidlite.runtime import time_budget
 from rapidlite.tasks import pretraining_demo
 
 BUDGET_S = 3.5 * 60
@@ -69,7 +69,7 @@ def fake_speed(monkeypatch, step_s, elapsed_s):
     """Every timed step takes ``step_s`` and the command started ``elapsed_s`` before the sizing."""
     import time
 
-    from rapidlite import cli
+    from rapidlite.cli.main import main as cli
     from rapidlite.trainer.clock import RunClock
 
     real = RunClock._time_step

@@ -11,8 +11,7 @@ import torch
 
 from helpers import rapidlite, rapidlite_here, read_metrics, run_cli, train_losses
 from rapidlite import RapidliteEngine
-from rapidlite.arguments import parse_args
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.data.token_classification import (
     IGNORE,
     Sentences,
@@ -23,7 +22,8 @@ from rapidlite.data.token_classification import (
     most_frequent_tag_baseline,
 )
 from rapidlite.errors import DataError
-from rapidlite.metrics import entities, is_entity_tagset, tagging_metrics
+from rapidlite.evaluation.metrics import entities, is_entity_tagset, tagging_metrics
+from rapidlite.resolve import parse_args
 from rapidlite.tasks.demo_build import build_wordpiece_tokenizer
 from rapidlite.tasks.token_classification import TokenClassificationFinetuner, load_word_tokenizer
 from rapidlite.tasks.token_classification_demo import write_conll, write_demo_assets

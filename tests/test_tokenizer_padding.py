@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
 
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import ConfigError
 from rapidlite.models.hf import ensure_pad_token
 

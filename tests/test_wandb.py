@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from helpers import DP_COMMON, DP_ONE, DP_TWO, REPO, ToyFinetuner, engine, rapidlite, read_metrics
-from rapidlite.cli import main
+from rapidlite.cli.main import main
 from rapidlite.errors import ConfigError, TrainingDiverged
-from rapidlite.preemption import EXIT_CODE
+from rapidlite.runtime.preemption import EXIT_CODE
 
 TOY = ["--micro-batch-size", "8", "--epochs", "2", "--log-interval", "2", "--lr", "0.01"]
 

@@ -5,7 +5,7 @@ import torch
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from rapidlite.errors import RapidliteError
-from rapidlite.losses import unpack_loss
+from rapidlite.models.losses import unpack_loss
 
 
 def test_accepted_forms():
@@ -91,7 +91,7 @@ def test_metric_values_are_plain_numbers():
 
 @pytest.mark.parametrize("flag, dest", [("--lr", "lr"), ("--data-dir", "data_dir")])
 def test_a_script_flag_rapidlite_already_has_is_one_line(flag, dest):
-    from rapidlite.arguments import build_parser
+    from rapidlite.config.parser import build_parser
 
     def extra(parser):
         parser.add_argument_group(title="mine").add_argument(flag, default=None)

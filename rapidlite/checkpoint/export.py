@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from rapidlite.checkpoint.dcp import _sharded, model_tensors
 from rapidlite.checkpoint.layout import _rank
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.observe.logging import LOGGER_NAME
 
 
 def export_hf(

@@ -7,7 +7,7 @@ Layout of ``--save DIR``::
         .metadata, __*_*.distcp   DCP: every rank writes its shards of ``model.<name>`` and
                                   ``optim.<name>.<state>`` tensors; the metadata goes last
         state.pt               trainer position, LR schedule, loss scaler, skipped steps (rank 0)
-        config.yaml            the run's settings, loadable with --config (rank 0; rapidlite.config_file)
+        config.yaml            the run's settings, loadable with --config (rank 0; rapidlite.config.files)
         rng_rank<R>.pt         each rank's RNG states
         manifest.json          every file above: its size and CRC-32 (each rank hashes the files it wrote)
     DIR/iter_0000200/deepspeed/   instead of the DCP files under --deepspeed: DeepSpeed's own checkpoint

@@ -29,7 +29,7 @@ from rapidlite.checkpoint.layout import (
     checkpoint_name,
 )
 from rapidlite.errors import CheckpointError
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.observe.logging import LOGGER_NAME
 
 
 def check_loadable(load_dir: str | os.PathLike) -> None:

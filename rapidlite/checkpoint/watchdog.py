@@ -56,7 +56,7 @@ def grace_seconds() -> float:
     """How long the ranks may take to end the save together once a failure is recorded: 60 s, or half the
     process group's timeout (``--distributed-timeout-minutes``) when that is shorter, so the watchdog acts before
     the process group's own timeout turns the hang into a traceback."""
-    from rapidlite.distributed import collective_timeout
+    from rapidlite.runtime.distributed import collective_timeout
 
     timeout = collective_timeout()
     return GRACE_SECONDS if timeout is None else min(GRACE_SECONDS, timeout.total_seconds() / 2)
@@ -65,7 +65,7 @@ def grace_seconds() -> float:
 def _end_rank(error: BaseException) -> None:
     """End this process from the watchdog thread: recorded for the launcher (under torchrun) or printed, then
     ``os._exit``, since the main thread is blocked in a collective that will not return."""
-    from rapidlite.distributed import report_worker_error
+    from rapidlite.runtime.distributed import report_worker_error
 
     code = report_worker_error(error)
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):  # no torchrun agent to print it (srun's own tasks)

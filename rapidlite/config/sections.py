@@ -4,7 +4,7 @@ Each section is a frozen dataclass of the flags (and derived values) one part of
 builder receives ``OptimizerConfig``, LoRA ``LoraConfig``, and so on. A field is a flag (``flag(...)``: type,
 default, help and ``--help`` group in one place) or a value ``resolve`` derives (``derived(...)``). argparse,
 ``--help``, ``--config FILE.yaml`` and the flags reference are generated from these declarations
-(``rapidlite.arguments.build_parser``). This module holds what is trained and how it learns (task, model, data,
+(``rapidlite.config.parser.build_parser``). This module holds what is trained and how it learns (task, model, data,
 training, optimizer, LoRA); ``rapidlite.config.runtime`` where and how it runs (precision, parallelism,
 checkpoints, logging); ``rapidlite.config.settings.Sections`` one of each, which ``resolve`` builds, frozen,
 beside the flat ``argparse.Namespace`` view that ``get_args()`` and Rapidformer/Megatron-style scripts read.

@@ -1,7 +1,7 @@
 """The black-box tasks ``--task`` can name: what each runs, what it needs, what it supports.
 
 One ``TaskSpec`` per task, looked up by name: everything the rest of rapidlite knows about a task is here.
-The command line (``rapidlite.cli``), ``resolve`` (``rapidlite.resolve``) and the planner (``--dry-run``) consult
+The command line (``rapidlite.cli.main``), ``resolve`` (``rapidlite.resolve``) and the planner (``--dry-run``) consult
 this table and never compare task names, so adding a task is one module under ``rapidlite/tasks/`` plus one
 entry here (or ``register_task`` from outside the package). The table is torch-free and imports no task
 module: trainers and demos are named by ``"module:attribute"`` and imported only when a run needs them, so

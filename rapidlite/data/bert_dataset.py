@@ -53,7 +53,6 @@ from rapidlite.data.gpt_dataset import (
     BlendedDataset,
     _cache_dir,
     _save_atomic,
-    check_mmap_data,
     parse_data_path,
     split_ranges,
 )
@@ -376,40 +375,3 @@ def build_bert_train_valid_test_datasets(
         total = sum(weights)
         out.append(BlendedDataset(parts, [w / total for w in weights], n) if parts else None)
     return out[0], out[1], out[2]
-
-
-def build_train_valid_test_datasets_for_huggingface(
-    data_prefix: Sequence[str] | str,
-    data_impl: str = "mmap",
-    splits_string: str = "969,30,1",
-    train_valid_test_num_samples: Sequence[int] = (0, 0, 0),
-    max_seq_length: int = 512,
-    masked_lm_prob: float = 0.15,
-    short_seq_prob: float = 0.1,
-    seed: int = 1234,
-    skip_warmup: bool = True,
-    binary_head: bool = True,
-    tokenizer: Any = None,
-) -> tuple[Any, Any, Any]:
-    """Rapidformer's BERT pretraining datasets, with its argument names: items are the Hugging Face
-    ``BertForPreTraining`` inputs (``input_ids``, ``attention_mask``, ``token_type_ids``, ``labels``,
-    ``next_sentence_label``) built from sentence-split mmap data (see the module docstring).
-
-    ``tokenizer`` defaults to ``rapidlite.get_tokenizer()`` (the flags' ``--tokenizer-type`` and vocabulary),
-    as Megatron's builder does; ``skip_warmup=False`` reads each ``.bin`` once first (``--mmap-warmup``)."""
-    check_mmap_data(data_prefix, data_impl, skip_warmup)
-    if tokenizer is None:
-        from rapidlite.global_vars import get_tokenizer
-
-        tokenizer = get_tokenizer()
-    return build_bert_train_valid_test_datasets(
-        data_prefix,
-        splits_string,
-        train_valid_test_num_samples,
-        seq_length=max_seq_length,
-        seed=seed,
-        tokenizer=tokenizer,
-        mask_prob=masked_lm_prob,
-        short_seq_prob=short_seq_prob,
-        binary_head=binary_head,
-    )

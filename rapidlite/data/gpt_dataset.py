@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.data.indexed_dataset import IndexedDataset
 from rapidlite.errors import ConfigError, DataError
+from rapidlite.runtime.cache import cache_root, make_cache_dir
 
 INDEX_VERSION = 1
 

@@ -31,7 +31,7 @@ import torch
 
 from rapidlite.data.packing import Encoded, pack, windows
 from rapidlite.errors import DataError, first_line
-from rapidlite.progress import progress_bar
+from rapidlite.observe.progress import progress_bar
 
 ALPACA, PROMPT_RESPONSE, CHAT, TEXT = "alpaca", "prompt_response", "chat", "text"
 
@@ -370,7 +370,7 @@ def build_instruction_data(
     Rows with no trained token left (a response cut away by ``seq_length``) are dropped: they cost FLOPs and
     teach nothing. Rows missing a field of the format (null or absent, or an empty response or text) are
     skipped and counted by field (``skipped``): they would teach the model to answer with EOS alone.
-    ``progress``: a bar per split on a terminal (``rapidlite.progress``)."""
+    ``progress``: a bar per split on a terminal (``rapidlite.observe.progress``)."""
     template = load_template(template)
     first = "train" if "train" in raw else next(iter(raw))  # a streaming run's validation file comes alone
     fmt = detect_format(raw[first].column_names, prompt_key, response_key)

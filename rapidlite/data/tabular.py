@@ -319,7 +319,7 @@ def _log_splits(parts: datasets.DatasetDict, sources: dict[str, str]) -> dataset
     """Say in one line which file (or share of one) became which split, so nothing is picked silently."""
     import logging
 
-    from rapidlite.logging import LOGGER_NAME
+    from rapidlite.observe.logging import LOGGER_NAME
 
     described = [f"{name} = {sources.get(name, name)} ({len(parts[name])} rows)" for name in parts]
     if "validation" not in parts:

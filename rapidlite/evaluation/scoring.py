@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rapidlite.chunked_loss import IGNORE
-from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError, DataError, first_line
 from rapidlite.evaluation.data import MULTIPLE_CHOICE, REWARD, MultipleChoiceItem
+from rapidlite.models.chunked_loss import IGNORE
 from rapidlite.models.head import output_logps
+from rapidlite.runtime.distributed import DistributedContext
 
 # lm-eval's default when neither the config nor the tokenizer gives a length.
 DEFAULT_MAX_LENGTH = 2048
@@ -235,7 +235,7 @@ def load_scorer(
 
     from rapidlite.models.hf import check_positions, load_hf_model
     from rapidlite.models.lora import adapter_directory
-    from rapidlite.progress import hf_transformers_progress
+    from rapidlite.observe.progress import hf_transformers_progress
 
     _check_model_path(model)
     adapter = adapter_directory(model)
@@ -340,7 +340,7 @@ def load_reward_scorer(
 
     from rapidlite.models import lora
     from rapidlite.models.hf import check_positions, load_hf_model
-    from rapidlite.progress import hf_transformers_progress
+    from rapidlite.observe.progress import hf_transformers_progress
 
     _check_model_path(model)
     adapter = lora.adapter_directory(model)

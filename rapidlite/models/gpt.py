@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidlite.apex_kernels import nvidia_apex
 from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
-from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.apex import nvidia_apex
 from rapidlite.models.head import chunked_head_loss, chunks_loss, kept_tokens
+from rapidlite.models.losses import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -298,11 +298,11 @@ class GPTModel(nn.Module):
     """Decoder-only transformer: ``embedding`` → ``layers`` → ``final_norm`` → ``output``.
 
     ``GPTModel(config)``: with ``labels`` the forward returns ``(loss_sum, num_tokens)``, rapidlite's
-    token-exact loss. ``GPTModel()`` (optionally with Megatron's keyword arguments ``num_tokentypes=0,
-    parallel_output=True, pre_process=True, post_process=True``) is Megatron's construction: the
-    architecture comes from the running engine's flags (``get_args()``, the vocabulary from
-    ``get_tokenizer()``) and, as Megatron's GPT does, the forward with ``labels`` returns the per-token fp32
-    losses ``[b, s]``. ``per_token_loss`` chooses either convention explicitly.
+    token-exact loss; with ``per_token_loss=True`` it returns the per-token fp32 losses ``[b, s]``, as
+    Megatron's GPT does. Megatron's keyword arguments (``num_tokentypes=0, parallel_output=True,
+    pre_process=True, post_process=True``) are accepted. ``GPTModel()`` built from the running engine's flags
+    is ``rapidlite.compat.megatron.GPTModel`` (``from rapidlite import GPTModel``): library code is handed its
+    config.
     """
 
     def __init__(
@@ -324,10 +324,10 @@ class GPTModel(nn.Module):
                 "--pipeline-model-parallel-size rapidlite splits it into stages itself"
             )
         if config is None:
-            from rapidlite.global_vars import get_args, get_tokenizer
-
-            config = GPTConfig.of(get_args().sections, get_tokenizer().vocab_size)
-            per_token_loss = True if per_token_loss is None else per_token_loss
+            raise ConfigError(
+                "GPTModel() from the flags is Megatron's construction: import it as 'from rapidlite import GPTModel' "
+                "(rapidlite.compat.megatron), or pass a GPTConfig"
+            )
         self.config = config
         self.per_token_loss = bool(per_token_loss)
         self.chunked_loss = True  # --no-chunked-loss: the whole logits and torch's cross-entropy
@@ -441,8 +441,8 @@ class GPTModel(nn.Module):
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward) at ``seq_length``: ``6 N + 12 L h s``, rapidlite's
-        count for every model (``rapidlite.flops``)."""
-        from rapidlite.flops import ModelFlops  # here: flops looks up the family, whose module imports this one
+        count for every model (``rapidlite.models.flops``)."""
+        from rapidlite.models.flops import ModelFlops  # here: flops looks up the family, whose module imports this one
 
         return ModelFlops.of(self).per_token(self.config.seq_length)
 

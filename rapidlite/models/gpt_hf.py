@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rapidlite.errors import ConfigError
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.observe.logging import LOGGER_NAME
 
 GPT2, LLAMA = "gpt2", "llama"
 HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}

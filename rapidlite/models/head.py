@@ -1,4 +1,4 @@
-"""Log-probabilities through a model's output layer without its whole logits (``rapidlite.chunked_loss``).
+"""Log-probabilities through a model's output layer without its whole logits (``rapidlite.models.chunked_loss``).
 
 ``output_logps(model, inputs, labels, shift=...)`` runs the model once and returns the per-token
 log-probabilities of ``labels`` (or, ``sum_only``, their sum). Where the chunked path serves the model, the
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidlite.chunked_loss import IGNORE, token_logps, token_stats
-from rapidlite.losses import maybe_loss_parallel
+from rapidlite.models.chunked_loss import IGNORE, token_logps, token_stats
+from rapidlite.models.losses import maybe_loss_parallel
 
 MIN_VOCAB = 8192
 # The whole logits' path (``logits_logps``): rows of logits made fp32 at a time, so their float copy is bounded by

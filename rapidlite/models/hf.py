@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from rapidlite.config.sections import ModelConfig
 from rapidlite.errors import ConfigError, first_line
-from rapidlite.logging import LOGGER_NAME
+from rapidlite.observe.logging import LOGGER_NAME
 
 ModelT = TypeVar("ModelT")
 

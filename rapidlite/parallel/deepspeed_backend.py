@@ -157,7 +157,7 @@ class DeepSpeedOptimizer:
         norm = self.engine.get_global_grad_norm()
         self.last_grad_norm = torch.as_tensor(float(norm)) if applied and norm is not None else None
         values = [float(norm) if norm is not None else 0.0, float(loss.detach()) if loss is not None else 0.0]
-        from rapidlite.distributed import all_reduce_world
+        from rapidlite.runtime.distributed import all_reduce_world
 
         flag = torch.tensor([0.0 if all(math.isfinite(v) for v in values) else 1.0])
         if applied and all_reduce_world(flag, op="max").item():

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from rapidlite.errors import ConfigError
-from rapidlite.losses import loss_parallel_context, unpack_loss
 from rapidlite.models.head import logps_override
+from rapidlite.models.losses import loss_parallel_context, unpack_loss
 from rapidlite.models.spec import families_with, spec_of
 from rapidlite.models.staging import Call, PipelineSplit
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rapidlite.errors import ConfigError
-from rapidlite.losses import loss_parallel_context, maybe_loss_parallel  # noqa: F401 (re-exported)
+from rapidlite.models.losses import loss_parallel_context, maybe_loss_parallel  # noqa: F401 (re-exported)
 from rapidlite.models.spec import families_with, spec_of
 
 

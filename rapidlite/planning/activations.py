@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from rapidlite.chunked_loss import FORWARD_GRAD, PASSING
 from rapidlite.config.settings import Sections
+from rapidlite.models.chunked_loss import FORWARD_GRAD, PASSING
 from rapidlite.planning.model import forward_loss
 
 

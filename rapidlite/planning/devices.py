@@ -5,7 +5,7 @@ A profile is a handful of numbers: the dense peak FLOP/s per precision, the memo
 peak large matrix multiplies and attention reach, and the bandwidth and latency of the links between devices
 (within a node: NVLink or PCIe; across nodes: InfiniBand/RoCE, per device), the host link (PCIe, for CPU
 offload) and the host's optimizer speed. The built-in GPU profiles take their peaks from the datasheet table
-``rapidlite.flops.GPU_PEAKS``; ``FILE`` (JSON or YAML) gives the same fields for another device (a built-in
+``rapidlite.models.flops.GPU_PEAKS``; ``FILE`` (JSON or YAML) gives the same fields for another device (a built-in
 profile's name under ``base`` fills what the file leaves out); ``cpu`` is measured on this machine
 (``cpu_profile``, below).
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.errors import ConfigError
+from rapidlite.runtime.cache import cache_root, make_cache_dir
 
 GB = 1e9
 
@@ -89,7 +89,7 @@ class DeviceProfile:
 
 
 def _gpu(name: str, datasheet: str, memory_tbs: float, nvlink_gbs: float, network_gbs: float, **extra: Any) -> Any:
-    from rapidlite.flops import GPU_PEAKS
+    from rapidlite.models.flops import GPU_PEAKS
 
     half, tf32, fp32 = next((h, t, f) for key, h, t, f in GPU_PEAKS if key == datasheet)
     flops = {"bf16": half, "fp16": half, "fp32": fp32, **({"tf32": tf32} if tf32 else {})}
@@ -194,14 +194,14 @@ def _number(path: Path, key: str, value: Any) -> Any:
 # ``--device-profile cpu``: this machine measured in a few seconds, then cached.
 #
 # Timed on one thread, as each process of a multi-process CPU run computes: the matrix-multiply peak at fp32
-# (and its efficiency at sizes from 128 to 2048) and at bf16 (``rapidlite.flops.measure_matmul_peak``), causal
+# (and its efficiency at sizes from 128 to 2048) and at bf16 (``rapidlite.models.flops.measure_matmul_peak``), causal
 # attention's speed, the memory bandwidth (a large copy) and the speed of an AdamW step, each times the cores for
 # the machine; and gloo's loopback all-reduce bandwidth between two processes, its latency as a training step
 # sees it (a small all-reduce between multiplies costs several times what back-to-back ones do: the ranks
 # wake and meet again), how much slower its all-gather and reduce-scatter into one tensor run than that
 # bandwidth says, and what DTensor's dispatch adds to a tensor-parallel block. The processes of a CPU
 # run share the machine's cores (``DeviceProfile.shared_by_node``). The result is kept in the cache
-# (``rapidlite.cache``) under the CPU's model name, core count and torch version, so later plans read it; delete
+# (``rapidlite.runtime.cache``) under the CPU's model name, core count and torch version, so later plans read it; delete
 # the file to measure again.
 _PORT_BASE = 29600
 _CACHE_VERSION = 3  # raised when the profile measures something new: an older file is measured again
@@ -259,7 +259,7 @@ def measure() -> DeviceProfile:
 
 
 def _measure() -> DeviceProfile:
-    from rapidlite.flops import measure_matmul_peak
+    from rapidlite.models.flops import measure_matmul_peak
 
     cores = os.cpu_count() or 1
     by_size = {n: measure_matmul_peak(torch.float32, sizes=(n,), repeats=3 if n > 512 else 9)[0] for n in SIZES}

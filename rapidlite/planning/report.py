@@ -28,8 +28,8 @@ def describe_mesh(dims: Any) -> list[str]:
 
 
 def format_plan(p: Plan) -> str:
-    from rapidlite.distributed import ParallelDims
-    from rapidlite.resolve.world import num_nodes
+    from rapidlite.runtime.distributed import ParallelDims
+    from rapidlite.runtime.world import num_nodes
 
     s = p.settings
     model, run, parallel = s.model, s.training, s.parallel

@@ -79,7 +79,7 @@ class Result:
 
 def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """``argv`` without the flags ``names`` (and the values of those that take one)."""
-    from rapidlite.arguments import build_parser
+    from rapidlite.config.parser import build_parser
 
     takes_value = {
         opt: action.nargs != 0 for action in build_parser()._actions for opt in action.option_strings
@@ -99,7 +99,7 @@ def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 def _settings(argv: list[str]) -> Any:
     """The settings a command line resolves to, as the CLI resolves them."""
-    from rapidlite.arguments import parse_known
+    from rapidlite.config.parser import parse_known
     from rapidlite.resolve import resolve_command
 
     return resolve_command(parse_known(argv)[0]).sections
@@ -107,7 +107,7 @@ def _settings(argv: list[str]) -> Any:
 
 def _open_choices(settings: Any, argv: list[str], world: int, layers: int, heads: int) -> list[Layout]:
     """Every layout the command line's flags leave open (an embedded demo's chosen values stay open)."""
-    from rapidlite.arguments import build_parser
+    from rapidlite.config.parser import build_parser
 
     dests = {opt: action.dest for action in build_parser()._actions for opt in action.option_strings}
     on_line = {dests.get(token.split("=", 1)[0]) for token in argv}

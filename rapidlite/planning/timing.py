@@ -3,7 +3,7 @@ layout, from the plan (``rapidlite.planning.plan``) and a device profile (``rapi
 
 A step is the sum of terms, each shown so a user sees what dominates:
 
-- **compute**: the rank's share of the model's FLOPs (``rapidlite.flops``: ``6 N + 12 L d T`` per token, a
+- **compute**: the rank's share of the model's FLOPs (``rapidlite.models.flops``: ``6 N + 12 L d T`` per token, a
   LoRA base's frozen weights without their weight gradient) for the step's micro-batches, divided by tensor and
   pipeline parallelism; matrix multiplies at the profile's matmul efficiency, attention at its attention
   efficiency. Activation recomputation adds a forward pass of the recomputed blocks (``full``) or of their
@@ -109,8 +109,8 @@ def _link(profile: DeviceProfile, span: int, per_node: int) -> tuple[float, floa
 
 def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     """The predicted step of ``plan``'s layout on ``profile`` devices, ``per_node`` ranks a node."""
-    from rapidlite.distributed import ParallelDims
     from rapidlite.parallel.data_parallel import DataParallelConfig
+    from rapidlite.runtime.distributed import ParallelDims
 
     s = plan.settings
     dims = ParallelDims(plan.world_size, s.parallel.tensor_model_parallel_size, s.parallel.pipeline_model_parallel_size)

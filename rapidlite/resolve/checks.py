@@ -11,10 +11,10 @@ from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, get_task, task_names
-from rapidlite.environ import env_int, launch_value
 from rapidlite.errors import ConfigError
-from rapidlite.resolve.world import num_nodes
-from rapidlite.tracking import check_wandb_flags
+from rapidlite.observe.tracking import check_wandb_flags
+from rapidlite.runtime.environ import env_int, launch_value
+from rapidlite.runtime.world import num_nodes
 
 
 def section_of(args: argparse.Namespace, name: str) -> Any:

@@ -7,9 +7,9 @@ import argparse
 import os
 
 from rapidlite.config.tasks import get_task
-from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError
-from rapidlite.paths import check_writable_dir
+from rapidlite.runtime.environ import env_int
+from rapidlite.runtime.paths import check_writable_dir
 
 
 def resolve_load(args: argparse.Namespace) -> list[str]:

@@ -17,14 +17,14 @@ import torch
 from rapidlite.checkpoint import dcp
 from rapidlite.checkpoint.export import export_hf
 from rapidlite.config.settings import Sections
-from rapidlite.distributed import DistributedContext
 from rapidlite.errors import ConfigError
-from rapidlite.losses import unpack_loss
+from rapidlite.models.losses import unpack_loss
 from rapidlite.models.spec import spec_of
 from rapidlite.parallel.activation_offload import OffloadActivations
 from rapidlite.parallel.data_parallel import DataParallelConfig, gradient_sync
 from rapidlite.parallel.recompute import apply_activation_checkpointing
 from rapidlite.precision import Precision
+from rapidlite.runtime.distributed import DistributedContext
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from rapidlite import distributed
 from rapidlite.optim import RapidliteOptimizer, StepHooks, build_optimizer
 from rapidlite.parallel.data_parallel import apply_data_parallel, gradient_averager, model_state_bytes
 from rapidlite.precision import LossScaler
+from rapidlite.runtime import distributed
 from rapidlite.strategies.base import Strategy, refuse_foreign_optimizer
 
 

@@ -32,7 +32,7 @@ from rapidlite.models import lora
 from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 

@@ -1,7 +1,7 @@
 """The embedded demos' one builder: a ``DemoSpec`` says what a demo is made of, this module makes it.
 
 Each ``*_demo`` module keeps only what is its own (its data generator and its ``DemoSpec``); what they all do the
-same way lives here: the cache directory, building once on ``rapidlite.cache.build_once`` (safe when ranks race;
+same way lives here: the cache directory, building once on ``rapidlite.runtime.cache.build_once`` (safe when ranks race;
 a complete directory built from other parameters is built again), the tokenizer saved beside a randomly
 initialised Hugging Face model seeded without touching the caller's RNG, and the ``Demo`` the registry hands to
 resolve and the CLI.
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rapidlite.cache import build_once, cache_root
 from rapidlite.config.tasks import Demo
 from rapidlite.data.tokenizers import BERT_SPECIAL_TOKENS
+from rapidlite.runtime.cache import build_once, cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

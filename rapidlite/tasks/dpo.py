@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from rapidlite.cache import cache_root, make_cache_dir
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import preference_reference
 from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode_splits, pair_layout, read_pair
 from rapidlite.errors import ConfigError
-from rapidlite.metrics import MeanMetrics
+from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.models import lora
 from rapidlite.models.head import output_logps
+from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
 

@@ -34,7 +34,7 @@ from rapidlite.models.hf import (
     sequence_length,
     tokenizer_and_config,
 )
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 

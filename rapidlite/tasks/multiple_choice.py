@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from rapidlite.config.settings import Sections
 from rapidlite.data.multiple_choice import MultipleChoiceCollator, build_multiple_choice_data
 from rapidlite.data.tabular import load_raw_datasets
-from rapidlite.metrics import multiple_choice_accuracy
+from rapidlite.evaluation.metrics import multiple_choice_accuracy
 from rapidlite.models.hf import (
     load_error,
     load_hf_model,
     sequence_length,
     tokenizer_and_config,
 )
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 

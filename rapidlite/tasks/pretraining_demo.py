@@ -22,8 +22,8 @@ import sysconfig
 from collections import deque
 from collections.abc import Iterator
 
-from rapidlite.cache import build_once, cache_root
 from rapidlite.config.tasks import Demo
+from rapidlite.runtime.cache import build_once, cache_root
 
 # Bump when the extraction, tokenizer or preprocessing changes, so cached assets are rebuilt.
 CORPUS_VERSION = 1

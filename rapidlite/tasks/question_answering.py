@@ -22,14 +22,14 @@ from rapidlite.data.question_answering import (
     postprocess_predictions,
 )
 from rapidlite.data.tabular import load_raw_datasets
-from rapidlite.metrics import squad_v1_metrics, squad_v2_metrics
+from rapidlite.evaluation.metrics import squad_v1_metrics, squad_v2_metrics
 from rapidlite.models.hf import (
     load_error,
     load_hf_model,
     sequence_length,
     tokenizer_and_config,
 )
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 

@@ -32,7 +32,7 @@ from rapidlite.data.preference import (
     pair_layout,
     pair_rewards,
 )
-from rapidlite.metrics import MeanMetrics
+from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.models import lora
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.sequence_classification import load_classifier

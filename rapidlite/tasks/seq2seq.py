@@ -27,7 +27,7 @@ from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.errors import ConfigError
 from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 DEFAULT_MAX_TARGET_LENGTH = 128  # and its --max_target_length

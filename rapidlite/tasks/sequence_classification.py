@@ -12,7 +12,7 @@ import torch
 from rapidlite.config.settings import Sections
 from rapidlite.data.tabular import load_raw_datasets
 from rapidlite.data.text_classification import build_text_classification_data
-from rapidlite.metrics import classification_metrics, regression_metrics
+from rapidlite.evaluation.metrics import classification_metrics, regression_metrics
 from rapidlite.models.hf import (
     head_labels,
     load_with_head,
@@ -20,7 +20,7 @@ from rapidlite.models.hf import (
     sequence_length,
     tokenizer_and_config,
 )
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 

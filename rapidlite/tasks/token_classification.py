@@ -22,8 +22,7 @@ from rapidlite.data.token_classification import (
     load_token_datasets,
     most_frequent_tag_baseline,
 )
-from rapidlite.losses import maybe_loss_parallel
-from rapidlite.metrics import is_entity_tagset, tagging_metrics
+from rapidlite.evaluation.metrics import is_entity_tagset, tagging_metrics
 from rapidlite.models.hf import (
     ensure_pad_token,
     head_labels,
@@ -33,7 +32,8 @@ from rapidlite.models.hf import (
     refuse_unknown_labels,
     sequence_length,
 )
-from rapidlite.progress import hf_datasets_progress
+from rapidlite.models.losses import maybe_loss_parallel
+from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.trainer import Finetuner
 
 # Byte-level BPE tokenizers read pre-split words only with a space before each (run_ner's list).

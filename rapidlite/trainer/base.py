@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from rapidlite import preemption
 from rapidlite.data.collate import PadCollator
 from rapidlite.data.loader import DeviceDataLoader, require_map_style
 from rapidlite.data.streaming import TokenStream, gathered_states, restore_state
@@ -27,7 +26,8 @@ from rapidlite.engine import RapidliteEngine, require_module
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import lora
 from rapidlite.models.head import loss_line
-from rapidlite.progress import Bar, hf_transformers_progress, progress_bar
+from rapidlite.observe.progress import Bar, hf_transformers_progress, progress_bar
+from rapidlite.runtime import preemption
 from rapidlite.trainer.checkpointing import Checkpointing
 from rapidlite.trainer.clock import RunClock
 from rapidlite.trainer.monitor import Monitor
@@ -135,7 +135,7 @@ class BaseTrainer:
     @property
     def show_progress(self) -> bool:
         """Whether this process draws progress bars (for data preparation too): the main process, unless
-        ``--no-progress``; a bar still needs a terminal (``rapidlite.progress``)."""
+        ``--no-progress``; a bar still needs a terminal (``rapidlite.observe.progress``)."""
         return self.engine.is_main_process and not self.settings.logging.no_progress
 
     def progress_bar(
@@ -312,7 +312,7 @@ class BaseTrainer:
     def stop_if_signalled(self) -> None:
         """Called by the loops after each optimizer step. When SIGTERM or SIGUSR1 reached any rank, every rank
         stops here, after the same iteration: the checkpoint is saved (with --save), one line says how to resume,
-        and the process ends with exit code 143 (``rapidlite.preemption``). Returns when no signal came."""
+        and the process ends with exit code 143 (``rapidlite.runtime.preemption``). Returns when no signal came."""
         signum = self.clock.signalled()
         if not signum:
             return

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from rapidlite import config_file, distributed
-from rapidlite.arguments import build_parser
 from rapidlite.checkpoint import layout, rng, selection
+from rapidlite.config import files as config_file
+from rapidlite.config.parser import build_parser
 from rapidlite.errors import TrainingDiverged
+from rapidlite.runtime import distributed
 
 
 class Checkpointing:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from rapidlite import preemption, time_budget
 from rapidlite.config.settings import Sections
 from rapidlite.errors import TrainingDiverged
+from rapidlite.runtime import preemption, time_budget
 
 
 class RunClock:
@@ -77,7 +77,7 @@ class RunClock:
             self._size_to_budget()
 
     def _size_to_budget(self) -> None:
-        """Set the run's length to the iterations that fit the rest of --time-budget (``rapidlite.time_budget``).
+        """Set the run's length to the iterations that fit the rest of --time-budget (``runtime.time_budget``).
         Every rank decides from the slowest rank's numbers, so all agree."""
         settings, trainer = self.settings, self.trainer
         step_s = sorted(self._timed_steps)[len(self._timed_steps) // 2]

@@ -14,7 +14,7 @@ from rapidlite.data.loader import DeviceDataLoader, batch_stats, unpadded_batche
 from rapidlite.data.samplers import padded_share, sample_lengths
 from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
-from rapidlite.losses import unpack_loss
+from rapidlite.models.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
 from rapidlite.trainer.base import BaseTrainer, split_datasets
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from rapidlite import config_file
+from rapidlite.config import files as config_file
 from rapidlite.engine import RapidliteEngine
 from rapidlite.errors import RapidliteError, first_line
+from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.graph import compiled_graphs
-from rapidlite.logging import MetricsWriter, format_record, peak_memory_bytes
-from rapidlite.metrics import MeanMetrics
-from rapidlite.plot import PlotUnavailable, write_curves
-from rapidlite.progress import Bar
-from rapidlite.tracking import WandbRun
+from rapidlite.observe.curves import PlotUnavailable, write_curves
+from rapidlite.observe.logging import MetricsWriter, format_record, peak_memory_bytes
+from rapidlite.observe.progress import Bar
+from rapidlite.observe.tracking import WandbRun
 
 
 class Monitor:

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from rapidlite import time_budget
 from rapidlite.data.loader import DeviceDataLoader, batch_stats
 from rapidlite.data.samplers import PretrainingBatchSampler
 from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
-from rapidlite.losses import unpack_loss
+from rapidlite.models.losses import unpack_loss
+from rapidlite.runtime import time_budget
 from rapidlite.trainer.base import BaseTrainer, perplexity, split_datasets
 
 

@@ -4,9 +4,9 @@ import json
 import shlex
 import sys
 
-from rapidlite.arguments import parse_args
 from rapidlite.planning import plan
 from rapidlite.planning.report import plan_records
+from rapidlite.resolve import parse_args
 
 out = {}
 for line in sys.stdin.read().splitlines():

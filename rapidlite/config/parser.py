@@ -2,7 +2,7 @@
 
 ``parse`` reads argv once into an ``argparse.Namespace`` (which flags were given is recorded in the same
 pass, as ``explicit_flags``); ``rapidlite.resolve.resolve`` then checks it and derives everything else into
-the frozen ``RunConfig`` every other module reads. ``parse_args`` is the two in a row.
+the frozen ``RunConfig`` every other module reads (``rapidlite.resolve.parse_args`` is the two in a row).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rapidlite import config_file
+from rapidlite.config import files as config_file
 from rapidlite.config import sections
 from rapidlite.config.fields import add_flags
+from rapidlite.config.megatron import MEGATRON_DESCRIPTION, add_megatron_args
 from rapidlite.config.settings import SECTIONS
 from rapidlite.errors import ConfigError
-from rapidlite.megatron_flags import MEGATRON_DESCRIPTION, add_megatron_args
-from rapidlite.resolve import RunConfig, resolve
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
 
@@ -108,7 +107,7 @@ def parse_known(
 
     Every flag starts as "not given" and takes its parser default afterwards, so the same pass records in
     ``explicit_flags`` which flags the command line set (a DeepSpeed file supplies only the others). A ``--config``
-    file's flags come first in the same pass (``rapidlite.config_file``): given, and overridden by the command line.
+    file's flags come first in the same pass (``rapidlite.config.files``): given, and overridden by the command line.
     """
     namespace, unknown, unknown_keys = _parse_known(argv, extra_args_provider)
     if unknown_keys and namespace.user_script is None:  # a --user-script's own flags are its engine's to check
@@ -149,13 +148,3 @@ def parse(
     if unknown:
         raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (see 'rapidlite --help')")
     return namespace
-
-
-def parse_args(
-    argv: Sequence[str] | None = None,
-    extra_args_provider: ExtraArgsProvider | None = None,
-    require_task: bool = True,
-) -> RunConfig:
-    """Parse argv once and resolve it (``rapidlite.resolve.resolve``); raise ``ConfigError`` (one line) on any
-    contradiction."""
-    return resolve(parse(argv, extra_args_provider), require_task=require_task)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import rapidlite
-from rapidlite.cache import cache_root
 from rapidlite.errors import ConfigError, first_line
+from rapidlite.runtime.cache import cache_root
 
 # (distribution name, what it is for); reported whether installed or not.
 PACKAGES: tuple[tuple[str, str], ...] = (
@@ -272,7 +272,7 @@ def _compile_check(torch: Any, environ: dict[str, str]) -> dict[str, Any]:
 def _apex_check(torch: Any, environ: dict[str, str]) -> dict[str, Any]:
     if importlib.util.find_spec("apex") is None:
         return {"apex fused kernels": _check(False, "NVIDIA Apex is not installed (never required)")}
-    from rapidlite.apex_kernels import nvidia_apex
+    from rapidlite.models.apex import nvidia_apex
 
     if nvidia_apex() is None:
         return {

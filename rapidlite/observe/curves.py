@@ -4,7 +4,7 @@
 ``metrics.jsonl`` holds the lines of one run: its first attempt and every resumption (``--load DIR``), each
 attempt with its own ``run_id``. A resumed attempt restarts at its checkpoint, so the lines an earlier attempt
 wrote after that iteration (work lost when it stopped) are superseded by the resumed attempt's: the curves are
-the run as it stands. Records are told apart as ``rapidlite.logging.MetricsWriter`` writes them: training records
+the run as it stands. Records are told apart as ``observe.logging.MetricsWriter`` writes them: training records
 have no ``split``; evaluations have ``split: "validation"`` or ``"test"``; ``split: "model_state"`` (written
 once per attempt, after its first step) marks where an attempt starts. ``--eval-only`` records are evaluations
 that start no attempt. NaN and infinity are written as null and drawn as gaps. matplotlib (a dependency)

@@ -1,6 +1,6 @@
 """Entry point ``rapidlite``: a black-box task (``--task``) or a user's trainer script (``--user-script``); and
-the subcommands ``rapidlite env`` (``rapidlite.env_report``), ``rapidlite plot DIR`` (``rapidlite.plot``) and
-``rapidlite export DIR`` (``rapidlite.export_command``).
+the subcommands ``rapidlite env`` (``rapidlite.cli.env``), ``rapidlite plot DIR`` (``rapidlite.observe.curves``) and
+``rapidlite export DIR`` (``rapidlite.cli.export``).
 
 Each process parses its command line once and resolves it into the frozen settings (``rapidlite.resolve``);
 the launcher's one decision (``launch_or_join``) then runs it here, or re-runs the same command under torchrun
@@ -17,13 +17,13 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from rapidlite.arguments import parse_known
-from rapidlite.entry import end_process, run_command
+from rapidlite.cli.entry import end_process, run_command
+from rapidlite.config.parser import parse_known
 from rapidlite.errors import ConfigError, RapidliteError, first_line
-from rapidlite.launcher import launch_or_join
-from rapidlite.progress import close_bars
+from rapidlite.observe.progress import close_bars
 from rapidlite.resolve import RunConfig, resolve_command
-from rapidlite.time_budget import mark_start
+from rapidlite.runtime.launcher import launch_or_join
+from rapidlite.runtime.time_budget import mark_start
 
 
 def run_user_script(script: str, argv: list[str]) -> int:
@@ -32,11 +32,11 @@ def run_user_script(script: str, argv: list[str]) -> int:
     A script that ends without having created a ``RapidliteEngine`` trained nothing: one line says how to start
     its training. An exception the script raises is its own traceback, from the script's frame on (not the
     frames of rapidlite and runpy that ran it), and one line naming it (``ScriptFailed``, exit code 1)."""
-    from rapidlite.global_vars import args_or_none
+    from rapidlite.engine import current_engine
 
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    engine_before = args_or_none()
+    engine_before = current_engine()
     try:
         names = runpy.run_path(script, run_name="__main__")
     except SystemExit as e:  # a script ending with sys.exit(...)
@@ -57,7 +57,7 @@ def run_user_script(script: str, argv: list[str]) -> int:
         sys.stdout.flush()
         print(own, end="", file=sys.stderr, flush=True)
         raise ScriptFailed(f"--user-script {script} raised {type(e).__name__}: {first_line(e)}") from None
-    if args_or_none() is engine_before:
+    if current_engine() is engine_before:
         raise ConfigError(f"--user-script {script} ran but started no training: {_how_to_train(names)}")
     return 0
 
@@ -145,7 +145,7 @@ def dry_run(config: RunConfig, argv: list[str]) -> int:
     print(format_plan(the_plan), flush=True)
     if profile is not None:
         from rapidlite.planning.timing import format_throughput, step_time
-        from rapidlite.resolve.world import nproc_per_node
+        from rapidlite.runtime.world import nproc_per_node
 
         per_node = nproc_per_node(settings.parallel)
         print("\n".join(format_throughput(step_time(the_plan, profile, per_node), profile)), flush=True)
@@ -161,15 +161,15 @@ def _run(argv: list[str]) -> int:
     mark_start()  # --time-budget counts from here
     # Subcommands come before the flag parser: `rapidlite env`, `rapidlite plot DIR`, `rapidlite export DIR`.
     if argv and argv[0] == "env":
-        from rapidlite.env_report import main as env_main
+        from rapidlite.cli.env import main as env_main
 
         return env_main(argv[1:])
     if argv and argv[0] == "plot":
-        from rapidlite.plot import main as plot_main
+        from rapidlite.observe.curves import main as plot_main
 
         return plot_main(argv[1:])
     if argv and argv[0] == "export":
-        from rapidlite.export_command import main as export_main
+        from rapidlite.cli.export import main as export_main
 
         return export_main(argv[1:])
     # Parsed once, and --help answered, before the heavy task modules are imported. A user script may declare

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from rapidlite.config.runtime import ParallelConfig
-from rapidlite.environ import env_int
 from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.runtime.environ import env_int
 
 _COLLECTIVE_TIMEOUT: datetime.timedelta | None = None  # the process group's (--distributed-timeout-minutes)
 

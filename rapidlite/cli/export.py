@@ -121,8 +121,8 @@ def check_out(out: Path, checkpoint: Checkpoint, overwrite: bool) -> None:
 def run_settings(checkpoint: Checkpoint) -> Sections:
     """The run's resolved settings from the checkpoint's ``config.yaml`` (without its ``--save``: nothing is
     trained or written there)."""
-    from rapidlite.arguments import parse_known
-    from rapidlite.config_file import FILE_NAME
+    from rapidlite.config.files import FILE_NAME
+    from rapidlite.config.parser import parse_known
     from rapidlite.resolve import resolve_command
 
     config = checkpoint.path / FILE_NAME
@@ -313,7 +313,7 @@ def _quiet() -> Iterator[None]:
     """No loading bars, and not peft's warning about a transformers attribute it reads (deprecated in 5)."""
     import transformers  # noqa: F401  (hf_transformers_progress switches the bars of an imported transformers)
 
-    from rapidlite.progress import hf_transformers_progress
+    from rapidlite.observe.progress import hf_transformers_progress
 
     with hf_transformers_progress(False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -361,5 +361,5 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``rapidlite export ...`` (``rapidlite.cli`` runs it with rapidlite's error handling)."""
+    """``rapidlite export ...`` (``rapidlite.cli.main`` runs it with rapidlite's error handling)."""
     return run(argv)

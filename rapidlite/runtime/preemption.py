@@ -84,7 +84,7 @@ def exit_preempted() -> NoReturn:
     """End the process with ``EXIT_CODE``: through the clean teardown when a process group is up (a worker, or
     ZeRO on one process), else by raising ``Preempted`` (``rapidlite --task``/``--user-script`` and
     ``python script.py`` all end with its code)."""
-    from rapidlite.distributed import shutdown
+    from rapidlite.runtime.distributed import shutdown
 
     shutdown(EXIT_CODE)
     raise Preempted()

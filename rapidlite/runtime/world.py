@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rapidlite.config.runtime import ParallelConfig
-from rapidlite.environ import env_int, launch_int
+from rapidlite.runtime.environ import env_int, launch_int
 
 
 def _default_nproc_per_node() -> int:

@@ -2,7 +2,7 @@
 ``from megatron import mpu``.
 
 Ranks, sizes and process groups of the running engine's topology (pipeline x data x tensor parallel, the
-layout of ``rapidlite.distributed.ParallelDims``), and ``broadcast_data``, which hands every rank of a
+layout of ``rapidlite.runtime.distributed.ParallelDims``), and ``broadcast_data``, which hands every rank of a
 tensor-parallel group the batch of its first rank. Like ``get_args()`` these read the engine created last
 (``RapidliteEngine()``); library code takes its topology explicitly and never calls them. Without a process
 group (one process) every rank is 0, every size 1 and every group None.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rapidlite.global_vars import get_distributed_context
+from rapidlite.compat.global_vars import get_distributed_context
 
 _MAX_DIMS = 8
 

@@ -3,7 +3,7 @@
 A bar is drawn when the process is allowed to (the main process, no ``--no-progress``, no ``RAPIDLITE_NO_PROGRESS``
 in the environment) and standard error is an interactive terminal. Anywhere else (a log file, a pipe, a batch
 job, the other ranks) nothing is drawn and the log lines are the record, unchanged. While a bar is open, the
-console log handler writes through ``tqdm.write`` (``rapidlite.logging``), so log lines appear above the bar
+console log handler writes through ``tqdm.write`` (``rapidlite.observe.logging``), so log lines appear above the bar
 instead of tearing it.
 """
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.progress import bars_open, write_above
+from rapidlite.observe.progress import bars_open, write_above
 
 LOGGER_NAME = "rapidlite"
 
@@ -139,7 +139,7 @@ def _json_safe(value: Any) -> Any:
 
 class MetricsWriter:
     """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard and to a Weights & Biases run
-    (``wandb``: a started ``rapidlite.tracking.WandbRun``, which ``close`` finishes). Rank 0 only.
+    (``wandb``: a started ``rapidlite.observe.tracking.WandbRun``, which ``close`` finishes). Rank 0 only.
 
     The file and the TensorBoard writer are opened with the first record: a run refused before it has one (at
     its first step, say) leaves no empty ``metrics.jsonl`` in a new --save directory, which would make the

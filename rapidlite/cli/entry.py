@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from rapidlite.errors import RapidliteError
-from rapidlite.progress import close_bars
+from rapidlite.observe.progress import close_bars
 
 
 def _worker_failure(e: BaseException) -> int:
-    from rapidlite.distributed import report_worker_error
+    from rapidlite.runtime.distributed import report_worker_error
 
     return report_worker_error(e)
 
@@ -44,7 +44,7 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None = No
             raise
         code = _worker_failure(e)
     if "torch" in sys.modules:
-        from rapidlite.distributed import shutdown
+        from rapidlite.runtime.distributed import shutdown
 
         shutdown(code)  # in a worker: barrier, destroy the process group, os._exit; otherwise returns
     return code

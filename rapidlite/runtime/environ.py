@@ -23,8 +23,8 @@ def env_int(name: str, default: int) -> int:
 
 def launch_value(name: str) -> str | None:
     """``MASTER_ADDR``, ``MASTER_PORT``, ``NNODES`` or ``NODE_RANK``: the environment's value, else the one an
-    ``srun`` task implies (``rapidlite.slurm``), else None."""
-    from rapidlite.slurm import rendezvous
+    ``srun`` task implies (``rapidlite.runtime.slurm``), else None."""
+    from rapidlite.runtime.slurm import rendezvous
 
     return os.environ.get(name) or rendezvous(os.environ).get(name)
 

@@ -5,7 +5,7 @@ no launcher started re-runs the same command as N workers (a script's as ``rapid
 through torchrun's elastic agent, in this process: ``--max-restarts`` restarts the worker group after a
 failure, ``--nnodes``/``--node-rank``/``--master-addr``/``--master-port`` (or the ``NNODES``/``NODE_RANK``/
 ``MASTER_ADDR``/``MASTER_PORT`` variables of Megatron-style scripts) span nodes; in a task of a multi-node
-``srun`` step the unset ones follow from Slurm's variables (``rapidlite.slurm``). A process that a launcher
+``srun`` step the unset ones follow from Slurm's variables (``rapidlite.runtime.slurm``). A process that a launcher
 already started (torchrun, Slurm ``srun`` with the torch variables, a Kubernetes PyTorchJob: ``WORLD_SIZE`` is
 set) just joins.
 
@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from rapidlite.config.runtime import ParallelConfig
-from rapidlite.environ import env_int, launch_int, launch_value
-from rapidlite.preemption import EXIT_CODE, SIGNALS, signal_name
-from rapidlite.resolve.world import nproc_per_node, num_nodes, target_world_size
+from rapidlite.runtime.environ import env_int, launch_int, launch_value
+from rapidlite.runtime.preemption import EXIT_CODE, SIGNALS, signal_name
+from rapidlite.runtime.world import nproc_per_node, num_nodes, target_world_size
 
 
 def needs_launch(cfg: ParallelConfig) -> bool:

@@ -4,7 +4,7 @@
                    [--micro-batch-size N] [--bf16] [--output results.json [--overwrite]] [--nproc-per-node N]
 
 The data and the output path are checked before any model is loaded or worker started. With
-``--nproc-per-node N`` the command re-runs itself as N torchrun workers (``rapidlite.launcher``); each
+``--nproc-per-node N`` the command re-runs itself as N torchrun workers (``rapidlite.runtime.launcher``); each
 scores its share of the batches and rank 0 prints the gathered results as one JSON line (and writes
 ``--output``: atomically, and never over an existing file unless ``--overwrite``).
 """
@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rapidlite.cli.entry import run_command
 from rapidlite.config.runtime import ParallelConfig
-from rapidlite.entry import run_command
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.data import REWARD, TASK_FIELDS, load_eval_data
 
@@ -101,15 +101,15 @@ def run(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     task, items = load_eval_data(args.data, args.task)  # bad data fails here, before any worker starts
 
-    from rapidlite.launcher import launch, needs_launch
+    from rapidlite.runtime.launcher import launch, needs_launch
 
     # One data-parallel group on this node: the launch settings other than the process count keep their defaults.
     parallel = ParallelConfig(nproc_per_node=args.nproc_per_node)
     if needs_launch(parallel):
-        return launch(parallel, "rapidlite.evaluation.command", list(argv), module=True)
+        return launch(parallel, "rapidlite.cli.evaluate", list(argv), module=True)
 
-    from rapidlite.distributed import init_distributed
     from rapidlite.evaluation.scoring import evaluate, load_reward_scorer, load_scorer
+    from rapidlite.runtime.distributed import init_distributed
 
     ctx = init_distributed(parallel)
     load = load_reward_scorer if task == REWARD else load_scorer

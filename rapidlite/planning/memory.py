@@ -1,0 +1,481 @@
+"""``--dry-run``: the plan of a run and a per-rank memory prediction, printed without training.
+
+The plan resolves every flag as a real launch would, then measures instead of guessing where it can:
+
+- **Model states** come from the real code: the model is built on the ``meta`` device (no memory), and each
+  distinct rank of the layout (one per pipeline stage) sets it up with the run's own strategy under a fake
+  process group of the target world size (``torch.testing``'s ``FakeStore`` backend, the one torchtitan's
+  memory estimator uses). Tensor-parallel shards, pipeline pruning, FSDP shards and LoRA adapters are
+  therefore exactly what the run will hold. Gradients and optimizer state follow from the trainable local
+  parameters (AdamW: two fp32 moments; 8-bit AdamW: bitsandbytes' layout, ``optim.optimizer_state_bytes``;
+  ZeRO-1: sharded over data parallelism; ``--cpu-offload``: on the host).
+- **Activations** come from one forward pass of the model on ``meta`` tensors of the run's micro-batch and
+  sequence length: every tensor autograd saves for the backward is counted (``saved_tensors_hooks``),
+  attributed to the transformer block that saved it. The layout then scales them the way it changes them:
+  tensors whose last dimension is not the hidden size (heads, MLP intermediates, vocabulary logits) are split
+  by tensor parallelism, hidden-size tensors by sequence parallelism only; a pipeline stage holds its own
+  blocks for the micro-batches its schedule keeps in flight (1F1B: ``pp - stage``; GPipe: all);
+  ``--checkpoint-activations`` keeps block inputs (``full``) or the matrix-multiply and attention outputs
+  (``selective``) and recomputes one block at a time in the backward pass; ``--offload-activations`` moves
+  what a GPU rank keeps to host memory but a block's worth (the block the backward pass is using) and
+  selective recompute's kept outputs.
+- **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
+  logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
+  whole model between forward and backward for ZeRO-2).
+- On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
+  the plan adds this process's own resident size (it has imported the same libraries) as "runtime".
+
+DeepSpeed configs get the same accounting with ZeRO's sharding rules (its engine cannot be built on meta).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import math
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rapidlite.config.sections import LoraConfig
+from rapidlite.config.settings import Sections
+from rapidlite.models.flops import ModelFlops
+from rapidlite.optim import optimizer_state_bytes
+from rapidlite.planning.activations import (
+    ActivationProfile,
+    kept_on_device,
+    offload_activations,
+    profile_activations,
+    stage_activations,
+)
+from rapidlite.planning.model import meta_model, sequence_length, task_spec
+
+GiB = 2**30
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------------------ model states
+@dataclass
+class RankPlan:
+    """One rank's predicted bytes. ``host``: what ``--cpu-offload`` (model states) and ``--offload-activations``
+    (saved activations, on a GPU) keep in host memory instead."""
+
+    rank: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    host: int = 0
+    runtime: int = 0
+    reference: int = 0  # a preference task's frozen reference model, laid out as the policy
+    activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
+    forward_grads: int = 0  # the gradients there at the forward pass's end (see ``peak``)
+    # Elements the rank computes with (its tensor/pipeline share, whole over data parallelism), trains, and steps.
+    compute_params: int = 0
+    trainable_params: int = 0
+    stepped_params: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """The device's peak; on a CPU (``runtime`` set) the process's, host memory included. The gradients are
+        freed after each step (``zero_grad(set_to_none=True)``): the peak is at the forward pass's end, with the
+        activations, its transients and the gradients there then (``forward_grads``: those kept across
+        micro-batches or in DDP's buckets, and the chunked loss's output-layer gradient), or after the
+        backward pass, with every gradient and no activations."""
+        return self.held + max(self.with_activations, self.grads)
+
+    @property
+    def held(self) -> int:
+        """What the peak holds at any point of a step: parameters, optimizer state, a frozen reference and, on a
+        CPU, the runtime and host memory."""
+        device = self.params + self.optimizer + self.reference
+        return device + self.runtime + self.host if self.runtime else device
+
+    @property
+    def with_activations(self) -> int:
+        """The rest of the peak at the forward pass's end (it grows with the micro-batch)."""
+        return self.activations + self.transient + self.forward_grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world_size: int):
+    """A process group that exists for planning only: collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _strategy_for(settings: Sections, rank: int, world_size: int, precision: Any) -> Any:
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+    from rapidlite.runtime.distributed import DistributedContext, ParallelDims, device_mesh
+    from rapidlite.strategies import StrategyContext, select
+
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
+    ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
+    if world_size > 1:
+        ctx.mesh = device_mesh("cpu", dims)
+    quiet = logging.getLogger("rapidlite.planning")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    return select(StrategyContext(settings, ctx, DataParallelConfig.of(settings.parallel), precision, quiet))
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    settings: Sections
+    world_size: int
+    strategy: str
+    precision: str
+    total_params: int
+    trainable_params: int
+    ranks: list[RankPlan]
+    notes: list[str] = field(default_factory=list)
+    seq_length: int | None = None  # the length the activations were measured at
+    flops: Any = None  # the model's FLOPs per token (rapidlite.models.flops.ModelFlops, adapters' frozen base counted)
+
+
+def _stage_rank(stage: int, dims: Any) -> int:
+    return stage * dims.dp * dims.tp
+
+
+def _in_flight(settings: Sections, stage: int, pp: int) -> int:
+    m = settings.training.gradient_accumulation_steps
+    if pp == 1:
+        return 1
+    if settings.parallel.pipeline_schedule == "gpipe":
+        return m
+    return min(pp - stage, m)
+
+
+def plan(settings: Sections, gpu: bool | None = None) -> Plan:
+    """The plan and memory prediction of the run ``settings`` describe (see the module docstring), on this
+    machine's device, or (``gpu``) on a GPU or a CPU whatever this machine has (``--device-profile``)."""
+    from rapidlite.models import lora
+    from rapidlite.models.spec import spec_of
+    from rapidlite.precision import DTYPES, Precision, resolve_precision
+    from rapidlite.runtime.distributed import ParallelDims
+    from rapidlite.runtime.world import target_world_size
+    from rapidlite.strategies.base import set_dropout
+
+    world_size = target_world_size(settings.parallel)
+    dims = ParallelDims(
+        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
+    )
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    device = torch.device("cuda" if gpu else "cpu")
+    if gpu and not torch.cuda.is_available():  # planned for GPUs elsewhere: mixed precision is bf16 there
+        name = {"auto": "bf16"}.get(settings.precision.precision, settings.precision.precision)
+        precision = Precision(DTYPES[name], "cuda")
+    else:
+        precision, _ = resolve_precision(settings.precision.precision, device)
+    adapters = settings.lora
+    notes: list[str] = []
+
+    # Activations: one meta forward of the whole model, in the compute dtype.
+    model = meta_model(settings)
+    total = sum(p.numel() for p in model.parameters())
+    spec = spec_of(model)
+    layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
+    seq = sequence_length(settings, getattr(model, "config", None))
+    probe = model.to(precision.dtype) if precision.dtype is not None else model
+    set_dropout(probe, settings.model.hidden_dropout, settings.model.attention_dropout)  # as the run sets it
+    task = task_spec(settings)
+    per_sample = task.inputs_per_sample if task is not None else 1
+    # The chunked output layer's mode where the run takes it ("sum" or "tokens", TaskSpec.chunked_loss).
+    chunked = task.chunked_loss if settings.model.chunked_loss and task is not None else None
+    micro = settings.training.micro_batch_size
+    cpu = device.type == "cpu"
+    profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked, cpu)
+    profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked, cpu)
+    n_blocks = len(profile.blocks_split) or 1
+
+    deepspeed = settings.parallel.deepspeed
+    on_gpu = device.type == "cuda"
+    if settings.model.offload_activations:
+        notes.append(
+            "--offload-activations: saved activations wait in host memory (the host column) but a block's worth, "
+            "which the backward pass uses on the device (and selective recompute's kept outputs)"
+            if on_gpu
+            else "--offload-activations: on a CPU host memory is the device, so the activations stay counted there"
+        )
+    ranks: list[RankPlan] = []
+    strategy_name = "DeepSpeed"
+    trainable_total = None
+    for stage in range(dims.pp):
+        rank = _stage_rank(stage, dims)
+        model = meta_model(settings)
+        # Quantisation needs real weights: the plan adapts the full-precision base and counts the quantised
+        # bytes afterwards (_quantised_bytes).
+        unquantised = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
+        model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
+        trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if stage == 0:
+            flops = ModelFlops.of(model)  # the whole model, before a pipeline prunes it
+        optimizer = None
+        if deepspeed:
+            module, strategy_name = model, "DeepSpeed"
+        else:
+            ctx = _fake_world(rank, world_size) if world_size > 1 else contextlib.nullcontext()
+            with ctx:
+                strategy = _strategy_for(settings, rank, world_size, precision)
+                model.to = lambda *a, _m=model, **k: _m  # the meta model stays on meta
+                composed, optimizer = strategy.setup(model, None, None)
+                strategy_name = strategy.name
+                module = strategy.module(composed)
+        ranks.append(
+            _rank_plan(
+                settings, dims, rank, stage, module, optimizer, (profile, profile_next), n_blocks, deepspeed, on_gpu
+            )
+        )
+        if adapters.quantized:
+            ranks[-1].params -= _quantisable_bytes(module, adapters) - _quantised_bytes(module, adapters)
+    if deepspeed:
+        notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
+    if adapters.quantized:
+        notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
+    notes += _count_reference(settings, dims, ranks, total, precision, deepspeed, task)
+    runtime = _runtime_bytes(task) if device.type == "cpu" else 0
+    for r in ranks:
+        r.runtime = runtime
+    return Plan(
+        flops=flops,
+        seq_length=seq,
+        settings=settings,
+        world_size=world_size,
+        strategy=strategy_name,
+        precision=precision.name,
+        total_params=total,
+        trainable_params=trainable_total or 0,
+        ranks=ranks,
+        notes=notes,
+    )
+
+
+def _quantisable(module: torch.nn.Module, settings: LoraConfig) -> list[torch.nn.Linear]:
+    """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
+    from rapidlite.models.lora import SKIP_ON_LOAD, split_names
+
+    keep = {*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)}
+    return [
+        m
+        for name, m in module.named_modules()
+        if type(m) is torch.nn.Linear
+        and not m.weight.requires_grad
+        and not any(part in keep for part in name.split("."))
+    ]
+
+
+def _quantisable_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
+    return sum(_bytes(m.weight) for m in _quantisable(module, settings))
+
+
+def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
+    """bitsandbytes' sizes: 4-bit packs two weights a byte plus an fp32 scale per block of 64 (double
+    quantisation: an 8-bit scale plus an fp32 one per 256 blocks); 8-bit is a byte a weight plus an fp32 scale
+    per output row."""
+    total = 0
+    for m in _quantisable(module, settings):
+        n = m.weight.numel()
+        if settings.load_in_4bit:
+            blocks = math.ceil(n / 64)
+            scales = blocks + 4 * math.ceil(blocks / 256) if settings.bnb_4bit_use_double_quant else 4 * blocks
+            total += math.ceil(n / 2) + scales
+        else:
+            total += n + 4 * m.out_features
+    return total
+
+
+# What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow), its
+# metrics through torchmetrics. Their resident size (about 80 and 60 MiB) is part of the run's.
+def _runtime_bytes(task: Any) -> int:
+    """The run's resident size before its tensors: this process's (it has imported torch, transformers and
+    rapidlite as the run does), with the libraries the task's run loads (``TaskSpec.libraries``)."""
+    for name in task.libraries if task is not None else ():
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    return _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux: /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _count_reference(
+    settings: Sections, dims: Any, ranks: list[RankPlan], total: int, precision: Any, deepspeed: bool, task: Any
+) -> list[str]:
+    """A preference task's reference model in each rank's bytes: a frozen copy holds the base's weights split
+    as the policy's are (tensor parallel; ZeRO-2/3 shard it over data parallel, in host memory with
+    --cpu-offload); disabled adapters and precomputed scores hold nothing."""
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    kind = task.reference(settings) if task is not None and task.reference is not None else None
+    if kind is None:
+        return []
+    if kind != "copy":
+        what = {
+            "none": f"--loss-type {settings.preference.loss_type} has none",
+            "precomputed": "its scores are computed before training (--precompute-ref-logprobs), no model kept",
+            "adapters": "the policy with its LoRA adapters disabled, no second copy",
+        }[kind]
+        return [f"reference model: 0 MiB ({what})"]
+    dp_cfg = DataParallelConfig.of(settings.parallel)
+    # DeepSpeed casts the frozen engine's weights to bf16/fp16; FSDP2 and DDP keep the copy's fp32 weights.
+    width = 2 if deepspeed and precision.dtype is not None else 4
+    sharded = dp_cfg.zero_stage >= (3 if deepspeed else 2)  # strategies' prepare_frozen
+    per_rank = total * width // (dims.tp * (dims.dp if sharded else 1))
+    offloaded = sharded and dp_cfg.cpu_offload
+    for r in ranks:
+        if offloaded:
+            r.host += per_rank
+        else:
+            r.reference = per_rank
+    where = "host memory (--cpu-offload)" if offloaded else "the device"
+    return [f"reference model: a frozen copy, {per_rank / 2**20:.2f} MiB per rank in {where} (counted in the peak)"]
+
+
+def _rank_plan(
+    settings: Sections,
+    dims: Any,
+    rank: int,
+    stage: int,
+    module: torch.nn.Module,
+    optimizer: Any,
+    profiles: tuple[ActivationProfile, ActivationProfile],
+    n_blocks: int,
+    deepspeed: bool,
+    on_gpu: bool,
+) -> RankPlan:
+    from rapidlite.models.spec import find_blocks
+    from rapidlite.parallel.data_parallel import DataParallelConfig
+
+    profile, profile_next = profiles  # at the run's micro-batch and one sample larger
+    dp_cfg = DataParallelConfig.of(settings.parallel)
+    zero, dp = dp_cfg.zero_stage, dims.dp
+    params = list(module.parameters())
+    param_bytes = sum(_bytes(p) for p in params)
+    # Local elements: FSDP's and tensor parallelism's shards are already local here.
+    trainable = sum(_local(p).numel() for p in params if p.requires_grad)
+    grad_elems = trainable
+    if deepspeed:  # ZeRO's partitioning: stage 1 the optimizer state, 2 also gradients, 3 also parameters
+        param_bytes //= dp if zero >= 3 else 1
+        grad_elems //= dp if zero >= 2 else 1
+        stepped = [trainable // (dp if zero >= 1 else 1)]  # one flat partition
+    else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters, FSDP's shards
+        local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
+        stepped = [_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad]
+    grads = grad_elems * 4
+    optimizer = optimizer_state_bytes(settings.optim, stepped)
+    whole = dp if not deepspeed and zero >= 2 else 1  # FSDP2's shards are local here; the rank computes with all
+    counts = {
+        "compute_params": sum(_local(p).numel() for p in params) * whole,
+        "trainable_params": trainable * whole,
+        "stepped_params": sum(stepped),
+    }
+    host = 0
+    if dp_cfg.cpu_offload:
+        host, optimizer = optimizer, 0
+        host += param_bytes + grads
+        param_bytes = grads = 0
+
+    # This stage's activations for the micro-batches in flight.
+    blocks = find_blocks(module)
+    mine = len(blocks) if blocks is not None else n_blocks
+    in_flight = _in_flight(settings, stage, dims.pp)
+    activations, largest = stage_activations(settings, dims, stage, mine, profile, in_flight)
+    # How the peak grows with the micro-batch: the difference to a profile one sample larger (some saved
+    # tensors, a causal mask or a transposed weight, do not grow with it).
+    grown, grown_largest = stage_activations(settings, dims, stage, mine, profile_next, in_flight)
+    if settings.model.offload_activations:
+        activations, offloaded = offload_activations(activations, kept_on_device(settings, dims, mine, profile), on_gpu)
+        grown, _ = offload_activations(grown, kept_on_device(settings, dims, mine, profile_next), on_gpu)
+        host += offloaded
+    # Gradients kept from one step's start: DDP's buckets (DeepSpeed's flat buffers), or accumulated over the
+    # micro-batches; else only what the forward pass makes (the chunked loss's output-layer gradient).
+    made_in_forward = int(profile.forward_grad / dims.tp) if _head_trains(module) else 0
+    kept = deepspeed or (zero <= 1 and dp > 1) or settings.training.gradient_accumulation_steps > 1
+    forward_grads = (grads if kept else 0) + made_in_forward
+    last = stage == dims.pp - 1
+    held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
+    per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
+
+    # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward and
+    # FSDP's gathered parameters.
+    transient = int(2 * largest)
+    if last and dims.pp > 1:
+        # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
+        transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
+    # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view): no second copy.
+    # FSDP2 gathers parameters into buffers of their own, beside the shards.
+    if not deepspeed and zero == 2:
+        transient += param_bytes * dp  # the unsharded parameters stay between forward and backward
+    elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
+        block_params = sum(_bytes(p) for p in blocks[0].parameters())
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        root = sum(_bytes(p) for p in params if id(p) not in in_blocks)  # embeddings, head: gathered throughout
+        transient += (root + 2 * block_params) * dp  # and the gathered block and the next one (prefetch)
+    return RankPlan(
+        rank=rank,
+        stage=stage,
+        params=param_bytes,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+        host=host,
+        activation_per_sample=per_sample,
+        forward_grads=forward_grads,
+        **counts,
+    )
+
+
+def _head_trains(module: torch.nn.Module) -> bool:
+    """Whether the output layer the chunked loss serves is trained (LoRA freezes it)."""
+    from rapidlite.models.head import _bare, chunkable_head
+
+    head = chunkable_head(module) or getattr(_bare(module), "output", None)
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.requires_grad
+
+
+def largest_micro_batch(rank: RankPlan, budget_bytes: float, micro_batch: int) -> int:
+    """The largest micro-batch whose predicted peak fits ``budget_bytes`` (activations grow linearly with it)."""
+    if rank.held + rank.grads > budget_bytes:  # after the backward pass, whatever the micro-batch
+        return 0
+    fixed = rank.held + rank.with_activations - rank.activation_per_sample * micro_batch
+    if rank.activation_per_sample <= 0:
+        return 0 if fixed > budget_bytes else sys.maxsize
+    return max(0, math.floor((budget_bytes - fixed) / rank.activation_per_sample))
