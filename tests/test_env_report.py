@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import REPO
-from rapidlite.cli.main import env as env_report
+from rapidlite.cli import env as env_report
 from rapidlite.cli.main import main
 from rapidlite.precision import cpu_bf16_is_fast
 

@@ -160,7 +160,7 @@ def test_a_gguf_tensor_written_wrong_fails_the_check_with_exit_1(runs, tmp_path,
 
 
 def test_hf_logits_that_differ_fail_the_check_with_exit_1(runs, tmp_path, capsys, monkeypatch):
-    from rapidlite.cli.main import export as export_command
+    from rapidlite.cli import export as export_command
 
     reload = export_command.reload_hf
 
