@@ -55,6 +55,8 @@ setup(
             "jsonschema>=4.18",
             # --wandb-project is tested in W&B's offline mode
             "wandb>=0.16",
+            # --report-to mlflow is tested against a local file store, read back with MlflowClient
+            "mlflow-skinny>=2.10,<4",
             # --task token_classification's entity scores are tested equal to seqeval's
             "seqeval>=1.2",
             # --task seq2seq: ROUGE, and its metrics are tested equal to sacrebleu's and rouge_score's
@@ -77,8 +79,11 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
         "quant": ["bitsandbytes>=0.48"],
-        # --wandb-project: Weights & Biases beside metrics.jsonl and TensorBoard
+        # --report-to wandb / --wandb-project: Weights & Biases beside metrics.jsonl
         "wandb": ["wandb>=0.16"],
+        # --report-to mlflow / --mlflow-experiment: MLflow's tracking client (the full 'mlflow' package, with its
+        # server and database stores, includes it)
+        "mlflow": ["mlflow-skinny>=2.10,<4"],
         # matplotlib is installed by default now; the extra stays so that 'rapidlite[plot]' still installs
         "plot": ["matplotlib>=3.6"],
         # --task seq2seq: ROUGE of summaries (rouge_score, as run_summarization scores; nltk splits sentences)

@@ -41,6 +41,7 @@ FLAGS = """
 --mlm-probability --whole-word-masking --line-by-line
 --choices-key
 --config --wandb-project --wandb-entity --wandb-run-name --wandb-mode
+--report-to --mlflow-experiment
 --doc-stride --max-answer-length --n-best-size --version-2-with-negative --null-score-diff-threshold
 --label-all-tokens
 --group-by-length --padding-free

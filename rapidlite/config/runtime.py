@@ -132,7 +132,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Logs, progress bars, TensorBoard, Weights & Biases and the MFU's peak."""
+    """Logs, progress bars, the trackers (TensorBoard, Weights & Biases, MLflow) and the MFU's peak."""
 
     GROUP: ClassVar[str] = CHECKPOINTS_AND_LOGGING
 
@@ -140,11 +140,21 @@ class LoggingConfig:
     no_progress: bool = flag(
         False, "no progress bars (drawn only on an interactive terminal; also RAPIDLITE_NO_PROGRESS=1)"
     )
-    tensorboard_dir: str | None = flag(None)
+    report_to: str | None = flag(
+        None,
+        "trackers that also get every metrics record and the run's settings (rank 0), comma-separated: "
+        "tensorboard, wandb, mlflow; none; all (those installed). A tracker's own flag below implies it",
+        metavar="NAMES",
+    )
+    tensorboard_dir: str | None = flag(
+        None,
+        "TensorBoard's event files (implies --report-to tensorboard; with it alone: --save DIR/tensorboard, "
+        "else ./runs)",
+        metavar="DIR",
+    )
     wandb_project: str | None = flag(
         None,
-        "also report every metrics record and the run's settings to this Weights & Biases project (rank 0; pip "
-        "install 'rapidlite[wandb]')",
+        "report to this Weights & Biases project (implies --report-to wandb; pip install 'rapidlite[wandb]')",
         metavar="NAME",
     )
     wandb_entity: str | None = flag(None, "W&B user or team (default: W&B's)", metavar="TEAM")
@@ -154,6 +164,13 @@ class LoggingConfig:
         "W&B mode (default: $WANDB_MODE, else online); offline writes the run locally for 'wandb sync'",
         choices=("online", "offline", "disabled"),
     )
+    mlflow_experiment: str | None = flag(
+        None,
+        "report to this MLflow experiment (implies --report-to mlflow; default with it alone: "
+        "$MLFLOW_EXPERIMENT_NAME, else rapidlite), in $MLFLOW_TRACKING_URI's store, else ./mlruns; pip install "
+        "'rapidlite[mlflow]'",
+        metavar="NAME",
+    )
     peak_flops: float | None = flag(
         None,
         "one device's peak, for the MFU in the logs (default: a known GPU's datasheet peak at the training "
@@ -161,3 +178,4 @@ class LoggingConfig:
         metavar="FLOP/S",
     )
     per_rank_logs: bool = flag(False, "every rank also logs to --save DIR/logs/rank<R>.log", group=DISTRIBUTED)
+    trackers: tuple[str, ...] = derived((), "the trackers the run reports to (--report-to and the flags implying it)")

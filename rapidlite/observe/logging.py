@@ -1,4 +1,4 @@
-"""Logger, timers, throughput, and the machine-readable outputs (metrics.jsonl, TensorBoard)."""
+"""Logger, timers, throughput, and ``metrics.jsonl`` (which feeds the trackers)."""
 
 from __future__ import annotations
 
@@ -138,52 +138,34 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends records to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard and to a Weights & Biases run
-    (``wandb``: a started ``rapidlite.observe.tracking.WandbRun``, which ``close`` finishes). Rank 0 only.
+    """Appends records to ``DIR/metrics.jsonl``, the record of truth, then hands each to the run's trackers
+    (``trackers``: a started ``rapidlite.observe.trackers.Trackers``, which ``close`` finishes). Rank 0 only.
 
-    The file and the TensorBoard writer are opened with the first record: a run refused before it has one (at
-    its first step, say) leaves no empty ``metrics.jsonl`` in a new --save directory, which would make the
-    corrected command "another run's" directory."""
+    The file is opened with the first record: a run refused before it has one (at its first step, say) leaves no
+    empty ``metrics.jsonl`` in a new --save directory, which would make the corrected command "another run's"
+    directory (TensorBoard's writer waits for the first record the same way)."""
 
-    def __init__(
-        self,
-        save_dir: str | None,
-        tensorboard_dir: str | None,
-        enabled: bool = True,
-        run_id: str | None = None,
-        wandb: Any = None,
-    ) -> None:
+    def __init__(self, save_dir: str | None, trackers: Any = None, run_id: str | None = None) -> None:
         self._file = None
-        self._tb = None
         self.run_id = run_id  # on every record: two runs' lines in one file stay apart
-        self.wandb = wandb
-        self._save_dir = save_dir if enabled else None
-        self._tensorboard_dir = tensorboard_dir if enabled else None
+        self.trackers = trackers
+        self._save_dir = save_dir
 
     def _open(self) -> None:
         if self._save_dir is not None:
             Path(self._save_dir).mkdir(parents=True, exist_ok=True)
             # Unbuffered: a record is written whole or, when the write fails, cut away (see _append).
             self._file = open(Path(self._save_dir) / "metrics.jsonl", "ab", buffering=0)
-        if self._tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=self._tensorboard_dir)
-        self._save_dir = self._tensorboard_dir = None
+        self._save_dir = None
 
     def write(self, record: dict[str, Any], tb_prefix: str = "train") -> None:
+        """``tb_prefix``: the trackers' name for the record's kind (``train/loss``, ``validation/accuracy``)."""
         self._open()
         if self._file is not None:
             line = _json_safe({**record, "run_id": self.run_id} if self.run_id else record)
             self._append((json.dumps(line, allow_nan=False) + "\n").encode())
-        if self._tb is not None:
-            step = record.get("iteration", 0)
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{tb_prefix}/{key}", value, step)
-            self._tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(record, tb_prefix)
+        if self.trackers:
+            self.trackers.log(record, tb_prefix)
 
     def _append(self, data: bytes) -> None:
         """One whole line at the end of ``metrics.jsonl``; a write the file system refuses (a full disk) cuts the
@@ -208,17 +190,13 @@ class MetricsWriter:
                 f"(free space in {os.path.dirname(path) or '.'}, then resume with --load)"
             ) from None
 
-    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
-        """Close every output (idempotent); ``exit_code`` and ``preempted`` tell the W&B run how the process ends."""
-        if self.wandb is not None:
-            self.wandb.finish(exit_code, preempted)
+    def close(self) -> None:
+        """Close ``metrics.jsonl`` (idempotent); nothing opens after the end. The trackers stay open: the monitor
+        stores the finished run's files with them, then finishes them."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        self._save_dir = self._tensorboard_dir = None  # nothing opens after the end
+        self._save_dir = None
 
 
 def format_record(record: dict[str, Any]) -> str:

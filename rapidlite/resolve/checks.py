@@ -12,7 +12,6 @@ from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, get_task, task_names
 from rapidlite.errors import ConfigError
-from rapidlite.observe.tracking import check_wandb_flags
 from rapidlite.runtime.environ import env_int, launch_value
 from rapidlite.runtime.world import num_nodes
 
@@ -107,7 +106,6 @@ def check_rest(args: argparse.Namespace) -> None:
         )
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise ConfigError(f"--memory-budget {args.memory_budget:g}: must be a positive number of GiB per device")
-    check_wandb_flags(section_of(args, "logging"))
 
 
 def check_lora(args: argparse.Namespace) -> None:

@@ -23,6 +23,8 @@ from rapidlite.config.parser import ExtraArgsProvider, parse
 from rapidlite.config.settings import SECTIONS, Sections
 from rapidlite.config.tasks import TaskSpec, get_task, task_names
 from rapidlite.errors import ConfigError
+from rapidlite.observe.trackers import resolve_trackers
+from rapidlite.observe.trackers.tensorboard import default_dir as tensorboard_default_dir
 from rapidlite.resolve.checks import (
     check_data_parallel,
     check_lora,
@@ -149,6 +151,9 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     given_load = args.load  # before a first launch's --save D --load D drops it
     notices += resolve_load(args)
     notices += check_save_dir(args, given_load)
+    args.trackers = resolve_trackers(section_of(args, "logging"))
+    if "tensorboard" in args.trackers and args.tensorboard_dir is None:
+        args.tensorboard_dir = tensorboard_default_dir(args.save)
     if args.tensorboard_dir:
         check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     check_lora(args)

@@ -6,7 +6,7 @@ returns either a mean loss (the engine averages over micro-batches) or ``(loss_s
 over padded, variable-length micro-batches equals one big batch exactly).
 
 The loop calls three components, as torchtitan's trainer calls its CheckpointManager and MetricsProcessor:
-``monitor`` (logs, MFU, TensorBoard, W&B, curves), ``clock`` (time budget, --exit-*, stop signals, divergence)
+``monitor`` (logs, MFU, trackers, curves), ``clock`` (time budget, --exit-*, stop signals, divergence)
 and ``checkpointing`` (save, resume).
 """
 
@@ -184,8 +184,8 @@ class BaseTrainer:
 
     @contextlib.contextmanager
     def closing_outputs(self) -> Iterator[None]:
-        """Around ``train()``: when training fails, the metrics outputs are closed all the same, and a W&B run is
-        finished with the exit code the process will have."""
+        """Around ``train()``: when training fails, the metrics outputs are closed all the same, and the trackers'
+        runs are finished with the exit code the process will have."""
         try:
             yield
         except BaseException as e:

@@ -1,6 +1,6 @@
 """The trainer's checkpoints: what it saves besides the tensors (its position, the schedule, the loss scaler, the
-W&B run, the run's settings as ``config.yaml``), when a save is refused (weights that are NaN/inf), what a resume
-restores and when (the RNG streams last), ``--keep-last`` and ``--overwrite``.
+trackers' run ids, the run's settings as ``config.yaml``), when a save is refused (weights that are NaN/inf), what a
+resume restores and when (the RNG streams last), ``--keep-last`` and ``--overwrite``.
 
 The writing and reading themselves are the strategy's (``rapidlite.strategies``), over ``rapidlite.checkpoint``.
 """
@@ -73,7 +73,7 @@ class Checkpointing:
                 f"{self.last_good()} (lower --lr, clip gradients with --clip-grad)"
             )
         optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
-        # A run resumed from here continues the monitor's W&B run.
+        # A run resumed from here continues the trackers' runs (W&B, MLflow).
         state = {
             "trainer": trainer.state_dict(),
             "skipped_steps": optimizer.skipped_steps,

@@ -1,5 +1,6 @@
 """What a run reports: the interval's loss and rates (samples, tokens, model TFLOP/s and MFU), the progress bar,
-``metrics.jsonl``, TensorBoard and W&B, evaluation records, the torch.compile lines, and ``curves.png`` at the end.
+``metrics.jsonl`` and the trackers it feeds (TensorBoard, W&B, MLflow), evaluation records, the torch.compile
+lines, and ``curves.png`` at the end.
 
 The loop hands the monitor what each step did (``count_batch``, ``record_step``) and says when to log; the
 monitor owns the outputs and closes them however the run ends. Every rank takes part in an interval's one
@@ -23,11 +24,12 @@ from rapidlite.graph import compiled_graphs
 from rapidlite.observe.curves import PlotUnavailable, write_curves
 from rapidlite.observe.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.observe.progress import Bar
-from rapidlite.observe.tracking import WandbRun
+from rapidlite.observe.trackers import TRACKERS, Trackers, build_trackers
 
 
 class Monitor:
-    """The run's logs and metrics outputs; its state in a checkpoint is the W&B run a resumed run continues."""
+    """The run's logs and metrics outputs; its state in a checkpoint is the trackers' runs a resumed run
+    continues."""
 
     def __init__(self, engine: RapidliteEngine) -> None:
         self.engine = engine
@@ -35,7 +37,8 @@ class Monitor:
         self.logger = engine.logger
         # On every line of metrics.jsonl, so records of two runs in one file stay apart.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
-        self.writer: MetricsWriter | None = None  # rank 0's metrics.jsonl, TensorBoard and W&B
+        self.writer: MetricsWriter | None = None  # rank 0's metrics.jsonl, which feeds the trackers
+        self.trackers = Trackers()  # rank 0's, once open
         self.progress: Bar | None = None
         self._interval = _new_interval()
         # A task's own training metrics (DPO's rewards/..., logps/...): means over the interval's micro-batches
@@ -44,52 +47,47 @@ class Monitor:
         self._state_bytes_logged = False
         self._first_step_start: float | None = None  # set when training begins; reports the compile step
         self._graphs = 0  # graphs torch.compile had built after the first step (recompiles are logged)
-        self._wandb_resume_id: str | None = None  # the W&B run of the checkpoint this run resumes
+        self._resume_ids: dict[str, str] = {}  # tracker name -> its run in the checkpoint this run resumes
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The W&B run's id, so a run resumed from the checkpoint continues it."""
-        if self.writer is not None and self.writer.wandb is not None:
-            return {"wandb_run_id": self.writer.wandb.id}
-        return {}
+        """Each tracker's run id (``wandb_run_id``, ``mlflow_run_id``), so a run resumed from the checkpoint
+        continues it."""
+        return self.trackers.ids()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._wandb_resume_id = state.get("wandb_run_id")
+        self._resume_ids = {name: state[f"{name}_run_id"] for name in TRACKERS if state.get(f"{name}_run_id")}
 
     # ------------------------------------------------------------------ outputs
     def open(self) -> None:
-        """On rank 0: ``metrics.jsonl`` under --save, TensorBoard, and the W&B run."""
-        self.writer = MetricsWriter(
-            self.settings.checkpoint.save,
-            self.settings.logging.tensorboard_dir,
-            run_id=self.run_id,
-            wandb=self._wandb(),
-        )
-
-    def _wandb(self) -> WandbRun | None:
-        """``--wandb-project``: the W&B run of this training (the resumed checkpoint's, if it kept one)."""
-        if self.settings.logging.wandb_project is None:
-            return None
-        run = WandbRun.start(self.settings.logging, config_file.plain_settings(self.engine.args), self._wandb_resume_id)
-        continued = " (continued: the checkpoint's run)" if self._wandb_resume_id == run.id else ""
-        self.logger.info(f"Weights & Biases: run {run.id} in project {self.settings.logging.wandb_project}{continued}")
-        return run
+        """On rank 0: the trackers (started with every resolved setting, continuing the resumed checkpoint's
+        runs), then ``metrics.jsonl`` under --save, which feeds them."""
+        self.trackers = build_trackers(self.settings.logging)
+        try:
+            self.trackers.start(config_file.plain_settings(self.engine.args), self._resume_ids)
+        except BaseException as e:
+            self.close_failed(e)  # the trackers started before the one that could not
+            raise
+        self.writer = MetricsWriter(self.settings.checkpoint.save, self.trackers, run_id=self.run_id)
 
     def close(self, exit_code: int = 0, preempted: bool = False, plot: bool = False) -> None:
-        """Close the outputs (rank 0); ``plot``: then draw ``curves.png`` from the finished ``metrics.jsonl``."""
-        if self.writer is None:
-            return
-        self.writer.close(exit_code, preempted)
-        if plot:
-            self.plot_curves()
+        """Close the outputs (rank 0); ``plot``: then draw ``curves.png`` from the finished ``metrics.jsonl``. The
+        trackers store ``metrics.jsonl`` and the curves, then end with ``exit_code`` (``preempted``: stopped by a
+        signal)."""
+        if self.writer is not None:
+            self.writer.close()
+            if plot:
+                self.plot_curves()
+            save = self.settings.checkpoint.save
+            if self.trackers and save is not None and os.path.isfile(os.path.join(save, "metrics.jsonl")):
+                self.trackers.log_file(os.path.join(save, "metrics.jsonl"))
+        self.trackers.finish(exit_code, preempted)
 
     def close_failed(self, error: BaseException) -> None:
-        """Close the outputs of a run ending by ``error``; a W&B run is finished with the exit code it will have."""
-        if self.writer is None:
-            return
+        """Close the outputs of a run ending by ``error``; the trackers end with the exit code it will have."""
         code = getattr(error, "exit_code", 130 if isinstance(error, KeyboardInterrupt) else 1)
         with contextlib.suppress(Exception):  # the training's error is the one to report
-            self.writer.close(code if isinstance(code, int) else 1)
+            self.close(code if isinstance(code, int) else 1)
 
     def close_progress(self) -> None:
         if self.progress is not None:
@@ -108,6 +106,7 @@ class Monitor:
             self.logger.warning(f"could not draw {self.settings.checkpoint.save}/curves.png: {first_line(e)}")
         else:
             self.logger.info(f"loss, learning rate and throughput curves: {path}")
+            self.trackers.log_file(str(path))
 
     # ------------------------------------------------------------------ steps
     def begin(self, progress: Bar | None) -> None:
