@@ -56,7 +56,7 @@ def test_the_report_as_text(capsys, monkeypatch):
     assert text.startswith("rapidlite env")
     for section in ("[system]", "[packages]", "[torch]", "[kernels and backends]", "[environment]"):
         assert section in text
-    assert f"torch:        {torch.__version__}" in text
+    assert f"torch:         {torch.__version__}" in text
     assert "OMP_NUM_THREADS:" in text and "gloo:" in text and "torch.compile:" in text
 
 
@@ -67,7 +67,7 @@ def test_missing_packages_and_checks_read_plainly(monkeypatch):
         "kernels and backends": env_report._deepspeed_check(torch, {}),
     }
     text = env_report.render(report)
-    assert "deepspeed:    not installed    [deepspeed]: --deepspeed" in text
+    assert "deepspeed:     not installed    [deepspeed]: --deepspeed" in text
     assert "deepspeed ops: no   DeepSpeed is not installed: pip install 'rapidlite[deepspeed]'" in text
 
 
