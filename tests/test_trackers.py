@@ -104,3 +104,15 @@ def test_tensorboard_under_save_continues_on_resume_and_keeps_the_curves(tmp_pat
     expected = {r["iteration"]: r["loss"] for r in read_metrics(save) if "split" not in r}
     assert sorted(losses) == [2, 4, 6, 8] and losses == pytest.approx(expected, rel=1e-6)
     assert "curves.png" in events.Tags()["images"]
+
+
+def test_overwrite_removes_the_earlier_runs_tensorboard_events_under_save(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    save = tmp_path / "run"
+    argv = [*TOY, "--save", str(save), "--report-to", "tensorboard"]
+    ToyFinetuner(engine(*argv)).train()
+    ToyFinetuner(engine(*argv, "--train-iters", "2", "--overwrite")).train()
+    events = EventAccumulator(str(save / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2]  # not the earlier run's 2, 4, 6, 8 as well

@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rapidlite.errors import CheckpointError
+from rapidlite.observe.trackers.tensorboard import DIR_UNDER_SAVE as TB_DIR
 
 STATE_FILE = "state.pt"
 
@@ -152,13 +153,14 @@ def is_pretrained_model_dir(load_dir: str | os.PathLike) -> bool:
 
 
 def clear_run(save_dir: str | os.PathLike) -> str:
-    """Remove a run's checkpoints, tracker, export, metrics and their curves from ``save_dir`` (``--overwrite``);
-    other files stay. Returns what was removed, for the log."""
+    """Remove a run's checkpoints, tracker, export, metrics, their curves and the TensorBoard events that
+    ``--report-to tensorboard`` writes under it from ``save_dir`` (``--overwrite``); other files stay. Returns what
+    was removed, for the log."""
     save_dir = Path(save_dir)
     removed = []
     for path in sorted(save_dir.iterdir()) if save_dir.is_dir() else []:
         name = path.name
-        if name.startswith(("iter_", ".tmp_")) or name in (LATEST_FILE, "hf", "metrics.jsonl", "curves.png"):
+        if name.startswith(("iter_", ".tmp_")) or name in (LATEST_FILE, "hf", "metrics.jsonl", "curves.png", TB_DIR):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(name)
     _fsync_dir(save_dir)
