@@ -82,7 +82,7 @@ class MlflowTracker(Tracker):
                 experiment_id = found.experiment_id if found else client.create_experiment(experiment)
                 save = settings.get("save")
                 name = os.path.basename(os.path.normpath(save)) if save else None
-                run = client.create_run(experiment_id, run_name=name, tags={"rapidlite.save": str(save)})
+                run = client.create_run(experiment_id, run_name=name, tags={"rapidlite.save": save} if save else None)
             else:
                 client.update_run(run.info.run_id, status="RUNNING")
             self._client, self.id = client, run.info.run_id
