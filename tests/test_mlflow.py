@@ -73,7 +73,7 @@ def test_every_record_and_the_settings_reach_an_mlflow_run(tmp_path, store):
     assert held["trackers"] == '["mlflow"]' and held["mlflow_experiment"] == "rapidlite-test"
 
     artifacts = {a.path for a in store.list_artifacts(run.info.run_id)}
-    assert {"curves.png", "metrics.jsonl"} <= artifacts
+    assert {"curves.png", "metrics.jsonl", "config.yaml"} <= artifacts
     checkpoint = next(save.glob("iter_*"))
     assert torch.load(checkpoint / "state.pt", weights_only=True)["mlflow_run_id"] == run.info.run_id
 

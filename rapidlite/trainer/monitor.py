@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from rapidlite.checkpoint import layout
 from rapidlite.config import files as config_file
 from rapidlite.engine import RapidliteEngine
-from rapidlite.errors import RapidliteError, first_line
+from rapidlite.errors import CheckpointError, RapidliteError, first_line
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.graph import compiled_graphs
 from rapidlite.observe.curves import PlotUnavailable, write_curves
@@ -72,16 +73,26 @@ class Monitor:
 
     def close(self, exit_code: int = 0, preempted: bool = False, plot: bool = False) -> None:
         """Close the outputs (rank 0); ``plot``: then draw ``curves.png`` from the finished ``metrics.jsonl``. The
-        trackers store ``metrics.jsonl`` and the curves, then end with ``exit_code`` (``preempted``: stopped by a
+        trackers store the curves and the run's files, then end with ``exit_code`` (``preempted``: stopped by a
         signal)."""
         if self.writer is not None:
             self.writer.close()
             if plot:
                 self.plot_curves()
-            save = self.settings.checkpoint.save
-            if self.trackers and save is not None and os.path.isfile(os.path.join(save, "metrics.jsonl")):
-                self.trackers.log_file(os.path.join(save, "metrics.jsonl"))
+            for path in self._run_files() if self.trackers else ():
+                self.trackers.log_file(path)
         self.trackers.finish(exit_code, preempted)
+
+    def _run_files(self) -> list[str]:
+        """What the trackers store at the end of a launch: ``metrics.jsonl`` and the latest checkpoint's
+        ``config.yaml`` (``rapidlite --config config.yaml`` repeats the run)."""
+        save = self.settings.checkpoint.save
+        if save is None:
+            return []
+        files = [os.path.join(save, "metrics.jsonl")]
+        with contextlib.suppress(CheckpointError):  # no checkpoint yet
+            files.append(str(layout.checkpoint_path(save) / config_file.FILE_NAME))
+        return [path for path in files if os.path.isfile(path)]
 
     def close_failed(self, error: BaseException) -> None:
         """Close the outputs of a run ending by ``error``; the trackers end with the exit code it will have."""

@@ -1,16 +1,18 @@
 """MLflow: ``--report-to mlflow`` or ``--mlflow-experiment NAME`` (``pip install 'rapidlite[mlflow]'``).
 
 The store is ``MLFLOW_TRACKING_URI`` (a server, a database, a ``file:`` folder), else a file store in ``./mlruns``
-of the directory the run starts in, where ``mlflow ui`` looks by default and where runs of several ``--save``
-directories sit side by side in one experiment to compare. MLflow 3 keeps file stores in maintenance mode and asks
-for ``MLFLOW_ALLOW_FILE_STORE=true``; a run that reports to a file store sets it (unless set) for its process.
+of the directory the run starts in (``mlflow ui --backend-store-uri ./mlruns`` shows it), where runs of several
+``--save`` directories sit side by side in one experiment to compare. MLflow 3 keeps file stores in maintenance
+mode and asks for ``MLFLOW_ALLOW_FILE_STORE=true``; a run that reports to a file store sets it (unless set) for its
+process.
 
 The experiment is ``--mlflow-experiment``, else ``MLFLOW_EXPERIMENT_NAME``, else "rapidlite"; the run is named
 after the ``--save`` directory. Its params are the resolved settings (nested values flattened as ``a.b``, values
 cut to MLflow's length limit); every record's finite numbers are metrics ``<split>/<name>`` at step ``iteration``;
-``curves.png`` and ``metrics.jsonl`` are artifacts. A checkpoint keeps the MLflow run id, and a run resumed from it
-continues that run (its params keep their first values: MLflow params cannot change). The run ends FINISHED, FAILED
-(a crash, a diverged run, a user error) or KILLED (preempted by SIGTERM/SIGUSR1, or interrupted).
+``curves.png``, ``metrics.jsonl`` and ``config.yaml`` are artifacts. A checkpoint keeps the MLflow run id, and a
+run resumed from it continues that run (its params keep their first values: MLflow params cannot change). The run
+ends FINISHED, FAILED (a crash, a diverged run, a user error) or KILLED (preempted by SIGTERM/SIGUSR1, or
+interrupted).
 """
 
 from __future__ import annotations
