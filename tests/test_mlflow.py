@@ -4,12 +4,13 @@ continues the same MLflow run, a diverged run ends FAILED and a preempted one KI
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
 import torch
 
-from helpers import ToyFinetuner, engine, read_metrics
+from helpers import DP_COMMON, DP_TWO, REPO, ToyFinetuner, engine, rapidlite, read_metrics
 from rapidlite.config import files as config_file
 from rapidlite.errors import TrainingDiverged
 from rapidlite.runtime.preemption import Preempted
@@ -133,3 +134,18 @@ def test_a_preempted_run_ends_killed_and_the_same_command_continues_it(tmp_path,
     run = only_run(store)
     assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
     assert history(store, run.info.run_id, "train/loss") == jsonl(read_metrics(save), "loss")
+
+
+@pytest.mark.distributed
+def test_two_ranks_make_one_mlflow_run(tmp_path, store):
+    """Only rank 0 tracks: two ranks under the launcher make one MLflow run whose losses are metrics.jsonl's."""
+    save = tmp_path / "run"
+    script = str(REPO / "examples" / "pretrain_custom_model.py")
+    argv = ["--user-script", script, *DP_COMMON, *DP_TWO, "--train-iters", "3", "--save", str(save)]
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW")}
+    proc = rapidlite(*argv, "--report-to", "mlflow", env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(store)
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+    train = history(store, run.info.run_id, "train/loss")
+    assert sorted(train) == [1, 2, 3] and train == jsonl(read_metrics(save), "loss")
