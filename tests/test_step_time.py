@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import rapidlite
+from helpers import rapidlite_captured
 from rapidlite.errors import ConfigError
 from rapidlite.models.flops import GPU_PEAKS
 from rapidlite.planning import plan
@@ -162,7 +162,7 @@ def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism
 
 
 def test_dry_run_prints_the_terms_and_refuses_a_profile_without_a_plan(tmp_path):
-    proc = rapidlite(*MODEL, "--dry-run", "--device-profile", "h100-sxm", "--nproc-per-node", "8",
+    proc = rapidlite_captured(*MODEL, "--dry-run", "--device-profile", "h100-sxm", "--nproc-per-node", "8",
                      "--global-batch-size", "16", "--mixed-precision", "--zero-3-memory-optimization")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
@@ -172,9 +172,9 @@ def test_dry_run_prints_the_terms_and_refuses_a_profile_without_a_plan(tmp_path)
     assert re.search(r"throughput: [\d,]+ tokens/s per device, MFU [\d.]+%", out)
     assert "time to train 100 iterations:" in out
     assert "runtime" not in out  # a GPU's peak: no CPU runtime in it
-    bad = rapidlite(*MODEL, "--device-profile", "h100-sxm")
+    bad = rapidlite_captured(*MODEL, "--device-profile", "h100-sxm")
     assert bad.returncode == 2 and "--device-profile is read by the plan: add --dry-run" in bad.stderr
-    bad = rapidlite(*MODEL, "--dry-run", "--device-profile", str(tmp_path / "none.yaml"))
+    bad = rapidlite_captured(*MODEL, "--dry-run", "--device-profile", str(tmp_path / "none.yaml"))
     assert bad.returncode == 2 and "not a profile name" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -187,7 +187,8 @@ def test_train_tokens_is_iterations_of_the_global_batchs_sequences():
     settings = parse_args([*tokens, "--train-tokens", "1000000000"]).sections
     t = step_time(plan(settings, gpu=True), device_profile("h100-sxm"), per_node=8)
     assert t.iterations == 488282 and t.counted_tokens
-    out = rapidlite(*tokens, "--train-tokens", "1000000000", "--dry-run", "--device-profile", "h100-sxm").stdout
+    billion = ["--train-tokens", "1000000000"]
+    out = rapidlite_captured(*tokens, *billion, "--dry-run", "--device-profile", "h100-sxm").stdout
     assert re.search(r"time to train 1B tokens, 488,282 iterations: [\d.]+ (h|min|s)\n", out), out
     no_length = [flag for flag in tokens if flag not in ("--seq-length", "256")]
     for flags, message in (
@@ -229,7 +230,7 @@ def test_search_finds_the_layout_known_by_construction_and_prints_runnable_comma
     assert _peak_gib(*micro, "--checkpoint-activations", "--recompute-granularity", "full") < selective < off
     budget = f"{(off + selective) / 2:.4f}"
     argv = [*MODEL, "--global-batch-size", "8", "--mixed-precision", "--micro-batch-size", "2"]
-    proc = rapidlite(*argv, "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget, "--search")
+    proc = rapidlite_captured(*argv, "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget, "--search")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("--search:"))
@@ -240,18 +241,18 @@ def test_search_finds_the_layout_known_by_construction_and_prints_runnable_comma
     assert "why 1 wins" in proc.stdout and "compute" in proc.stdout.split("why 1 wins")[1]
     for i, command in enumerate(commands):  # each runs as a dry run, unchanged; the best fits its own plan
         args = [*command.split(), "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget]
-        run = rapidlite(*args)
+        run = rapidlite_captured(*args)
         assert run.returncode == 0, run.stderr[-2000:]
         assert i > 0 or f"--memory-budget {float(budget):g} GiB: this layout fits" in run.stdout
 
 
 def test_search_over_two_ranks_ranks_fitting_layouts_by_speed():
     argv = [*MODEL, "--global-batch-size", "8", "--mixed-precision", "--nproc-per-node", "2"]
-    proc = rapidlite(*argv, "--dry-run", "--device-profile", "h100-sxm", "--memory-budget", "80", "--search")
+    proc = rapidlite_captured(*argv, "--dry-run", "--device-profile", "h100-sxm", "--memory-budget", "80", "--search")
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [float(m) for m in re.findall(r"^  \d\. .*: ([\d.]+) ms a step", proc.stdout, re.M)]
     assert len(steps) == 5 and steps == sorted(steps), proc.stdout
-    bad = rapidlite(*argv, "--dry-run", "--device-profile", "h100-sxm", "--search")
+    bad = rapidlite_captured(*argv, "--dry-run", "--device-profile", "h100-sxm", "--search")
     assert bad.returncode == 2 and "--search ranks the layouts that fit a device" in bad.stderr
 
 
