@@ -190,11 +190,19 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
-def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: int, rounds: int, data: str) -> list:
+def here(
+    layouts: dict[str, list[str]],
+    micro_batches: tuple[int, ...],
+    iters: int,
+    rounds: int,
+    data: str,
+    stop_at: float | None = None,
+) -> list:
     """Each layout at each micro-batch size: (name, predicted s, measured s, largest term), measured as the
     fastest step of a run's iterations after the first, over ``rounds`` rounds of every layout in turn:
     another process on the machine only ever slows a step, and the machine's speed drifts over minutes, which
-    the rounds spread over all layouts alike."""
+    the rounds spread over all layouts alike. With ``stop_at``, a round after which the predicted and measured
+    order already agree that well (Spearman) is the last: more rounds only matter to an order not yet clear."""
     import os
     import re
     import subprocess
@@ -229,6 +237,11 @@ def here(layouts: dict[str, list[str]], micro_batches: tuple[int, ...], iters: i
                 raise SystemExit(f"{label}: no step times in its log:\n{proc.stderr[-2000:]}")
             measured[label] = min(times + [measured.get(label, math.inf)])
             print(f"round {turn + 1}: {label}: {min(times):.3f} s", file=sys.stderr, flush=True)
+        if stop_at is not None and turn + 1 < rounds:
+            agreement = spearman([r[4] for r in runs], [measured[r[0]] for r in runs])
+            if agreement >= stop_at:
+                print(f"round {turn + 1}: Spearman {agreement:.2f} >= {stop_at}: no further round", file=sys.stderr)
+                break
     rows = []
     for label, name, micro, _, predicted, top in runs:
         rows.append((label, predicted, measured[label], top))
@@ -242,6 +255,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="two small rows: checks the script works")
     parser.add_argument("--calibrate", action="store_true", help="print the efficiency each calibration row needs")
     parser.add_argument("--here", action="store_true", help="the 2-rank layouts on this machine, run and predicted")
+    parser.add_argument(
+        "--stop-at", type=float, metavar="SPEARMAN",
+        help="--here: end after the first round whose Spearman reaches this (default: both rounds)",
+    )  # fmt: skip
     args = parser.parse_args()
     import logging
 
@@ -249,7 +266,7 @@ def main() -> int:
     from rapidlite.planning.devices import device_profile
 
     if args.here:
-        return main_here(args.quick)
+        return main_here(args.quick, args.stop_at)
     profiles = {name: device_profile(name) for name in (H100, "a100-80g")}
     with tempfile.TemporaryDirectory() as tmp:
         rows = [*torchtitan_rows(Path(tmp)), *megatron_rows()]
@@ -278,7 +295,7 @@ def main() -> int:
     return 0
 
 
-def main_here(quick: bool) -> int:
+def main_here(quick: bool, stop_at: float | None = None) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import write_tiny_corpus
 
@@ -288,7 +305,7 @@ def main_here(quick: bool) -> int:
         write_tiny_corpus(data, docs=400)
         print("| layout | micro-batch | predicted s/step | measured s/step | predicted / measured | largest term |")
         print("|---|---|---|---|---|---|")
-        rows = here(layouts, (1, 2), 3 if quick else 4, 1 if quick else 2, str(data))
+        rows = here(layouts, (1, 2), 3 if quick else 4, 1 if quick else 2, str(data), stop_at)
     predicted, measured = [r[1] for r in rows], [r[2] for r in rows]
     within = sum(abs(p / m - 1) <= 0.30 for p, m in zip(predicted, measured, strict=True))
     print(f"\nSpearman rank correlation of predicted and measured step times: {spearman(predicted, measured):.2f}")

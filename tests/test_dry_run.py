@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, rapidlite, read_metrics, run_cli, write_tiny_corpus
+from helpers import REPO, rapidlite, rapidlite_captured, read_metrics, run_cli, write_tiny_corpus
 
 COMMON = [
     "--task", "pretraining", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",
@@ -97,7 +97,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(corpus, tmp_path):
     save = tmp_path / "run"
     argv = [*COMMON, "--data-path", corpus, "--save", str(save), "--nproc-per-node", "4"]
     argv += ["--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--zero-3-memory-optimization"]
-    proc = run_cli(*argv, "--dry-run", "--memory-budget", "0.75")
+    proc = rapidlite_captured(*argv, "--dry-run", "--memory-budget", "0.75")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "world: 4 processes (1 node) = data parallel 2 x tensor parallel 2 x pipeline parallel 1" in out
@@ -178,7 +178,7 @@ def test_fine_tuning_tasks_are_planned(task, tmp_path):
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
     config.save_pretrained(tmp_path / "model")
     argv = ["--task", task, "--pretrained-model-name-or-path", str(tmp_path / "model"), "--data-path", "unused"]
-    proc = run_cli(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run")
+    proc = rapidlite_captured(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "predicted memory per rank" in proc.stdout
 
@@ -194,10 +194,11 @@ def test_task_default_length_is_lowered_to_a_short_position_table(tmp_path):
     )  # fmt: skip
     config.save_pretrained(tmp_path / "model")
     argv = ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(tmp_path / "model")]
-    proc = run_cli(*argv, "--data-path", "unused", "--micro-batch-size", "2", "--dry-run")
+    proc = rapidlite_captured(*argv, "--data-path", "unused", "--micro-batch-size", "2", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sequence length 64 (the task's default" in proc.stdout
-    proc = run_cli(*argv, "--data-path", "unused", "--micro-batch-size", "2", "--seq-length", "100", "--dry-run")
+    argv += ["--data-path", "unused", "--micro-batch-size", "2"]
+    proc = rapidlite_captured(*argv, "--seq-length", "100", "--dry-run")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "rapidlite: error: --seq-length 100: the model has learned position embeddings for 64 positions; "
@@ -212,6 +213,6 @@ def test_a_default_length_set_by_the_task_is_lowered_too(tmp_path):
 
     GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64).save_pretrained(tmp_path / "gpt2")
     argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "gpt2"), "--data-path", "unused"]
-    proc = run_cli(*argv, "--micro-batch-size", "2", "--dry-run")
+    proc = rapidlite_captured(*argv, "--micro-batch-size", "2", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sequence length 64" in proc.stdout

@@ -74,11 +74,22 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
     # DeepSpeed asserts that a launcher set LOCAL_RANK; a single process (one GPU, or this CPU) has none. Its
     # group is rapidlite's one-process group, so its local rank is 0.
     os.environ.setdefault("LOCAL_RANK", "0")
+    if accelerator.device_name() == "cpu":
+        _skip_shared_memory_op()
     # Its op loader prints each op it builds or loads, from every rank: kept out of the run's output.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore", FutureWarning)
         ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return ds_engine
+
+
+def _skip_shared_memory_op() -> None:
+    """DeepSpeed's torch backend compiles its shared-memory all-reduce (g++ and ninja, about a minute, once per
+    ``TORCH_EXTENSIONS_DIR``) when it starts, for ``inference_all_reduce`` alone, which training never calls:
+    on the CPU accelerator the op is not built, and that all-reduce, were it called, takes the process group's."""
+    backend = sys.modules.get("deepspeed.comm.torch")
+    if backend is not None and hasattr(backend, "build_shm_op"):
+        backend.build_shm_op = lambda: None
 
 
 class _LossScale:
