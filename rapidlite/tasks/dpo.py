@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from rapidlite.config.settings import Sections
-from rapidlite.config.tasks import preference_reference
 from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode_splits, pair_layout, read_pair
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.metrics import MeanMetrics
@@ -42,6 +41,7 @@ from rapidlite.models import lora
 from rapidlite.models.head import output_logps
 from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
+from rapidlite.tasks.dpo_spec import preference_reference
 from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
 
 
@@ -155,7 +155,7 @@ class DPOFinetuner(CausalLMFinetuner):
 
     @property
     def reference(self) -> str:
-        """What the reference is (``config.tasks.preference_reference``): none, precomputed, adapters (the policy
+        """What the reference is (``dpo_spec.preference_reference``): none, precomputed, adapters (the policy
         with its adapters disabled; also when continuing an adapter directory) or copy."""
         kind = preference_reference(self.settings)
         return "adapters" if kind == "copy" and getattr(self, "adapter", None) is not None else kind
