@@ -79,7 +79,7 @@ def test_each_task_owns_its_options():
     assert {owners[n] for n in ("prompt_key", "doc_stride", "line_by_line", "choices_key", "label_all_tokens")} == {
         "causal_lm", "question_answering", "masked_lm", "multiple_choice", "token_classification"
     }  # fmt: skip
-    assert owners["num_beams"] == "seq2seq"
+    assert (owners["num_beams"], owners["loss_type"], owners["desirable_weight"]) == ("seq2seq", "dpo", "kto")
 
 
 def test_the_running_tasks_options_are_typed_and_flat():

@@ -27,15 +27,12 @@ PRECISION = "precision"
 MEMORY_AND_SPEED = "memory and speed"
 DEEPSPEED = "DeepSpeed backend (pip install 'rapidlite[deepspeed]')"
 LORA = "LoRA and quantisation (peft; 4-bit/8-bit: pip install 'rapidlite[quant]')"
-PREFERENCE = "preference and reward training (dpo, kto, reward_model)"
+PREFERENCE = "preference training (dpo, kto)"
 DATA = "data"
 CHECKPOINTS_AND_LOGGING = "checkpoints, logging and evaluation"
 DISTRIBUTED = "distributed"
 MEGATRON = "Megatron-LM compatibility"
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
-# The --loss-type values with no reference model; their log-probabilities are length-averaged (SimPO, ORPO).
-REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # bitsandbytes' AdamW with 8-bit moments (block-wise quantised), and its paged twin (CUDA unified memory).
 EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
@@ -428,25 +425,13 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """Preference and reward training: the loss, its coefficients and the reference model (``--task dpo``,
-    ``kto`` and ``reward_model``; TRL's names and defaults)."""
+    """Preference training's shared flags: the KL strength, the prompt cut and the reference model (``--task dpo``
+    and ``kto``; TRL's names and defaults). Each task's loss options are its own (``DpoOptions``, ``KtoOptions``)."""
 
     GROUP: ClassVar[str] = PREFERENCE
 
-    loss_type: str = flag(
-        "sigmoid",
-        "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
-        "or orpo (no reference: the chosen sequence's NLL plus the odds-ratio term)",
-        choices=PREFERENCE_LOSSES,
-    )
     beta: float = flag(
         0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)"
-    )
-    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (sigmoid, robust, simpo)")
-    simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
-    orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
-    rpo_alpha: float | None = flag(
-        None, "dpo: add this times the NLL of the chosen response (RPO); ORPO always has it, at weight 1"
     )
     max_prompt_length: int | None = flag(
         None, "dpo, kto: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
@@ -456,8 +441,3 @@ class PreferenceConfig:
         "dpo, kto: score the data with the reference once before training (cached beside the data), then train with "
         "no reference model in memory",
     )
-
-    @property
-    def reference_free(self) -> bool:
-        """SimPO and ORPO use no reference model."""
-        return self.loss_type in REFERENCE_FREE_LOSSES

@@ -1,10 +1,13 @@
 """``--task dpo``'s declaration and checks (torch-free; the trainer is ``dpo.py``), and the preference tasks'
-reference-model rule, which ``kto`` shares. Their flags are the shared ``PreferenceConfig`` section."""
+reference-model rule, which ``kto`` shares. Beta, the prompt cut and the precomputed reference are the shared
+``PreferenceConfig`` section; the loss and its coefficients are DPO's own (``DpoOptions``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rapidlite.config.fields import flag
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError
 
@@ -12,6 +15,32 @@ if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only name
     from rapidlite.config.settings import Sections
 
 SEQ_LENGTH = 1024  # TRL's max_length for DPO, KTO and reward models
+LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+# The --loss-type values with no reference model; their log-probabilities are length-averaged (SimPO, ORPO).
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
+@dataclass(frozen=True)
+class DpoOptions:
+    """The pair loss and its coefficients (TRL's names and defaults)."""
+
+    loss_type: str = flag(
+        "sigmoid",
+        "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
+        "or orpo (no reference: the chosen sequence's NLL plus the odds-ratio term)",
+        choices=LOSSES,
+    )
+    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (sigmoid, robust, simpo)")
+    simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
+    orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
+    rpo_alpha: float | None = flag(
+        None, "dpo: add this times the NLL of the chosen response (RPO); ORPO always has it, at weight 1"
+    )
+
+    @property
+    def reference_free(self) -> bool:
+        """SimPO and ORPO use no reference model."""
+        return self.loss_type in REFERENCE_FREE_LOSSES
 
 
 def preference_reference(settings: Sections) -> str:
@@ -19,21 +48,21 @@ def preference_reference(settings: Sections) -> str:
     (``--precompute-ref-logprobs``: scores made before training, nothing kept), "adapters" (with ``--lora-rank``:
     the policy with its adapters disabled) or "copy" (a frozen copy laid out as the policy). A run continuing a
     LoRA adapter directory also uses "adapters" (the trainer sees the directory)."""
-    pref = settings.preference
-    if pref.reference_free:
+    options = settings.task_options
+    if isinstance(options, DpoOptions) and options.reference_free:
         return "none"
-    if pref.precompute_ref_logprobs:
+    if settings.preference.precompute_ref_logprobs:
         return "precomputed"
     return "adapters" if settings.lora.lora_rank else "copy"
 
 
 def check(settings: Sections) -> None:
-    pref = settings.preference
+    pref: DpoOptions = settings.task_options
     if not 0 <= pref.label_smoothing < 0.5:
         raise ConfigError(
             f"--label-smoothing {pref.label_smoothing:g}: must be in [0, 0.5) (the share of flipped labels)"
         )
-    if pref.precompute_ref_logprobs and pref.reference_free:
+    if settings.preference.precompute_ref_logprobs and pref.reference_free:
         raise ConfigError(
             f"--precompute-ref-logprobs: --loss-type {pref.loss_type} uses no reference model; drop the flag"
         )
@@ -50,6 +79,7 @@ TASK = TaskSpec(
     summary="preference-train AutoModelForCausalLM on chosen/rejected pairs (DPO, IPO, SimPO, ORPO, ...)",
     trainer="rapidlite.tasks.dpo:trainer_for",
     required=("--pretrained-model-name-or-path", "--data-path"),
+    options=DpoOptions,
     demo="rapidlite.tasks.dpo_demo:demo",
     defaults={"seq_length": SEQ_LENGTH},
     load_model_dir=True,

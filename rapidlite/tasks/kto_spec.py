@@ -48,7 +48,6 @@ TASK = TaskSpec(
     defaults={"seq_length": SEQ_LENGTH},
     load_model_dir=True,
     check=check,
-    ignored=("loss_type", "label_smoothing", "simpo_gamma", "orpo_alpha", "rpo_alpha"),  # DPO's
     eval_only=True,
     auto_class="AutoModelForCausalLM",
     reference=preference_reference,
