@@ -13,6 +13,7 @@ The flags reference is generated: the committed page must equal what the generat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -96,6 +97,16 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
     assert "Black box, white box, or your own loop" in home, "the home page is not the README"
+
+
+def test_every_task_page_is_in_the_tasks_section():
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", REPO / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    nav = [{"Home": "index.md"}, {"Tasks": ["tasks/b.md", "tasks/a.md"]}]
+    assert hooks.with_every_task_page(nav, ["tasks/c.md", "tasks/a.md", "tasks/0.md"])[1] == {
+        "Tasks": ["tasks/b.md", "tasks/a.md", "tasks/0.md", "tasks/c.md"]
+    }
 
 
 def test_every_command_block_is_run_or_says_why_not():

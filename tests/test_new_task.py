@@ -1,14 +1,18 @@
 """A new task is one module plus one registry entry: ``tests/toy_task.py`` registered with ``register_task``
-trains, plans (``--dry-run``) and evaluates (``--eval-only``) through the command line like a built-in task."""
+trains, plans (``--dry-run``) and evaluates (``--eval-only``) through the command line like a built-in task, and
+its own option is a flag of the command line, of ``--help`` and of ``--config`` files, refused under another task."""
 
 from __future__ import annotations
 
 import pytest
+import toy_task
 
 from helpers import read_metrics
 from rapidlite.cli.main import main
 from rapidlite.config import tasks as registry
+from rapidlite.config.parser import build_parser
 from rapidlite.errors import ConfigError
+from rapidlite.resolve import parse_args
 
 
 @pytest.fixture
@@ -18,6 +22,7 @@ def word_count(request):
         summary="predict a sentence's length in words (a test task)",
         trainer="toy_task:trainer_for",
         required=("--pretrained-model-name-or-path",),
+        options=toy_task.WordCountOptions,
         defaults={"seq_length": 8},
         eval_only=True,
         auto_class="AutoModelForSequenceClassification",
@@ -62,3 +67,30 @@ def test_a_registered_task_trains_plans_and_evaluates(word_count, tiny_encoder, 
 def test_a_task_name_is_registered_once(word_count):
     with pytest.raises(ConfigError, match="task 'word_count' is registered already"):
         registry.register_task(word_count)
+
+
+def test_a_registered_tasks_option_reaches_its_trainer(word_count, tiny_encoder, tmp_path):
+    base = ["--task", "word_count", "--pretrained-model-name-or-path", tiny_encoder, "--micro-batch-size", "8"]
+    assert main([*base, "--epochs", "1", "--train-sentences", "16", "--save", str(tmp_path / "run")]) == 0
+    trained = [r["iteration"] for r in read_metrics(tmp_path / "run") if "loss" in r and "iteration" in r]
+    assert max(trained) == 2  # 16 sentences in micro-batches of 8, not the default 64
+
+    config = parse_args([*base, "--train-sentences", "16"])
+    assert config.sections.task_options == toy_task.WordCountOptions(train_sentences=16)
+    assert config.train_sentences == 16  # the flat view get_args() returns
+    (tmp_path / "run.yaml").write_text("train-sentences: 24\n")
+    assert parse_args([*base, "--config", str(tmp_path / "run.yaml")]).sections.task_options.train_sentences == 24
+
+
+def test_a_registered_tasks_option_is_its_own(word_count, tiny_encoder):
+    group = next(g for g in build_parser()._action_groups if g.title == "--task word_count options")
+    assert [a.dest for a in group._group_actions] == ["train_sentences"]
+    refused = "^--train-sentences: --task pretraining does not use it \\(--task word_count's\\); drop the flag$"
+    with pytest.raises(ConfigError, match=refused):
+        parse_args(["--task", "pretraining", "--train-iters", "2", "--train-sentences", "16"])
+    taken = registry.TaskSpec(
+        name="char_count", summary="", trainer="toy_task:trainer_for", options=toy_task.WordCountOptions
+    )
+    with pytest.raises(ConfigError, match="its option 'train_sentences' is --task word_count's already"):
+        registry.register_task(taken)
+    assert "char_count" not in registry.task_names()

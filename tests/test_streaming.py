@@ -238,7 +238,7 @@ def test_two_ranks_resume_their_streams_exactly(assets, tmp_path, task):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--task", "sequence_classification"], "--streaming serves --task pretraining and causal_lm"),
+        (["--task", "sequence_classification"], "--streaming serves --task causal_lm and pretraining"),
         (["--task", "causal_lm", "--epochs", "2"], "--epochs cannot size the run; give --train-iters N"),
         (["--task", "causal_lm", "--eval-only"], "--eval-only needs the whole data set up front"),
         (["--task", "causal_lm", "--split", "98,2"], "hold validation rows out in a validation.jsonl"),

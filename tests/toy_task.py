@@ -1,14 +1,17 @@
 """A task written outside rapidlite, in one module: predict how many words a generated sentence has
-(regression on a Hugging Face encoder). ``tests/test_new_task.py`` registers it with one ``TaskSpec`` and runs it
-as a user of ``--task`` would: training, ``--dry-run`` and ``--eval-only``."""
+(regression on a Hugging Face encoder), with an option of its own (``--train-sentences``).
+``tests/test_new_task.py`` registers it with one ``TaskSpec`` and runs it as a user of ``--task`` would: training,
+``--dry-run`` and ``--eval-only``."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from rapidlite.config.fields import flag
 from rapidlite.trainer import Finetuner
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega")
@@ -20,12 +23,20 @@ def sentences(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class WordCountOptions:
+    """The task's own flags (``TaskSpec.options``): a --help group of their own, refused under another task."""
+
+    train_sentences: int = flag(64, "word_count: generated sentences to train on")
+
+
 class WordCountFinetuner(Finetuner):
     """Regression: the model reads a sentence of token ids and predicts its length in words."""
 
     def train_valid_test_datasets_provider(self):
         seq_length = self.args.seq_length
-        train, valid = sentences(64, self.args.seed), sentences(16, self.args.seed + 1)
+        options: WordCountOptions = self.settings.task_options
+        train, valid = sentences(options.train_sentences, self.args.seed), sentences(16, self.args.seed + 1)
 
         def collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
             ids = torch.zeros(len(rows), seq_length, dtype=torch.long)

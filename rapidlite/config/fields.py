@@ -100,13 +100,18 @@ def argparse_kwargs(f: dataclasses.Field, spec: FlagSpec, annotation: Any) -> di
 
 
 def add_flags(
-    parser: argparse.ArgumentParser, sections: tuple[type, ...], groups: dict[str, str | None]
+    parser: argparse.ArgumentParser,
+    sections: tuple[type, ...],
+    groups: dict[str, str | None],
+    group_of: dict[type, str] | None = None,
 ) -> dict[str, argparse._ArgumentGroup]:
     """Add every flag the ``sections`` declare to ``parser``, in the ``--help`` groups ``groups`` (title ->
-    description, in their order); returns the groups by title, for flags declared elsewhere (compatibility)."""
+    description, in their order); returns the groups by title, for flags declared elsewhere (compatibility).
+    A section's group is ``group_of[section]`` where given (a task's options), else its ``GROUP``."""
     made = {title: parser.add_argument_group(title, description) for title, description in groups.items()}
+    group_of = group_of or {}
     declared = [
-        (spec.group or section.GROUP, f, spec, typing.get_type_hints(section)[f.name])
+        (spec.group or group_of.get(section) or section.GROUP, f, spec, typing.get_type_hints(section)[f.name])
         for section in sections
         for f, spec in flag_fields(section)
     ]

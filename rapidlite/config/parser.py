@@ -15,9 +15,10 @@ from typing import Any
 
 from rapidlite.config import files as config_file
 from rapidlite.config import sections
-from rapidlite.config.fields import add_flags
+from rapidlite.config.fields import add_flags, flag_fields, option
 from rapidlite.config.megatron import MEGATRON_DESCRIPTION, add_megatron_args
 from rapidlite.config.settings import SECTIONS
+from rapidlite.config.tasks import registered
 from rapidlite.errors import ConfigError
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
@@ -37,6 +38,30 @@ GROUPS: dict[str, str | None] = {
     sections.DISTRIBUTED: None,
     sections.MEGATRON: MEGATRON_DESCRIPTION,
 }
+# The --help group of a task's own flags (its TaskSpec.options), and what it says of them.
+TASK_OPTIONS = "--task {task} options"
+TASK_OPTIONS_NOTE = "read by this task only: another task refuses them (set off their defaults)"
+
+
+def _check_task_options(task_groups: dict[type, str]) -> None:
+    """A task's option named as a shared flag is one line, not argparse's conflict deep in the parser."""
+    shared = {f.name for section in SECTIONS for f, _ in flag_fields(section)}
+    for options, task in task_groups.items():
+        for f, _ in flag_fields(options):
+            if f.name in shared:
+                raise ConfigError(
+                    f"task {task!r}: its option {option(f.name)} is a shared flag already; give it another name"
+                )
+
+
+def _with_task_groups(task_groups: dict[type, str]) -> dict[str, str | None]:
+    """``GROUPS`` with a group per task that has options of its own, after the shared data flags."""
+    groups: dict[str, str | None] = {}
+    for title, description in GROUPS.items():
+        groups[title] = description
+        if title == sections.DATA:
+            groups.update({TASK_OPTIONS.format(task=task): TASK_OPTIONS_NOTE for task in task_groups.values()})
+    return groups
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,13 +85,16 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         "report; 'rapidlite plot DIR' draws DIR/curves.png from a --save directory's metrics.jsonl",
         allow_abbrev=False,
     )
+    task_groups = {spec.options: spec.name for spec in registered() if spec.options is not None}
+    _check_task_options(task_groups)
     p.add_argument(
         config_file.FLAG,
         default=None,
         metavar="FILE",
         help="flags from a YAML or JSON file (keys are flag names: 'micro-batch-size: 8'); the command line wins",
     )
-    groups = add_flags(p, SECTIONS, GROUPS)
+    by_options = {options: TASK_OPTIONS.format(task=task) for options, task in task_groups.items()}
+    groups = add_flags(p, SECTIONS + tuple(task_groups), _with_task_groups(task_groups), by_options)
     add_megatron_args(groups[sections.MEGATRON])
     if extra_args_provider is not None:
         try:

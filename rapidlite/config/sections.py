@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rapidlite.config.fields import derived, flag
-from rapidlite.config.tasks import REFERENCE_FREE_LOSSES, task_names
+from rapidlite.config.tasks import task_names
 
 # The --help groups, in their order (title -> description).
 TASK_AND_MODEL = "task and model"
@@ -27,13 +27,12 @@ PRECISION = "precision"
 MEMORY_AND_SPEED = "memory and speed"
 DEEPSPEED = "DeepSpeed backend (pip install 'rapidlite[deepspeed]')"
 LORA = "LoRA and quantisation (peft; 4-bit/8-bit: pip install 'rapidlite[quant]')"
-PREFERENCE = "preference and reward training (dpo, kto, reward_model)"
+PREFERENCE = "preference training (dpo, kto)"
 DATA = "data"
 CHECKPOINTS_AND_LOGGING = "checkpoints, logging and evaluation"
 DISTRIBUTED = "distributed"
 MEGATRON = "Megatron-LM compatibility"
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # bitsandbytes' AdamW with 8-bit moments (block-wise quantised), and its paged twin (CUDA unified memory).
 EIGHT_BIT_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit")
@@ -63,7 +62,8 @@ def path_list(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which task or user script runs, and the options of one task's data and evaluation."""
+    """Which task or user script runs, and the options several tasks share. A task's own options are declared
+    with the task (``TaskSpec.options``)."""
 
     GROUP: ClassVar[str] = DATA
 
@@ -75,36 +75,13 @@ class TaskConfig:
         False, "run the task on an embedded offline default (tiny model and generated data)", group=TASK_AND_MODEL
     )
     demo_defaults: frozenset[str] = derived(frozenset(), "the flags whose values the embedded demo chose")
-    prompt_key: str | None = flag(None, "causal_lm: the prompt column of prompt/response data")
-    response_key: str | None = flag(None, "causal_lm: the response column of prompt/response data")
     prompt_template: str = flag(
         "auto", "causal_lm: how prompt fields become text: auto, alpaca, chatml, none or a file with {prompt} fields"
     )
     chat_template: str | None = flag(
         None, "causal_lm: chat data's template when the tokenizer has none: chatml or FILE"
     )
-    train_on_prompt: bool = flag(False, "causal_lm: the prompt tokens train too")
     packing: bool = flag(False, "causal_lm: pack samples into full sequences (attention kept per sample)")
-    doc_stride: int = flag(
-        128, "question_answering: tokens shared by consecutive windows of a context longer than --seq-length"
-    )
-    max_answer_length: int = flag(30, "question_answering: the longest answer predicted, in tokens")
-    n_best_size: int = flag(20, "question_answering: start and end logits searched per window for the best answer")
-    version_2_with_negative: bool = flag(
-        False, "question_answering: SQuAD v2 data, where some questions have no answer"
-    )
-    null_score_diff_threshold: float = flag(
-        0.0, "question_answering (v2): answer nothing when the null score beats the best span's by more than this"
-    )
-    whole_word_masking: bool = flag(
-        False, "masked_lm: mask every sub-token of a chosen word together (needs a fast tokenizer)"
-    )
-    line_by_line: bool = flag(
-        False, "masked_lm: one sample per document (cut at --seq-length) instead of blocks of concatenated text"
-    )
-    choices_key: list[str] | None = flag(
-        None, "multiple_choice: the column holding the list of choices, or one column per choice (ending0 ending1 ...)"
-    )
     eval_generate: int = flag(
         0,
         "causal_lm: print N greedy completions of validation prompts at each evaluation (with exact match)",
@@ -117,20 +94,6 @@ class TaskConfig:
         "harness/<file>/<metric>",
         type=path_list,
         metavar="FILE[,FILE...]",
-    )
-    label_all_tokens: bool = flag(
-        False,
-        "token_classification: every sub-token of a word trains on its tag (B- as I- after the first), not only the "
-        "first",
-    )
-    source_lang: str | None = flag(None, "seq2seq: the source language of translation pairs (e.g. en)")
-    target_lang: str | None = flag(None, "seq2seq: the target language of translation pairs (e.g. de)")
-    source_prefix: str | None = flag(None, "seq2seq: text put before every source, as T5 expects (e.g. 'summarize: ')")
-    max_target_length: int | None = flag(
-        None, "seq2seq: target tokens kept for training and generated at most in evaluation (default 128)"
-    )
-    num_beams: int | None = flag(
-        None, "seq2seq: beam search width of evaluation's generation (default: the model's generation config)"
     )
 
 
@@ -462,25 +425,13 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """Preference and reward training: the loss, its coefficients and the reference model (``--task dpo``,
-    ``kto`` and ``reward_model``; TRL's names and defaults)."""
+    """Preference training's shared flags: the KL strength, the prompt cut and the reference model (``--task dpo``
+    and ``kto``; TRL's names and defaults). Each task's loss options are its own (``DpoOptions``, ``KtoOptions``)."""
 
     GROUP: ClassVar[str] = PREFERENCE
 
-    loss_type: str = flag(
-        "sigmoid",
-        "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
-        "or orpo (no reference: the chosen sequence's NLL plus the odds-ratio term)",
-        choices=PREFERENCE_LOSSES,
-    )
     beta: float = flag(
         0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)"
-    )
-    label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (sigmoid, robust, simpo)")
-    simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
-    orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
-    rpo_alpha: float | None = flag(
-        None, "dpo: add this times the NLL of the chosen response (RPO); ORPO always has it, at weight 1"
     )
     max_prompt_length: int | None = flag(
         None, "dpo, kto: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
@@ -490,10 +441,3 @@ class PreferenceConfig:
         "dpo, kto: score the data with the reference once before training (cached beside the data), then train with "
         "no reference model in memory",
     )
-    desirable_weight: float = flag(1.0, "kto: the loss weight of desirable (label true) completions")
-    undesirable_weight: float = flag(1.0, "kto: the loss weight of undesirable (label false) completions")
-
-    @property
-    def reference_free(self) -> bool:
-        """SimPO and ORPO use no reference model."""
-        return self.loss_type in REFERENCE_FREE_LOSSES

@@ -17,6 +17,7 @@ from rapidlite.config.sections import (
     TaskConfig,
     TrainingConfig,
 )
+from rapidlite.config.tasks import find_task, registered
 
 SECTIONS: tuple[type, ...] = (
     TaskConfig,
@@ -63,6 +64,9 @@ class Sections:
     logging: LoggingConfig
     lora: LoraConfig
     preference: PreferenceConfig
+    # The running task's own options (its TaskSpec.options, e.g. QuestionAnsweringOptions); None for a task
+    # without options of its own, or a user script.
+    task_options: Any = None
     # The flags the command line (or a --config file) gave; None for settings built by hand, where every flag
     # counts as given.
     explicit_flags: frozenset[str] | None = None
@@ -73,8 +77,10 @@ class Sections:
         field the values lack keeps its default (settings built by hand may name only what they need)."""
         built: dict[str, Any] = {"explicit_flags": values.get("explicit_flags")}
         for name, section in zip(SECTION_NAMES, SECTIONS, strict=True):
-            names = {g.name for g in dataclasses.fields(section)}
-            built[name] = section(**{name: values[name] for name in names if name in values})
+            built[name] = _section(section, values)
+        spec = find_task(values.get("task")) if values.get("user_script") is None else None
+        if spec is not None and spec.options is not None:
+            built["task_options"] = _section(spec.options, values)
         return cls(**built)
 
     def given(self, dest: str) -> bool:
@@ -83,5 +89,12 @@ class Sections:
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        """Every name a section declares: the flat settings the sections cover."""
-        return frozenset(f.name for section in SECTIONS for f in dataclasses.fields(section))
+        """Every name a section or a task's options declare: the flat settings the sections cover."""
+        options = tuple(spec.options for spec in registered() if spec.options is not None)
+        return frozenset(f.name for section in SECTIONS + options for f in dataclasses.fields(section))
+
+
+def _section(section: type, values: Mapping[str, Any]) -> Any:
+    """``section`` from flat settings: each field by name, a field the values lack at its default."""
+    names = {f.name for f in dataclasses.fields(section)}
+    return section(**{name: values[name] for name in names if name in values})

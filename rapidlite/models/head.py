@@ -62,9 +62,9 @@ def chunkable_head(model: nn.Module) -> nn.Linear | None:
 
 def loss_line(model: Any, settings: Any) -> str | None:
     """The run's one line on how its loss meets the output layer (None: a task whose loss does not use it)."""
-    from rapidlite.config.tasks import TASKS
+    from rapidlite.config.tasks import find_task
 
-    spec = TASKS.get(settings.task.task) if settings.task.user_script is None else None
+    spec = find_task(settings.task.task) if settings.task.user_script is None else None
     models = model if isinstance(model, (list, tuple)) else [model]
     if spec is None or not spec.chunked_loss or len(models) != 1:
         return None  # a user script's own loss

@@ -347,7 +347,7 @@ def _count_reference(
         return []
     if kind != "copy":
         what = {
-            "none": f"--loss-type {settings.preference.loss_type} has none",
+            "none": f"--loss-type {settings.task_options.loss_type} has none",
             "precomputed": "its scores are computed before training (--precompute-ref-logprobs), no model kept",
             "adapters": "the policy with its LoRA adapters disabled, no second copy",
         }[kind]

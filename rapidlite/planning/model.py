@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.config.settings import Sections
-from rapidlite.config.tasks import TASKS, TaskSpec
+from rapidlite.config.tasks import TaskSpec, find_task
 from rapidlite.errors import ConfigError
 
 # A user script's data without --seq-length is planned at this length (a black-box task's default is its own).
@@ -18,7 +18,7 @@ SCRIPT_SEQ_LENGTH = 128
 
 def task_spec(settings: Sections) -> TaskSpec | None:
     """The black-box task the plan is for: None for a user script (whose model the plan reads from its config)."""
-    return TASKS.get(settings.task.task) if settings.task.user_script is None else None
+    return find_task(settings.task.task) if settings.task.user_script is None else None
 
 
 def _auto_class(spec: TaskSpec | None, config: Any) -> Any:

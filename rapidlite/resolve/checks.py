@@ -10,7 +10,7 @@ from typing import Any
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
-from rapidlite.config.tasks import TaskSpec, get_task, task_names
+from rapidlite.config.tasks import TaskSpec, get_task, registered, task_names
 from rapidlite.errors import ConfigError
 from rapidlite.runtime.environ import env_int, launch_value
 from rapidlite.runtime.world import num_nodes
@@ -60,8 +60,7 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    positive = ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops", "beta")
-    for name in (*positive, "desirable_weight", "undesirable_weight"):
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops", "beta"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
@@ -203,6 +202,11 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
             f"drop {flag}"
         )
+    for other, f in ((t, f) for t in registered() if t is not task and t.options for f, _ in flag_fields(t.options)):
+        if getattr(args, f.name) != f.default:
+            raise ConfigError(
+                f"{option(f.name)}: --task {task.name} does not use it (--task {other.name}'s); drop the flag"
+            )
     if task.ignored:
         sections = Sections.of(vars(args))
         for name in SECTION_NAMES:
@@ -221,7 +225,7 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
     if args.streaming:
         check_streaming(task, args)
     if task.check is not None:
-        task.check(args)
+        task.check(Sections.of(vars(args)))
 
 
 def check_streaming(task: TaskSpec, args: argparse.Namespace) -> None:

@@ -207,7 +207,7 @@ def _apply_task_defaults(task: TaskSpec, args: argparse.Namespace) -> None:
     """The task's defaults (``TaskSpec.defaults``) for the flags left unset."""
     for dest, default in task.defaults.items():
         if getattr(args, dest) is None:
-            setattr(args, dest, default(args) if callable(default) else default)
+            setattr(args, dest, default(Sections.of(vars(args))) if callable(default) else default)
 
 
 def _resolve_eval_only(task: TaskSpec | None, args: argparse.Namespace) -> None:

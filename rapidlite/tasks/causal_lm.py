@@ -153,10 +153,10 @@ class CausalLMFinetuner(Finetuner):
             raw,
             self.tokenizer,
             seq_length,
-            prompt_key=settings.task.prompt_key,
-            response_key=settings.task.response_key,
+            prompt_key=settings.task_options.prompt_key,
+            response_key=settings.task_options.response_key,
             template=settings.task.prompt_template,
-            train_on_prompt=settings.task.train_on_prompt,
+            train_on_prompt=settings.task_options.train_on_prompt,
             packing=settings.task.packing,
             progress=self.show_progress,
         )
@@ -183,16 +183,16 @@ class CausalLMFinetuner(Finetuner):
     def streamed_data(self, seq_length: int, pad_id: int) -> tuple[TokenStream, Any, None, CausalLMCollator]:
         """``--streaming``: the training rows as a ``TokenStream`` (encoded in the loader workers by
         ``encode_row``, packed in order with ``--packing``), and the held-out validation file encoded up front."""
-        settings, task = self.settings, self.settings.task
+        settings, task, options = self.settings, self.settings.task, self.settings.task_options
         source = stream_source(settings.data.data_path[0])
-        fmt = detect_format(list(first_row(source.train)), task.prompt_key, task.response_key)
+        fmt = detect_format(list(first_row(source.train)), options.prompt_key, options.response_key)
         encode = functools.partial(
             row_pieces,
             fmt=fmt,
             template=load_template(task.prompt_template),
             tokenizer=self.tokenizer,
             seq_length=seq_length,
-            train_on_prompt=task.train_on_prompt,
+            train_on_prompt=options.train_on_prompt,
         )
         stream = TokenStream(
             source.train,
@@ -211,10 +211,10 @@ class CausalLMFinetuner(Finetuner):
                 valid,
                 self.tokenizer,
                 seq_length,
-                prompt_key=task.prompt_key,
-                response_key=task.response_key,
+                prompt_key=options.prompt_key,
+                response_key=options.response_key,
                 template=task.prompt_template,
-                train_on_prompt=task.train_on_prompt,
+                train_on_prompt=options.train_on_prompt,
                 packing=task.packing,
             )
         self.logger.info(

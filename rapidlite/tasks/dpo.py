@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from rapidlite.config.settings import Sections
-from rapidlite.config.tasks import preference_reference
 from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode_splits, pair_layout, read_pair
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.metrics import MeanMetrics
@@ -42,6 +41,7 @@ from rapidlite.models import lora
 from rapidlite.models.head import output_logps
 from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
+from rapidlite.tasks.dpo_spec import preference_reference
 from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
 
 
@@ -155,7 +155,7 @@ class DPOFinetuner(CausalLMFinetuner):
 
     @property
     def reference(self) -> str:
-        """What the reference is (``config.tasks.preference_reference``): none, precomputed, adapters (the policy
+        """What the reference is (``dpo_spec.preference_reference``): none, precomputed, adapters (the policy
         with its adapters disabled; also when continuing an adapter directory) or copy."""
         kind = preference_reference(self.settings)
         return "adapters" if kind == "copy" and getattr(self, "adapter", None) is not None else kind
@@ -227,17 +227,17 @@ class DPOFinetuner(CausalLMFinetuner):
         return (logps, tokens), (full[:pairs].sum(), full_tokens[:pairs].sum())
 
     def nll_weight(self) -> float:
-        pref = self.settings.preference
-        if pref.loss_type == "orpo":
+        loss = self.settings.task_options
+        if loss.loss_type == "orpo":
             return 1.0
-        return pref.rpo_alpha or 0.0
+        return loss.rpo_alpha or 0.0
 
     def nll_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         """The tokens the NLL term averages over in ``batch``: the chosen responses' (``--rpo-alpha``) or every
         token of the chosen sequences (ORPO, as TRL's ``ORPOTrainer``), counted as targets (a sequence's first
         token is none)."""
         inputs, labels = forward_inputs(batch)
-        if self.settings.preference.loss_type == "orpo":
+        if self.settings.task_options.loss_type == "orpo":
             labels = _sequence_labels(inputs)
         segments, n = _segments(batch)
         targets = (labels[:, 1:] != -100) & (segments[:, 1:] < n // 2)
@@ -267,9 +267,9 @@ class DPOFinetuner(CausalLMFinetuner):
         return None  # DPO's and KTO's losses count pairs or examples, not the causal LM's tokens: counted in the step
 
     def run_forward_step(self, batch, model):
-        pref = self.settings.preference
+        pref, loss = self.settings.preference, self.settings.task_options
         nll_weight = self.nll_weight()
-        orpo = pref.loss_type == "orpo"
+        orpo = loss.loss_type == "orpo"
         result = self.forward_logps(model, batch, full_nll=orpo)
         if orpo:
             (logps, tokens), (nll_sum, nll_tokens) = result
@@ -281,10 +281,10 @@ class DPOFinetuner(CausalLMFinetuner):
         if not orpo:
             nll_sum, nll_tokens = -chosen.sum(), chosen_tokens.sum()
         scores = PairScores(chosen, rejected, chosen_tokens, rejected_tokens)
-        if not pref.reference_free:
+        if not loss.reference_free:
             scores.ref_chosen, scores.ref_rejected = self.reference_scores(batch, model)
-        beta = pref.orpo_alpha if orpo else pref.beta
-        out = pair_loss(pref.loss_type, scores, beta, pref.label_smoothing, pref.simpo_gamma)
+        beta = loss.orpo_alpha if orpo else pref.beta
+        out = pair_loss(loss.loss_type, scores, beta, loss.label_smoothing, loss.simpo_gamma)
         pairs = chosen.shape[0]
         loss_sum = out.losses.sum()
         training = self.training_mode(model)
@@ -294,7 +294,7 @@ class DPOFinetuner(CausalLMFinetuner):
             scale = self._nll_scale if self._nll_scale is not None else pairs / max(int(nll_tokens), 1)
             loss_sum = loss_sum + nll_weight * nll_sum * scale
         # The reference-free losses read (and log, as CPO's and ORPO's trainers do) per-token log-probabilities.
-        self.record_metrics(training, scores, out, nll_sum, nll_tokens, averaged=pref.reference_free)
+        self.record_metrics(training, scores, out, nll_sum, nll_tokens, averaged=loss.reference_free)
         return loss_sum, pairs
 
     def training_mode(self, model: Any) -> bool:

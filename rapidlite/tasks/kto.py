@@ -88,13 +88,13 @@ class KTOFinetuner(DPOFinetuner):
     def _warn_about_weights(self, desirable: int, undesirable: int) -> None:
         """TRL's advice when the labels are unbalanced and neither weight offsets it (eq. 8 of the KTO paper:
         desirable weight x desirable rows over undesirable weight x undesirable rows in [1, 4/3])."""
-        pref = self.settings.preference
+        w = self.settings.task_options
         d, u = max(desirable, 1), max(undesirable, 1)
         if d == u:
             return
-        low_d, high_d = round(u * pref.undesirable_weight / d, 2), round(u * pref.undesirable_weight / d * 1.33, 2)
-        low_u, high_u = round(d * pref.desirable_weight / u / 1.33, 2), round(d * pref.desirable_weight / u, 2)
-        if not (low_d <= pref.desirable_weight <= high_d or low_u <= pref.undesirable_weight <= high_u):
+        low_d, high_d = round(u * w.undesirable_weight / d, 2), round(u * w.undesirable_weight / d * 1.33, 2)
+        low_u, high_u = round(d * w.desirable_weight / u / 1.33, 2), round(d * w.desirable_weight / u, 2)
+        if not (low_d <= w.desirable_weight <= high_d or low_u <= w.undesirable_weight <= high_u):
             self.logger.warning(
                 f"--task kto: {desirable} desirable and {undesirable} undesirable rows, and the weights do not "
                 f"offset it; set --desirable-weight in [{low_d}, {high_d}] or --undesirable-weight in "
@@ -157,7 +157,7 @@ class KTOFinetuner(DPOFinetuner):
 
     # ------------------------------------------------------------------ forward
     def run_forward_step(self, batch, model):
-        pref = self.settings.preference
+        pref, w = self.settings.preference, self.settings.task_options
         training = self.training_mode(model)
         kl = self._kl if training else self._eval_kl
         if kl is None:  # a forward outside the loop (no before_step): the batch's own estimate
@@ -166,7 +166,7 @@ class KTOFinetuner(DPOFinetuner):
         reference = self.reference_logps(batch, model)
         desirable = batch["label"].bool()
         losses, rewards = kto_loss(
-            logps, reference, desirable, kl.to(logps.device), pref.beta, pref.desirable_weight, pref.undesirable_weight
+            logps, reference, desirable, kl.to(logps.device), pref.beta, w.desirable_weight, w.undesirable_weight
         )
         sink = self.monitor.step_metrics if training else self.eval_metrics
         for name, rows in (("chosen", desirable), ("rejected", ~desirable)):

@@ -70,13 +70,13 @@ class MaskedLMFinetuner(Finetuner):
                 self.tokenizer,
                 self.seq_length,
                 text_keys=settings.data.text_keys,
-                line_by_line=settings.task.line_by_line,
-                whole_word_masking=settings.task.whole_word_masking,
+                line_by_line=settings.task_options.line_by_line,
+                whole_word_masking=settings.task_options.whole_word_masking,
             )
         d = self.data
         shape = (
             f"one sample per document ({d.truncated} cut at --seq-length {self.seq_length})"
-            if settings.task.line_by_line
+            if settings.task_options.line_by_line
             else f"grouped into blocks of --seq-length {self.seq_length}"
         )
         valid = len(d.validation) if d.validation is not None else 0
@@ -84,7 +84,7 @@ class MaskedLMFinetuner(Finetuner):
             f"data: {d.documents} documents from column {d.text_key}"
             f"{f' ({d.empty} empty rows skipped)' if d.empty else ''}, {d.tokens} tokens {shape} | "
             f"{len(d.train)} train / {valid} validation samples; masking {settings.data.mask_prob:g} of the tokens"
-            f"{' by whole words' if settings.task.whole_word_masking else ''}"
+            f"{' by whole words' if settings.task_options.whole_word_masking else ''}"
         )
         return d.train, d.validation, d.test, MaskedLMCollator(self.tokenizer.pad_token_id or 0)
 

@@ -59,7 +59,7 @@ class MultipleChoiceFinetuner(Finetuner):
                 self.tokenizer,
                 seq_length,
                 text_keys=settings.data.text_keys,
-                choices_key=settings.task.choices_key,
+                choices_key=settings.task_options.choices_key,
                 label_key=settings.data.label_key,
             )
         d = self.data

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from rapidlite.config.settings import Sections
-from rapidlite.config.tasks import model_family
 from rapidlite.data.gpt_dataset import SampleCutter, build_train_valid_test_datasets, document_ids, gpt_batch
 from rapidlite.data.streaming import TokenStream, stack_samples, stream_source
 from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.models.head import chunkable_head, local_result, model_logits, output_logps, returns_logps
 from rapidlite.models.hf import check_positions, load_config, load_hf_model, override_sizes
+from rapidlite.tasks.pretraining_spec import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
 
 

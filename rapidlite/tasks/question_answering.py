@@ -78,15 +78,15 @@ class QuestionAnsweringFinetuner(Finetuner):
                 raw,
                 self.tokenizer,
                 seq_length=seq_length,
-                doc_stride=settings.task.doc_stride,
+                doc_stride=settings.task_options.doc_stride,
                 text_keys=settings.data.text_keys,
                 label_key=settings.data.label_key,
-                version_2_with_negative=settings.task.version_2_with_negative,
+                version_2_with_negative=settings.task_options.version_2_with_negative,
                 eval_splits=evaluated,
             )
         d = self.data
         counts = ", ".join(f"{name} {d.rows[name]} questions in {d.windows[name]} windows" for name in d.rows)
-        task = settings.task
+        task = settings.task_options
         self.logger.info(
             f"data: {d.columns.describe()}; {counts} (--seq-length {d.seq_length}, --doc-stride {task.doc_stride}"
             f"{', SQuAD v2: unanswerable questions' if task.version_2_with_negative else ''})"
@@ -160,13 +160,13 @@ class QuestionAnsweringFinetuner(Finetuner):
             meta,
             starts,
             ends,
-            n_best_size=settings.task.n_best_size,
-            max_answer_length=settings.task.max_answer_length,
-            version_2_with_negative=settings.task.version_2_with_negative,
-            null_score_diff_threshold=settings.task.null_score_diff_threshold,
+            n_best_size=settings.task_options.n_best_size,
+            max_answer_length=settings.task_options.max_answer_length,
+            version_2_with_negative=settings.task_options.version_2_with_negative,
+            null_score_diff_threshold=settings.task_options.null_score_diff_threshold,
         )
         references = [e.answers for e in examples]
-        if settings.task.version_2_with_negative:
+        if settings.task_options.version_2_with_negative:
             return squad_v2_metrics(predictions, references)
         return squad_v1_metrics(predictions, references)
 

@@ -160,9 +160,9 @@ class Seq2SeqFinetuner(Finetuner):
                 target_length,
                 text_keys=settings.data.text_keys,
                 label_key=settings.data.label_key,
-                source_lang=settings.task.source_lang,
-                target_lang=settings.task.target_lang,
-                source_prefix=settings.task.source_prefix,
+                source_lang=settings.task_options.source_lang,
+                target_lang=settings.task_options.target_lang,
+                source_prefix=settings.task_options.source_prefix,
             )
         d = self.data
         # Translations are scored by BLEU (run_translation); summaries by ROUGE too (run_summarization).
@@ -170,7 +170,7 @@ class Seq2SeqFinetuner(Finetuner):
         if self.with_rouge:
             require_rouge()
         valid = len(d.validation) if d.validation is not None else 0
-        prefix = settings.task.source_prefix
+        prefix = settings.task_options.source_prefix
         self.logger.info(
             f"data: {d.columns.describe()}"
             f"{f', source prefix {prefix!r}' if prefix else ''} | {len(d.train)} train / "
@@ -201,14 +201,14 @@ class Seq2SeqFinetuner(Finetuner):
         limit = position_limit(config)  # None for T5's relative position buckets: no table to run past
         refusal = "the model has {limit} positions (max_position_embeddings); use at most {limit}"
         source = within_positions(settings.data.seq_length, limit, settings.given("seq_length"), refusal)
-        target_given = settings.task.max_target_length is not None
-        target = settings.task.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
+        target_given = settings.task_options.max_target_length is not None
+        target = settings.task_options.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
         return source, within_positions(target, limit, target_given, refusal, flag="--max-target-length")
 
     def model_optimizer_lr_scheduler_provider(self):
         settings = self.settings
         model = load_seq2seq_lm(settings.model.pretrained_model_name_or_path, **self.pretrained_load_kwargs())
-        if model.config.model_type in ("t5", "mt5", "umt5") and not settings.task.source_prefix:
+        if model.config.model_type in ("t5", "mt5", "umt5") and not settings.task_options.source_prefix:
             self.logger.warning(
                 "T5 checkpoints were trained with a task prefix: pass --source-prefix 'summarize: ' (or "
                 "'translate English to German: ', ...) unless this model was fine-tuned without one"
@@ -218,8 +218,8 @@ class Seq2SeqFinetuner(Finetuner):
         generation = model.generation_config
         generation.max_new_tokens = self.target_length
         generation.max_length = None
-        if settings.task.num_beams is not None:
-            generation.num_beams = settings.task.num_beams
+        if settings.task_options.num_beams is not None:
+            generation.num_beams = settings.task_options.num_beams
         return model, None, None
 
     def begin_training(self) -> None:

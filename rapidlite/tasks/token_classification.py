@@ -87,7 +87,7 @@ class TokenClassificationFinetuner(Finetuner):
             seq_length,
             text_keys=settings.data.text_keys,
             label_key=settings.data.label_key,
-            label_all_tokens=settings.task.label_all_tokens,
+            label_all_tokens=settings.task_options.label_all_tokens,
             label_order=head_labels(config),
         )
         if settings.training.eval_only:
