@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rapidlite import optim
+from rapidlite.optim import builders
 from rapidlite.checkpoint import dcp as ckpt
 from rapidlite.config.sections import OptimizerConfig
 from rapidlite.errors import ConfigError
@@ -175,7 +176,7 @@ def test_on_cpu_build_optimizer_keeps_torchs_fused_adamw(request, installed):
 @pytest.fixture
 def apex_everywhere(fake_apex, monkeypatch):
     """build_optimizer as on a GPU with Apex: the CPU parameters here are treated as CUDA ones."""
-    monkeypatch.setattr(optim, "apex_adamw_class", lambda device_type, sharded: apex_adamw_class("cuda", sharded))
+    monkeypatch.setattr(builders, "apex_adamw_class", lambda device_type, sharded: apex_adamw_class("cuda", sharded))
 
 
 def test_build_optimizer_hands_fused_adam_the_same_groups_and_hyperparameters(apex_everywhere):
@@ -194,7 +195,7 @@ def test_an_apex_without_cuda_extensions_falls_back_to_torch(fake_apex, monkeypa
     def without_kernels(*args, **kwargs):
         raise RuntimeError("apex.optimizers.FusedAdam requires cuda extensions")
 
-    monkeypatch.setattr(optim, "apex_adamw_class", lambda device_type, sharded: without_kernels)
+    monkeypatch.setattr(builders, "apex_adamw_class", lambda device_type, sharded: without_kernels)
     assert type(build_optimizer(tiny_model(), CFG)) is torch.optim.AdamW
 
 
