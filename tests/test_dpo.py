@@ -494,7 +494,8 @@ def test_dry_run_counts_the_reference_the_run_uses(assets):
         assert reference_bytes(*flags)[0] == 0
     none_bytes, none_peak, _ = reference_bytes("--precompute-ref-logprobs")
     assert copy_peak - none_peak == pytest.approx(copy_bytes, rel=0.05)
-    proc = run_cli(*dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"))
+    dry = ["--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"]
+    proc = rapidlite_captured(*dpo_args(model_dir, pairs, *dry))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"a frozen copy, {2 * n_params / 2**20:.2f} MiB per rank in the device" in proc.stdout
 
