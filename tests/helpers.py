@@ -217,13 +217,14 @@ def assert_close_lists(actual, expected, rtol):
 
 def layout_runs(root: Path, argv: list[str], layouts: dict[str, list[str]]):
     """``get(name)``: the run of layout ``name`` (``argv`` + its flags, 6 iterations, checkpoints at 3 and 6),
-    trained once and shared by the tests of a module."""
+    trained once and shared by the tests of a module (a one-process layout in the test process)."""
     done: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in done:
             save = root / name
-            proc = rapidlite(*argv, *layouts[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save))
+            run = rapidlite if "--nproc-per-node" in layouts[name] else rapidlite_captured
+            proc = run(*argv, *layouts[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save))
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[name] = save
         return done[name]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import read_metrics, run_cli
+from helpers import rapidlite_captured, read_metrics, run_cli
 from rapidlite import RapidliteEngine
 from rapidlite.cli.main import main
 from rapidlite.observe.logging import LOGGER_NAME
@@ -57,7 +57,9 @@ def test_cli_alpaca_run_exports_a_causal_lm_with_its_tokenizer(tiny_assets, tmp_
     data = write_rows(tmp_path / "alpaca", {s: alpaca_rows(data_dir, s) for s in ("train", "validation")})
     out = tmp_path / "out"
     # Alpaca's prompt is long in a tokenizer trained on the reversal data alone.
-    proc = run_cli(*task_args(model_dir, data, "--eval-generate", "3", "--seq-length", "384", "--save", str(out)))
+    proc = rapidlite_captured(
+        *task_args(model_dir, data, "--eval-generate", "3", "--seq-length", "384", "--save", str(out))
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "format alpaca" in log and "0 truncated" in log
@@ -232,13 +234,14 @@ def test_a_model_pretrained_by_rapidlite_fine_tunes_and_generates_with_transform
 
     size = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64"]
     batch = ["--micro-batch-size", "4", "--global-batch-size", "8"]
-    pre = run_cli("--task", "pretraining", "--train-iters", "10", *size, *batch, "--save", str(tmp_path / "pt"))
+    pt = ["--task", "pretraining", "--train-iters", "10", *size, *batch]
+    pre = rapidlite_captured(*pt, "--save", str(tmp_path / "pt"))
     assert pre.returncode == 0, pre.stderr[-2000:]
     rows = [{"prompt": f"reverse: {a} {b}\n", "completion": f"{b} {a}"} for a in "abcdefgh" for b in "ijklmnop"]
     data = tmp_path / "rev.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sft = tmp_path / "sft"
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "pt" / "hf"),
         "--data-path", str(data), "--split", "90,10", "--epochs", "2", "--micro-batch-size", "8",
         "--seq-length", "64", "--lr", "1e-3", "--log-interval", "1", "--packing", "--save", str(sft),
@@ -255,7 +258,8 @@ def test_a_model_pretrained_by_rapidlite_fine_tunes_and_generates_with_transform
 
 
 def _eval_only(model_dir, data_dir, save, *flags):
-    proc = run_cli(*task_args(model_dir, data_dir, "--eval-only", "--save", str(save), *flags))
+    run = run_cli if "--nproc-per-node" in flags else rapidlite_captured
+    proc = run(*task_args(model_dir, data_dir, "--eval-only", "--save", str(save), *flags))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr, [r for r in read_metrics(save) if r.get("eval_only")]
 
@@ -285,7 +289,7 @@ def trained_run(tiny_assets, tmp_path_factory):
     """A 3-step training run of the tiny model (its last evaluation and its export)."""
     model_dir, data_dir = tiny_assets
     save = tmp_path_factory.mktemp("trained")
-    proc = run_cli(*task_args(model_dir, data_dir, "--train-iters", "3", "--save", str(save)))
+    proc = rapidlite_captured(*task_args(model_dir, data_dir, "--train-iters", "3", "--save", str(save)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return save, [r for r in read_metrics(save) if r.get("split") == "validation"][-1]
 

@@ -10,7 +10,16 @@ import re
 import pytest
 import torch
 
-from helpers import as_layout, assert_same_metrics, big_vocab_llama, read_jsonl, read_metrics, run_cli, write_jsonl
+from helpers import (
+    as_layout,
+    assert_same_metrics,
+    big_vocab_llama,
+    rapidlite_captured,
+    read_jsonl,
+    read_metrics,
+    run_cli,
+    write_jsonl,
+)
 from rapidlite import RapidliteEngine
 from rapidlite.data.preference import Counts, encode_pairs, implicit_prompt, read_pair
 from rapidlite.models.head import MIN_VOCAB, loss_line
@@ -442,7 +451,7 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case,
         rows = [{**r, "rejected": r["chosen"]} for r in rows]
     extra = ["--max-length", "8"] if case == "prompt_fills" else []
     data = write_jsonl(tmp_path / case, "train", rows)
-    proc = run_cli(*dpo_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
+    proc = rapidlite_captured(*dpo_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr
@@ -485,7 +494,8 @@ def test_dry_run_counts_the_reference_the_run_uses(assets):
         assert reference_bytes(*flags)[0] == 0
     none_bytes, none_peak, _ = reference_bytes("--precompute-ref-logprobs")
     assert copy_peak - none_peak == pytest.approx(copy_bytes, rel=0.05)
-    proc = run_cli(*dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"))
+    dry = ["--seq-length", "64", "--dry-run", *TWO, "--zero-3-memory-optimization"]
+    proc = rapidlite_captured(*dpo_args(model_dir, pairs, *dry))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"a frozen copy, {2 * n_params / 2**20:.2f} MiB per rank in the device" in proc.stdout
 

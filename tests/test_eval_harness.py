@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, rapidlite, rapidlite_here, read_metrics
+from helpers import REPO, rapidlite, rapidlite_captured, rapidlite_here, read_metrics
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
 
@@ -94,6 +94,6 @@ def test_bad_harness_input_is_one_line(assets, tmp_path):
         (["--task", "sequence_classification", "--demo", "--eval-harness", str(mc)], "scores a causal language model"),
     ]
     for args, message in cases:
-        proc = rapidlite(*args, "--save", str(tmp_path / "run"))
+        proc = rapidlite_captured(*args, "--save", str(tmp_path / "run"))
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

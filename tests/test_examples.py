@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import REPO, run_cli
+from helpers import REPO, rapidlite_captured
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def assets(tmp_path_factory):
 
 
 def test_pretrain_custom_model(tmp_path):
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--user-script",
         str(REPO / "examples" / "pretrain_custom_model.py"),
         "--train-iters",
@@ -40,7 +40,7 @@ def test_pretrain_custom_model(tmp_path):
 
 def test_finetune_huggingface_bert(assets, tmp_path):
     model_dir, data_dir = assets
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--user-script",
         str(REPO / "examples" / "finetune_huggingface_bert.py"),
         "--pretrained-model-name-or-path",
@@ -67,7 +67,7 @@ def test_finetune_huggingface_bert(assets, tmp_path):
 
 def test_compose_own_loop(assets):
     model_dir, data_dir = assets
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--user-script",
         str(REPO / "examples" / "compose_own_loop.py"),
         "--pretrained-model-name-or-path",
@@ -105,7 +105,7 @@ def test_pretrain_megatron_gpt(tmp_path):
         builder.add_item(np.append(np.arange(start, start + int(rng.integers(8, 30))) % 60, 60))
         builder.end_document()
     builder.finalize(f"{prefix}.idx")
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--user-script", str(REPO / "examples" / "pretrain_megatron_gpt.py"), "--data-path", str(prefix),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",

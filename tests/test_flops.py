@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import TINY, read_metrics, run_cli, write_tiny_corpus
+from helpers import TINY, rapidlite_captured, read_metrics, write_tiny_corpus
 from rapidlite.cli.bench import bench_main
 from rapidlite.models.flops import ModelFlops, device_peak_flops, matmul_parameters, measure_matmul_peak
 from rapidlite.models.gpt import GPTConfig, GPTModel
@@ -103,7 +103,7 @@ def test_training_logs_tflops_and_mfu(tmp_path):
     write_tiny_corpus(prefix)
     base = ["--task", "pretraining", "--data-path", str(prefix), *TINY, "--train-iters", "3", "--eval-interval", "3"]
     peak = 2.5e11
-    proc = run_cli(*base, "--save", str(tmp_path / "a"), "--peak-flops", str(peak))
+    proc = rapidlite_captured(*base, "--save", str(tmp_path / "a"), "--peak-flops", str(peak))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model FLOPs per token: 6 N + 12 L d T" in proc.stdout
     records = [r for r in read_metrics(tmp_path / "a") if "split" not in r]
@@ -112,7 +112,7 @@ def test_training_logs_tflops_and_mfu(tmp_path):
         expected = model.flops_per_token() * r["tokens_per_s"] / 1e12
         assert r["tflops_per_device"] == pytest.approx(expected, rel=1e-3)
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] * 1e12 / peak, rel=1e-6)
-    proc = run_cli(*base, "--save", str(tmp_path / "b"))
+    proc = rapidlite_captured(*base, "--save", str(tmp_path / "b"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = [r for r in read_metrics(tmp_path / "b") if "split" not in r][-1]
     assert record["tflops_per_device"] > 0 and "mfu" not in record
@@ -120,6 +120,6 @@ def test_training_logs_tflops_and_mfu(tmp_path):
 
 
 def test_peak_flops_must_be_positive():
-    proc = run_cli("--task", "pretraining", "--peak-flops", "0")
+    proc = rapidlite_captured("--task", "pretraining", "--peak-flops", "0")
     assert proc.returncode == 2 and "--peak-flops 0.0: must be positive" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from helpers import TINY, english_corpus, read_metrics, run_cli, write_tiny_corpus
+from helpers import TINY, english_corpus, rapidlite_captured, read_metrics, write_tiny_corpus
 from rapidlite.tasks import pretraining_demo
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ def test_embedded_corpus_pretraining_learns(tmp_path):
     take the validation loss below 0.6 ln(vocab) and well below the unigram entropy of the tokens."""
     save = tmp_path / "run"
     small = ["--num-layers", "2", "--hidden-size", "128", "--seq-length", "128", "--train-iters", "150"]
-    proc = run_cli("--task", "pretraining", *small, "--eval-interval", "150", "--save", str(save))
+    proc = rapidlite_captured("--task", "pretraining", *small, "--eval-interval", "150", "--save", str(save))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (validation,) = [r for r in read_metrics(save) if r.get("split") == "validation"]
     assert validation["loss"] < 0.6 * math.log(pretraining_demo.VOCAB_SIZE), validation
@@ -41,11 +41,11 @@ def test_resume_continues_the_data_and_the_loss_curve(tmp_path):
     write_tiny_corpus(prefix)
     data = ["--data-path", str(prefix), *TINY, "--train-iters", "6", "--save-interval", "3"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert run_cli("--task", "pretraining", *data, "--save", str(full)).returncode == 0
+    assert rapidlite_captured("--task", "pretraining", *data, "--save", str(full)).returncode == 0
     part.mkdir()
     shutil.copytree(full / "iter_0000003", part / "iter_0000003")
     (part / "latest").write_text("3")
-    proc = run_cli("--task", "pretraining", *data, "--load", str(part), "--save", str(part), "--mmap-warmup")
+    proc = rapidlite_captured("--task", "pretraining", *data, "--load", str(part), "--save", str(part), "--mmap-warmup")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
     resumed = train_records(part)
@@ -64,7 +64,7 @@ def test_hugging_face_causal_config(tmp_path):
         n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=97, bos_token_id=96, eos_token_id=96
     ).save_pretrained(config_dir)
     save = tmp_path / "run"
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--task", "pretraining", "--data-path", str(prefix), *TINY, "--train-iters", "40",
         "--pretrained-model-name-or-path", str(config_dir), "--save", str(save),
     )  # fmt: skip
@@ -85,7 +85,7 @@ def test_hugging_face_causal_config(tmp_path):
     ],
 )  # fmt: skip
 def test_bad_pretraining_input_is_one_line(argv, message):
-    proc = run_cli("--task", "pretraining", "--train-iters", "2", *argv)
+    proc = rapidlite_captured("--task", "pretraining", "--train-iters", "2", *argv)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -103,7 +103,7 @@ def test_a_config_directory_without_a_tokenizer_is_one_line(tmp_path):
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2,
     ).save_pretrained(config_dir)  # fmt: skip
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--task", "pretraining", "--data-path", str(prefix), "--train-iters", "2", "--seq-length", "16",
         "--micro-batch-size", "2", "--pretrained-model-name-or-path", str(config_dir), "--save", str(tmp_path / "run"),
     )  # fmt: skip
@@ -121,7 +121,7 @@ def test_heads_that_split_the_key_value_heads_unevenly_are_one_line(tmp_path):
     config_dir = tmp_path / "llama"
     LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
                 num_key_value_heads=8).save_pretrained(config_dir)  # fmt: skip
-    proc = run_cli("--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--dry-run")
+    proc = rapidlite_captured("--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--dry-run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "rapidlite: error: --num-attention-heads 4: the model config's 8 key/value heads do not divide it; "
@@ -151,7 +151,7 @@ def test_bert_pretraining_from_a_config(tmp_path, binary_head):
         intermediate_size=64, max_position_embeddings=64,
     ).save_pretrained(config_dir)  # fmt: skip
     save = tmp_path / "run"
-    proc = run_cli(
+    proc = rapidlite_captured(
         "--task", "pretraining", "--pretrained-model-name-or-path", str(config_dir), "--data-path", prefix,
         "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab), "--seq-length", "48",
         "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "100", "--lr", "3e-3",

@@ -14,7 +14,16 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, as_layout, assert_same_metrics, read_jsonl, read_metrics, run_cli, write_jsonl
+from helpers import (
+    REPO,
+    as_layout,
+    assert_same_metrics,
+    rapidlite_captured,
+    read_jsonl,
+    read_metrics,
+    run_cli,
+    write_jsonl,
+)
 from rapidlite import RapidliteEngine
 from rapidlite.data.preference import Counts, encode_reward_pairs
 from rapidlite.errors import ConfigError
@@ -279,7 +288,7 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case,
         rows = [{**r, "rejected": r["chosen"]} for r in rows]
     extra = ["--max-length", "8"] if case == "too_long" else []
     data = write_jsonl(tmp_path / case, "train", rows)
-    proc = run_cli(*reward_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
+    proc = rapidlite_captured(*reward_args(model_dir, data, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -298,7 +307,9 @@ def test_training_raises_accuracy_exports_and_rapidlite_eval_scores_the_export(a
     model_dir, root = assets
     save = tmp_path / "run"
     flags = ["--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "3e-3", "--weight-decay", "0"]
-    proc = run_cli(*reward_args(model_dir, root / "kinds", *flags, "--eval-interval", "1", "--save", str(save)))
+    proc = rapidlite_captured(
+        *reward_args(model_dir, root / "kinds", *flags, "--eval-interval", "1", "--save", str(save))
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in read_metrics(save) if r.get("split") == "validation"]
     assert evals[0]["iteration"] == 1 and evals[0]["accuracy"] <= 0.85

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from helpers import read_metrics, run_cli
+from helpers import rapidlite_captured, read_metrics, run_cli
 from rapidlite import RapidliteEngine
 from rapidlite.cli.main import main
 from rapidlite.resolve import parse_args
@@ -368,7 +368,7 @@ def test_eval_only_of_a_directory_with_only_a_validation_file(tiny_assets, tmp_p
         assert scores["only"][key] == pytest.approx(scores["full"][key], rel=1e-6), key
     assert [r["split"] for r in read_metrics(tmp_path / "eval-only")] == ["validation"]
     # Training still needs a train file.
-    proc = run_cli(*task_args(model_dir, tmp_path / "only", "--save", str(tmp_path / "train")))
+    proc = rapidlite_captured(*task_args(model_dir, tmp_path / "only", "--save", str(tmp_path / "train")))
     assert proc.returncode == 2 and "no train.* file found" in proc.stderr
 
 
@@ -384,7 +384,7 @@ def test_eval_only_refuses_a_label_the_models_head_does_not_know(tiny_assets, tm
         lambda label: {"positive": "neutral"}.get(label, label),
     )
     save = tmp_path / "eval"
-    proc = run_cli(*task_args(model_dir, tmp_path / "data", "--eval-only", "--save", str(save)))
+    proc = rapidlite_captured(*task_args(model_dir, tmp_path / "data", "--eval-only", "--save", str(save)))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "'neutral'" in line and "negative, positive" in line, proc.stderr

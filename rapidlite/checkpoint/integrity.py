@@ -19,8 +19,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from rapidlite.checkpoint.layout import (
     DEEPSPEED_TAG,
     LATEST_FILE,
@@ -113,6 +111,8 @@ def verify_checkpoint(path: Path, rank: int = 0, world: int = 1) -> str | None:
 
 def _causes(error: BaseException) -> list[BaseException]:
     """``error`` and what it wraps: its causes, and each rank's exception inside DCP's CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: the package costs a launcher 0.8 s
+
     found: list[BaseException] = []
     stack: list[Any] = [error]
     while stack:
@@ -134,6 +134,8 @@ DISK_FULL = "the disk is full (no space left on device)"
 def _write_failure(error: BaseException, directory: Path) -> str | None:
     """Why writing into ``directory`` failed, in a few words, when the cause is the file system's (a full disk,
     a quota, permissions); None for anything else, which is a bug and keeps its traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     causes = _causes(error)
     os_errors = [e for e in causes if isinstance(e, OSError)]
     no_space = any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in os_errors) or any(
@@ -185,6 +187,8 @@ def save_failed(save_dir: Path, iteration: int, reason: str) -> CheckpointError:
 
 
 def _first_line(e: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(e, CheckpointException) and e.failures:  # its text is every rank's traceback
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first

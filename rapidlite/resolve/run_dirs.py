@@ -20,13 +20,13 @@ def resolve_load(args: argparse.Namespace) -> list[str]:
     ``--save D --load D`` with no checkpoint in ``D`` yet (or no ``D``) starts fresh, so one command both starts
     and resumes a requeued job; ``--load D`` alone still has to exist (a mistyped path must not start over). A
     worker group restarted by ``--max-restarts`` resumes from ``--save``'s latest checkpoint."""
-    from rapidlite.checkpoint.layout import is_pretrained_model_dir
-    from rapidlite.checkpoint.selection import check_loadable
-
     args.load_is_pretrained_model = False
     notices = _resume_restarted_attempt(args)
     if args.load is None:
         return notices
+    from rapidlite.checkpoint.layout import is_pretrained_model_dir  # torch: not for a run that loads nothing
+    from rapidlite.checkpoint.selection import check_loadable
+
     if _same_dir(args.load, args.save) and not args.finetune and _no_checkpoint_yet(args.load):
         where = "does not exist yet" if not os.path.exists(args.load) else "holds no checkpoint yet"
         args.load = None
@@ -71,11 +71,11 @@ def _no_checkpoint_yet(path: str) -> bool:
 def _resume_restarted_attempt(args: argparse.Namespace) -> list[str]:
     """In a worker group that torchrun restarted (``--max-restarts``; TORCHELASTIC_RESTART_COUNT > 0): resume
     from ``--save``'s latest checkpoint, whatever ``--load`` said for the first attempt."""
-    from rapidlite.checkpoint.layout import LATEST_FILE, is_pretrained_model_dir
-
     attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if not attempt:
         return []
+    from rapidlite.checkpoint.layout import LATEST_FILE, is_pretrained_model_dir
+
     restarted = f"restarted attempt {attempt} (--max-restarts)"
     if args.save is None or not os.path.isfile(os.path.join(args.save, LATEST_FILE)):
         why = "no --save" if args.save is None else f"no checkpoint in {args.save} yet"
