@@ -16,14 +16,13 @@ import torch
 from torch import nn
 
 from rapidlite import optim
-from rapidlite.optim import builders
 from rapidlite.checkpoint import dcp as ckpt
 from rapidlite.config.sections import OptimizerConfig
 from rapidlite.errors import ConfigError
 from rapidlite.models.apex import nvidia_apex
 from rapidlite.models.families.gpt import gpt_plan
 from rapidlite.models.gpt import GPTConfig, GPTModel
-from rapidlite.optim import RapidliteOptimizer, apex_adamw_class, build_optimizer
+from rapidlite.optim import RapidliteOptimizer, apex_adamw_class, build_optimizer, builders
 
 APEX_MODULES = ("apex", "apex.optimizers", "apex.normalization")
 
