@@ -45,6 +45,33 @@ def test_nothing_below_resolve_reads_the_zero_flags():
     assert not reads, "read the resolved Topology (settings.topology) instead: " + ", ".join(reads)
 
 
+# The derived values whose home is Topology/Batching, by the section that also keeps them for get_args()'s flat view.
+DERIVED = {
+    "training": {"micro_batch_size", "global_batch_size", "gradient_accumulation_steps"},
+    "parallel": {
+        "data_parallel_size",
+        "world_size",
+        "deepspeed",
+        "cpu_offload",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+    },
+}
+
+
+def test_below_resolve_the_batch_and_the_split_are_read_from_batching_and_topology():
+    reads = []
+    for path in sorted((REPO / "rapidlite").rglob("*.py")):
+        name = str(path.relative_to(REPO))
+        if name.startswith(ALLOWED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                if node.attr in DERIVED.get(node.value.attr, ()):
+                    reads.append(f"{name}:{node.lineno} .{node.value.attr}.{node.attr}")
+    assert not reads, "read settings.batching / settings.topology instead: " + ", ".join(reads)
+
+
 def _layout(*flags: str, world: int = 2):
     settings = parse_args([*BASE, "--nproc-per-node", str(world), *flags]).sections
     return settings.topology, settings.batching

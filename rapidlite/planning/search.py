@@ -117,10 +117,10 @@ def _open_choices(settings: Any, argv: list[str], world: int, layers: int, heads
 
     from rapidlite.resolve.topology import ZERO_STAGE_FLAGS
 
-    parallel, model = settings.parallel, settings.model
+    model = settings.model
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if world % n == 0]
-    tps = [parallel.tensor_model_parallel_size] if given("tensor_model_parallel_size") else sizes
-    pps = [parallel.pipeline_model_parallel_size] if given("pipeline_model_parallel_size") else sizes
+    tps = [settings.topology.tp] if given("tensor_model_parallel_size") else sizes
+    pps = [settings.topology.pp] if given("pipeline_model_parallel_size") else sizes
     strategy_given = any(given(f) for f in ZERO_STAGE_FLAGS)
     strategies = [_STRATEGY_OF_STAGE[settings.topology.zero_stage]] if strategy_given else list(STRATEGIES)
     micros = [settings.batching.micro_batch_size] if given("micro_batch_size") else MICRO_BATCHES
