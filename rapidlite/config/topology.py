@@ -41,13 +41,10 @@ class Topology:
         for name in ("world_size", "dp", "tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} {getattr(self, name)}: every parallel size must be at least 1")
-        split = self.pp * self.dp * self.cp * self.tp
-        if split != self.world_size:
-            model_parallel = self.tp * self.pp * self.cp
+        if self.pp * self.dp * self.cp * self.tp != self.world_size:
             raise ConfigError(
-                f"the world of {self.world_size} process{'es' if self.world_size > 1 else ''} is not divisible by "
-                f"tensor x pipeline parallel size {self.tp} x {self.pp}; use a world size that is a multiple of "
-                f"{model_parallel}"
+                f"the world of {self.world_size} process{'es' if self.world_size > 1 else ''} is not pipeline x data "
+                f"x context x tensor parallel size {self.pp} x {self.dp} x {self.cp} x {self.tp}"
             )
         if (self.dp * self.cp) % self.ep:
             raise ConfigError(f"expert parallel size {self.ep} must divide data x context parallel {self.dp * self.cp}")
