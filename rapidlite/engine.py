@@ -35,7 +35,6 @@ from rapidlite.models.hf import disable_kv_cache
 from rapidlite.observe.logging import Timers, setup_logger
 from rapidlite.observe.progress import close_bars
 from rapidlite.optim import build_lr_scheduler
-from rapidlite.parallel.data_parallel import DataParallelConfig
 from rapidlite.precision import resolve_precision, set_tf32
 from rapidlite.resolve import parse_args
 from rapidlite.runtime import distributed, preemption
@@ -112,13 +111,11 @@ class RapidliteEngine:
         self.timers = Timers()
         global _CURRENT
         _CURRENT = self  # what get_args()/mpu (rapidlite.compat) read for Rapidformer-style scripts
-        self.data_parallel = DataParallelConfig.of(settings.parallel)
+        self.topology = settings.topology
         self.lora = settings.lora
         owned = not distributed.dist.is_initialized()
         launched = distributed.launched_world_size() is not None  # a launcher's worker, not a private group
-        self.dist = distributed.init_distributed(
-            settings.parallel, need_process_group=self.data_parallel.zero_stage > 0 or self.data_parallel.deepspeed
-        )
+        self.dist = distributed.init_distributed(settings.topology, settings.parallel)
         if owned and self.dist.initialized:
             # A launched worker ends through the clean teardown (see distributed.shutdown; failures reach it
             # through the excepthook with their exit code). A private one-process group is destroyed before the
@@ -159,7 +156,7 @@ class RapidliteEngine:
     def strategy(self) -> Strategy:
         """The backend that trains the model (``str()`` of it names it: "DDP", "ZeRO-3 (FSDP2) + CPU offload",
         "... x pipeline parallel 2 (1f1b)", ...), chosen from the flags and the topology."""
-        context = StrategyContext(self.settings, self.dist, self.data_parallel, self.precision, self.logger)
+        context = StrategyContext(self.settings, self.dist, self.precision, self.logger)
         return strategies.select(context)
 
     # ------------------------------------------------------------------ compose
@@ -223,8 +220,8 @@ class RapidliteEngine:
             f"optimizer {'yours: ' if users_optimizer else ''}{name}{'' if users_optimizer else ' from the flags'}",
             f"gradient clipping at norm {clip:g} (--clip-grad; 0 turns it off)" if clip > 0 else "no gradient clipping",
             "LR schedule yours" if users_scheduler else f"LR schedule {s.optim.lr_decay_style} from the flags",
-            f"global batch {s.training.global_batch_size} = micro {s.training.micro_batch_size} x accumulation "
-            f"{s.training.gradient_accumulation_steps} x data-parallel {s.parallel.data_parallel_size}",
+            f"global batch {s.batching.global_batch_size} = micro {s.batching.micro_batch_size} x accumulation "
+            f"{s.batching.gradient_accumulation_steps} x data-parallel {s.topology.dp}",
         ]
         if s.model.checkpoint_activations:
             parts.append(f"activation checkpointing ({s.model.recompute_granularity})")
@@ -335,7 +332,7 @@ class RapidliteEngine:
         run = self.settings.training
         return build_data_loader(
             dataset,
-            micro_batch_size or run.micro_batch_size,
+            micro_batch_size or self.settings.batching.micro_batch_size,
             self.device,
             shuffle=shuffle,
             collate_fn=collate_fn,
@@ -346,7 +343,7 @@ class RapidliteEngine:
             pad=pad,
             gather_trim=self._gather_trim,
             lengths=lengths,
-            group_size=run.global_batch_size,
+            group_size=self.settings.batching.global_batch_size,
         )
 
 

@@ -13,18 +13,19 @@ import torch.nn.functional as F
 from helpers import MLP, engine
 from rapidlite import strategies
 from rapidlite.config.settings import Sections
+from rapidlite.config.topology import Topology
 from rapidlite.optim import RapidliteOptimizer, StepHooks
-from rapidlite.parallel.data_parallel import DataParallelConfig
 from rapidlite.precision import Precision
-from rapidlite.runtime.distributed import DistributedContext, ParallelDims
+from rapidlite.runtime.distributed import DistributedContext
 
 
 def _context(world: int = 1, pp: int = 1, zero: int = 0, deepspeed: bool = False, mesh: object = None):
-    dist = DistributedContext(world_size=world, dims=ParallelDims(world, pp=pp), mesh=mesh)
+    backend = "deepspeed" if deepspeed else "torch"
+    topology = Topology.split(world, pp=pp, zero_stage=zero, backend=backend)
+    dist = DistributedContext(world_size=world, topology=topology, mesh=mesh)
     return strategies.StrategyContext(
         config=Sections.of({}),
         dist=dist,
-        data_parallel=DataParallelConfig(zero_stage=zero, deepspeed=deepspeed),
         precision=Precision(None, "cpu"),
         logger=logging.getLogger("test"),
     )

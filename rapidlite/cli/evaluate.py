@@ -108,10 +108,12 @@ def run(argv: Sequence[str]) -> int:
     if needs_launch(parallel):
         return launch(parallel, "rapidlite.cli.evaluate", list(argv), module=True)
 
+    from rapidlite.config.topology import Topology
     from rapidlite.evaluation.scoring import evaluate, load_reward_scorer, load_scorer
     from rapidlite.runtime.distributed import init_distributed
+    from rapidlite.runtime.world import target_world_size
 
-    ctx = init_distributed(parallel)
+    ctx = init_distributed(Topology.split(target_world_size(parallel)), parallel)
     load = load_reward_scorer if task == REWARD else load_scorer
     scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
     scorer.chunked = not args.no_chunked_loss

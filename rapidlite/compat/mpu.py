@@ -2,7 +2,7 @@
 ``from megatron import mpu``.
 
 Ranks, sizes and process groups of the running engine's topology (pipeline x data x tensor parallel, the
-layout of ``rapidlite.runtime.distributed.ParallelDims``), and ``broadcast_data``, which hands every rank of a
+layout of ``rapidlite.config.topology.Topology``), and ``broadcast_data``, which hands every rank of a
 tensor-parallel group the batch of its first rank. Like ``get_args()`` these read the engine created last
 (``RapidliteEngine()``); library code takes its topology explicitly and never calls them. Without a process
 group (one process) every rank is 0, every size 1 and every group None.
@@ -50,21 +50,21 @@ def get_data_parallel_group() -> Any:
 # ---------------------------------------------------------------- tensor parallel
 def get_tensor_model_parallel_rank() -> int:
     ctx = _ctx()
-    return ctx.rank % ctx.dims.tp
+    return ctx.rank % ctx.topology.tp
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _ctx().dims.tp
+    return _ctx().topology.tp
 
 
 def get_tensor_model_parallel_group() -> Any:
-    return _group("tp", _ctx().dims.tp)
+    return _group("tp", _ctx().topology.tp)
 
 
 def get_tensor_model_parallel_src_rank() -> int:
     """The global rank of the first rank of this rank's tensor-parallel group."""
     ctx = _ctx()
-    return ctx.rank - ctx.rank % ctx.dims.tp
+    return ctx.rank - ctx.rank % ctx.topology.tp
 
 
 # Megatron's older names for the tensor-parallel group.
@@ -79,11 +79,11 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _ctx().dims.pp
+    return _ctx().topology.pp
 
 
 def get_pipeline_model_parallel_group() -> Any:
-    return _group("pp", _ctx().dims.pp)
+    return _group("pp", _ctx().topology.pp)
 
 
 def is_pipeline_first_stage() -> bool:
@@ -109,7 +109,7 @@ def broadcast_data(keys: Sequence[str], data: Mapping[str, Any] | None, datatype
     values of the first rank of the tensor-parallel group (which must pass ``data``; the others may pass
     None). Without tensor parallelism each rank's own ``data`` is converted."""
     ctx = _ctx()
-    tp = ctx.dims.tp
+    tp = ctx.topology.tp
     first = ctx.rank % tp == 0
     if first or tp == 1 or ctx.mesh is None:
         if data is None:

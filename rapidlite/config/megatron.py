@@ -1,10 +1,11 @@
 """Megatron-LM's flags that a pretraining script carries and rapidlite has no flag of its own for.
 
 A script written for Megatron-LM (``pretrain_gpt.py`` with its example arguments) runs with its flags as they
-are. Each one below is either translated into rapidlite's terms (``--use-distributed-optimizer`` is ZeRO-1,
-``--train-samples`` an iteration count of the constant global batch, ...), refused in one line where rapidlite
-cannot do what it asks, or accepted with one line at the start naming it and why it changes nothing here (a
-fused kernel rapidlite does not have, an overlap PyTorch does on its own). None is ignored silently.
+are. Each one below is either translated into rapidlite's terms (``--train-samples`` an iteration count of
+the constant global batch, ...), refused in one line where rapidlite cannot do what it asks, or accepted
+with one line at the start naming it and why it changes nothing here (a fused kernel rapidlite does not have,
+an overlap PyTorch does on its own). None is ignored silently. ``--use-distributed-optimizer`` (ZeRO-1) is a
+layout: ``rapidlite.resolve.topology`` maps it with the other spellings of one.
 """
 
 from __future__ import annotations
@@ -141,16 +142,6 @@ def check_megatron_flags(args: argparse.Namespace) -> list[str]:
         raise ConfigError(
             "--no-position-embedding: the built-in GPT needs positions; add --position-embedding-type rope"
         )
-    if args.use_distributed_optimizer and not (
-        args.zero_2_memory_optimization or args.zero_3_memory_optimization or args.fsdp_memory_optimization
-    ):
-        if args.tensor_model_parallel_size > 1:
-            raise ConfigError(
-                "--use-distributed-optimizer is ZeRO-1 here, which does not combine with tensor parallelism; with "
-                "it use --zero-2-memory-optimization (FSDP2 over the data-parallel ranks)"
-            )
-        args.zero_1_memory_optimization = True  # ZeRO-2/3 shard the optimizer state already
-
     given = [flag for flag in NO_EFFECT if _given(args, flag.lstrip("-").replace("-", "_"))]
     if not given:
         return []

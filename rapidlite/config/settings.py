@@ -18,6 +18,7 @@ from rapidlite.config.sections import (
     TrainingConfig,
 )
 from rapidlite.config.tasks import find_task, registered
+from rapidlite.config.topology import Batching, Topology
 
 SECTIONS: tuple[type, ...] = (
     TaskConfig,
@@ -70,12 +71,20 @@ class Sections:
     # The flags the command line (or a --config file) gave; None for settings built by hand, where every flag
     # counts as given.
     explicit_flags: frozenset[str] | None = None
+    # How the world is split and a step batched, as resolve derived them (rapidlite.config.topology); settings
+    # built by hand get one process's unless they pass their own.
+    topology: Topology = Topology()
+    batching: Batching = Batching()
 
     @classmethod
-    def of(cls, values: Mapping[str, Any]) -> Sections:
+    def of(
+        cls, values: Mapping[str, Any], topology: Topology | None = None, batching: Batching | None = None
+    ) -> Sections:
         """The sections of flat settings (a namespace's ``vars``): each field takes its value by name, and a
         field the values lack keeps its default (settings built by hand may name only what they need)."""
         built: dict[str, Any] = {"explicit_flags": values.get("explicit_flags")}
+        built["topology"] = topology or Topology()
+        built["batching"] = batching or Batching()
         for name, section in zip(SECTION_NAMES, SECTIONS, strict=True):
             built[name] = _section(section, values)
         spec = find_task(values.get("task")) if values.get("user_script") is None else None

@@ -45,7 +45,7 @@ def harness_metrics(trainer: Any) -> dict[str, float]:
     bare = engine.strategy.module(trainer.model)
     tokenizer = trainer.tokenizer
     max_length = model_max_length(bare.config, tokenizer)
-    scorer = CausalLMScorer(trainer.model, tokenizer, max_length, settings.training.micro_batch_size, engine.device)
+    scorer = CausalLMScorer(trainer.model, tokenizer, max_length, settings.batching.micro_batch_size, engine.device)
     scorer.chunked = settings.model.chunked_loss
     out: dict[str, float] = {}
     for name, task, items in trainer._harness:

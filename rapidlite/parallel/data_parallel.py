@@ -1,7 +1,7 @@
 """Data parallelism and the ZeRO stages, on PyTorch's own machinery.
 
 ======================================  =============================================================
-flag                                    what runs
+flag (``Topology.zero_stage``)          what runs
 ======================================  =============================================================
 (none, N ranks)                         DDP (composable ``replicate``): replicated everything
 ``--zero-1-memory-optimization``        DDP + ``ZeroRedundancyOptimizer``: optimizer state sharded
@@ -24,45 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rapidlite.config.runtime import ParallelConfig
+from rapidlite.config.topology import Topology
 from rapidlite.models.spec import find_blocks
-
-
-@dataclass(frozen=True)
-class DataParallelConfig:
-    zero_stage: int = 0  # 0: DDP, 1: sharded optimizer state, 2: + gradients, 3: + parameters
-    cpu_offload: bool = False
-    deepspeed: bool = False  # the stages run by DeepSpeed's engine instead of PyTorch's machinery
-
-    @classmethod
-    def of(cls, cfg: ParallelConfig) -> DataParallelConfig:
-        """The data-parallel layout the ZeRO/FSDP/DeepSpeed flags ask for."""
-        if cfg.zero_3_memory_optimization or cfg.fsdp_memory_optimization:
-            stage = 3
-        elif cfg.zero_2_memory_optimization:
-            stage = 2
-        elif cfg.zero_1_memory_optimization:
-            stage = 1
-        else:
-            stage = 0
-        return cls(zero_stage=stage, cpu_offload=cfg.cpu_offload, deepspeed=cfg.deepspeed)
-
-    @property
-    def fully_sharded(self) -> bool:
-        return self.zero_stage >= 2
-
-    @property
-    def name(self) -> str:
-        if self.deepspeed:
-            return f"DeepSpeed ZeRO-{self.zero_stage}" + (" + CPU offload" if self.cpu_offload else "")
-        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + (
-            " + CPU offload" if self.cpu_offload else ""
-        )
 
 
 def apply_fsdp(
@@ -98,10 +65,11 @@ def apply_ddp(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
 
 
 def apply_data_parallel(
-    model: torch.nn.Module, mesh: Any, cfg: DataParallelConfig, param_dtype: torch.dtype | None
+    model: torch.nn.Module, mesh: Any, topology: Topology, param_dtype: torch.dtype | None
 ) -> torch.nn.Module:
-    if cfg.fully_sharded:
-        return apply_fsdp(model, mesh, cfg.zero_stage == 3, param_dtype, cfg.cpu_offload)
+    """DDP, or FSDP2 for ZeRO-2/3, over ``mesh`` (the data-parallel one), as ``topology``'s stage asks."""
+    if topology.fully_sharded:
+        return apply_fsdp(model, mesh, topology.zero_stage == 3, param_dtype, topology.cpu_offload)
     return apply_ddp(model, mesh)
 
 

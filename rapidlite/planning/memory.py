@@ -130,21 +130,20 @@ def _fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def _strategy_for(settings: Sections, rank: int, world_size: int, precision: Any) -> Any:
-    from rapidlite.parallel.data_parallel import DataParallelConfig
-    from rapidlite.runtime.distributed import DistributedContext, ParallelDims, device_mesh
+def _strategy_for(settings: Sections, rank: int, precision: Any) -> Any:
+    from rapidlite.runtime.distributed import DistributedContext, device_mesh
     from rapidlite.strategies import StrategyContext, select
 
-    dims = ParallelDims(
-        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
-    )
-    ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, dims=dims, device=torch.device("cpu"))
+    topology = settings.topology
+    world_size = topology.world_size
+    cpu = torch.device("cpu")
+    ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, topology=topology, device=cpu)
     if world_size > 1:
-        ctx.mesh = device_mesh("cpu", dims)
+        ctx.mesh = device_mesh("cpu", topology)
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    return select(StrategyContext(settings, ctx, DataParallelConfig.of(settings.parallel), precision, quiet))
+    return select(StrategyContext(settings, ctx, precision, quiet))
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -167,7 +166,7 @@ def _stage_rank(stage: int, dims: Any) -> int:
 
 
 def _in_flight(settings: Sections, stage: int, pp: int) -> int:
-    m = settings.training.gradient_accumulation_steps
+    m = settings.batching.gradient_accumulation_steps
     if pp == 1:
         return 1
     if settings.parallel.pipeline_schedule == "gpipe":
@@ -181,14 +180,10 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     from rapidlite.models import lora
     from rapidlite.models.spec import spec_of
     from rapidlite.precision import DTYPES, Precision, resolve_precision
-    from rapidlite.runtime.distributed import ParallelDims
-    from rapidlite.runtime.world import target_world_size
     from rapidlite.strategies.base import set_dropout
 
-    world_size = target_world_size(settings.parallel)
-    dims = ParallelDims(
-        world_size, settings.parallel.tensor_model_parallel_size, settings.parallel.pipeline_model_parallel_size
-    )
+    dims = settings.topology
+    world_size = dims.world_size
     gpu = torch.cuda.is_available() if gpu is None else gpu
     device = torch.device("cuda" if gpu else "cpu")
     if gpu and not torch.cuda.is_available():  # planned for GPUs elsewhere: mixed precision is bf16 there
@@ -211,13 +206,13 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     per_sample = task.inputs_per_sample if task is not None else 1
     # The chunked output layer's mode where the run takes it ("sum" or "tokens", TaskSpec.chunked_loss).
     chunked = task.chunked_loss if settings.model.chunked_loss and task is not None else None
-    micro = settings.training.micro_batch_size
+    micro = settings.batching.micro_batch_size
     cpu = device.type == "cpu"
     profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked, cpu)
     profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked, cpu)
     n_blocks = len(profile.blocks_split) or 1
 
-    deepspeed = settings.parallel.deepspeed
+    deepspeed = settings.topology.deepspeed
     on_gpu = device.type == "cuda"
     if settings.model.offload_activations:
         notes.append(
@@ -245,7 +240,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         else:
             ctx = _fake_world(rank, world_size) if world_size > 1 else contextlib.nullcontext()
             with ctx:
-                strategy = _strategy_for(settings, rank, world_size, precision)
+                strategy = _strategy_for(settings, rank, precision)
                 model.to = lambda *a, _m=model, **k: _m  # the meta model stays on meta
                 composed, optimizer = strategy.setup(model, None, None)
                 strategy_name = strategy.name
@@ -340,8 +335,6 @@ def _count_reference(
     """A preference task's reference model in each rank's bytes: a frozen copy holds the base's weights split
     as the policy's are (tensor parallel; ZeRO-2/3 shard it over data parallel, in host memory with
     --cpu-offload); disabled adapters and precomputed scores hold nothing."""
-    from rapidlite.parallel.data_parallel import DataParallelConfig
-
     kind = task.reference(settings) if task is not None and task.reference is not None else None
     if kind is None:
         return []
@@ -352,12 +345,12 @@ def _count_reference(
             "adapters": "the policy with its LoRA adapters disabled, no second copy",
         }[kind]
         return [f"reference model: 0 MiB ({what})"]
-    dp_cfg = DataParallelConfig.of(settings.parallel)
+    topology = settings.topology
     # DeepSpeed casts the frozen engine's weights to bf16/fp16; FSDP2 and DDP keep the copy's fp32 weights.
     width = 2 if deepspeed and precision.dtype is not None else 4
-    sharded = dp_cfg.zero_stage >= (3 if deepspeed else 2)  # strategies' prepare_frozen
+    sharded = topology.zero_stage >= (3 if deepspeed else 2)  # strategies' prepare_frozen
     per_rank = total * width // (dims.tp * (dims.dp if sharded else 1))
-    offloaded = sharded and dp_cfg.cpu_offload
+    offloaded = sharded and topology.cpu_offload
     for r in ranks:
         if offloaded:
             r.host += per_rank
@@ -380,11 +373,9 @@ def _rank_plan(
     on_gpu: bool,
 ) -> RankPlan:
     from rapidlite.models.spec import find_blocks
-    from rapidlite.parallel.data_parallel import DataParallelConfig
 
     profile, profile_next = profiles  # at the run's micro-batch and one sample larger
-    dp_cfg = DataParallelConfig.of(settings.parallel)
-    zero, dp = dp_cfg.zero_stage, dims.dp
+    zero, dp = settings.topology.zero_stage, dims.dp
     params = list(module.parameters())
     param_bytes = sum(_bytes(p) for p in params)
     # Local elements: FSDP's and tensor parallelism's shards are already local here.
@@ -406,7 +397,7 @@ def _rank_plan(
         "stepped_params": sum(stepped),
     }
     host = 0
-    if dp_cfg.cpu_offload:
+    if settings.topology.cpu_offload:
         host, optimizer = optimizer, 0
         host += param_bytes + grads
         param_bytes = grads = 0
@@ -426,10 +417,10 @@ def _rank_plan(
     # Gradients kept from one step's start: DDP's buckets (DeepSpeed's flat buffers), or accumulated over the
     # micro-batches; else only what the forward pass makes (the chunked loss's output-layer gradient).
     made_in_forward = int(profile.forward_grad / dims.tp) if _head_trains(module) else 0
-    kept = deepspeed or (zero <= 1 and dp > 1) or settings.training.gradient_accumulation_steps > 1
+    kept = deepspeed or (zero <= 1 and dp > 1) or settings.batching.gradient_accumulation_steps > 1
     forward_grads = (grads if kept else 0) + made_in_forward
     last = stage == dims.pp - 1
-    held = 2 + (settings.training.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
+    held = 2 + (settings.batching.gradient_accumulation_steps - 1 if last and dims.pp > 1 else 0)  # see the transients
     per_sample = max(0.0, (grown - activations) + held * (grown_largest - largest))
 
     # The peak's transients: the largest saved tensor's gradient (and its softmax twin) in the backward and
@@ -437,7 +428,7 @@ def _rank_plan(
     transient = int(2 * largest)
     if last and dims.pp > 1:
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
-        transient += int((settings.training.gradient_accumulation_steps - 1) * largest)
+        transient += int((settings.batching.gradient_accumulation_steps - 1) * largest)
     # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view): no second copy.
     # FSDP2 gathers parameters into buffers of their own, beside the shards.
     if not deepspeed and zero == 2:

@@ -28,12 +28,11 @@ def describe_mesh(dims: Any) -> list[str]:
 
 
 def format_plan(p: Plan) -> str:
-    from rapidlite.runtime.distributed import ParallelDims
     from rapidlite.runtime.world import num_nodes
 
     s = p.settings
     model, run, parallel = s.model, s.training, s.parallel
-    dims = ParallelDims(p.world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    dims, batch = s.topology, s.batching
     nodes = num_nodes(parallel)
     checkpointing = (
         f"{model.recompute_granularity}"
@@ -47,8 +46,8 @@ def format_plan(p: Plan) -> str:
         f"= data parallel {dims.dp} x "
         f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
         *describe_mesh(dims),
-        f"batch: micro {run.micro_batch_size} x accumulation {run.gradient_accumulation_steps} x data parallel "
-        f"{dims.dp} = global {run.global_batch_size}; sequence length {p.seq_length or sequence_length(s)}"
+        f"batch: micro {batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x data parallel "
+        f"{dims.dp} = global {batch.global_batch_size}; sequence length {p.seq_length or sequence_length(s)}"
         + ("" if s.given("seq_length") else " (the task's default; the longest a batch is padded to)"),
         f"strategy: {p.strategy} | precision: {p.precision} | activation checkpointing: {checkpointing}",
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
@@ -88,7 +87,7 @@ def format_plan(p: Plan) -> str:
     budget = run.memory_budget
     if budget:
         worst = max(p.ranks, key=lambda r: r.peak)
-        fits = largest_micro_batch(worst, budget * GiB, run.micro_batch_size)
+        fits = largest_micro_batch(worst, budget * GiB, s.batching.micro_batch_size)
         verdict = "fits" if worst.peak <= budget * GiB else "does NOT fit"
         lines.append(
             f"--memory-budget {budget:g} GiB: this layout {verdict} (peak {_mib(worst.peak)} on rank {worst.rank}); "

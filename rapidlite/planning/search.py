@@ -115,20 +115,21 @@ def _open_choices(settings: Any, argv: list[str], world: int, layers: int, heads
     def given(dest: str) -> bool:
         return dest in on_line
 
-    parallel, model = settings.parallel, settings.model
+    from rapidlite.resolve.topology import ZERO_STAGE_FLAGS
+
+    model = settings.model
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if world % n == 0]
-    tps = [parallel.tensor_model_parallel_size] if given("tensor_model_parallel_size") else sizes
-    pps = [parallel.pipeline_model_parallel_size] if given("pipeline_model_parallel_size") else sizes
-    strategy_given = any(given(f) for f in ("zero_1_memory_optimization", "zero_2_memory_optimization",
-                                            "zero_3_memory_optimization", "fsdp_memory_optimization"))  # fmt: skip
-    strategies = [_strategy_of(parallel)] if strategy_given else list(STRATEGIES)
-    micros = [settings.training.micro_batch_size] if given("micro_batch_size") else MICRO_BATCHES
+    tps = [settings.topology.tp] if given("tensor_model_parallel_size") else sizes
+    pps = [settings.topology.pp] if given("pipeline_model_parallel_size") else sizes
+    strategy_given = any(given(f) for f in ZERO_STAGE_FLAGS)
+    strategies = [_STRATEGY_OF_STAGE[settings.topology.zero_stage]] if strategy_given else list(STRATEGIES)
+    micros = [settings.batching.micro_batch_size] if given("micro_batch_size") else MICRO_BATCHES
     if given("checkpoint_activations"):
         checkpointing = [model.recompute_granularity if model.checkpoint_activations else "off"]
     else:
         checkpointing = list(CHECKPOINTING)
-    offloads = [parallel.cpu_offload] if given("cpu_offload") else [False, True]
-    global_batch = settings.training.global_batch_size
+    offloads = [settings.topology.cpu_offload] if given("cpu_offload") else [False, True]
+    global_batch = settings.batching.global_batch_size
     layouts = []
     for tp, pp, strategy, micro, ckpt, offload in itertools.product(
         tps, pps, strategies, micros, checkpointing, offloads
@@ -158,22 +159,13 @@ def _heads_and_layers(settings: Any, base: Any) -> tuple[int, int]:
     return math.gcd(heads, kv), layers
 
 
-def _strategy_of(parallel: Any) -> str:
-    if parallel.zero_3_memory_optimization or parallel.fsdp_memory_optimization:
-        return "ZeRO-3"
-    if parallel.zero_2_memory_optimization:
-        return "ZeRO-2"
-    return "ZeRO-1" if parallel.zero_1_memory_optimization else "DDP"
+_STRATEGY_OF_STAGE = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
 def _estimate(base: Any, settings: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     """A layout's step time from the whole model's counts, split as the layout splits them."""
-    from rapidlite.parallel.data_parallel import DataParallelConfig
-
-    parallel = settings.parallel
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    dp = base.world_size // (tp * pp)
-    zero = DataParallelConfig.of(parallel).zero_stage
+    topology = settings.topology
+    tp, pp, dp, zero = topology.tp, topology.pp, topology.dp, topology.zero_stage
     trainable = base.trainable_params // (tp * pp)
     rank = SimpleNamespace(  # the last stage's (the output layer's): the slowest where the stages are even
         rank=0,
@@ -193,7 +185,7 @@ def search(argv: list[str], settings: Any, profile: DeviceProfile, per_node: int
     budget = settings.training.memory_budget
     if budget is None:
         raise ConfigError("--search keeps the layouts that fit a device: give --memory-budget GIB")
-    if settings.parallel.deepspeed:
+    if settings.topology.deepspeed:
         raise ConfigError("--search chooses among PyTorch's layouts: drop --deepspeed")
     heads, layers = _heads_and_layers(settings, base)
     stem = _strip(_strip(argv, PLAN_ONLY), LAYOUT_FLAGS)

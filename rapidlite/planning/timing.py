@@ -109,12 +109,9 @@ def _link(profile: DeviceProfile, span: int, per_node: int) -> tuple[float, floa
 
 def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     """The predicted step of ``plan``'s layout on ``profile`` devices, ``per_node`` ranks a node."""
-    from rapidlite.parallel.data_parallel import DataParallelConfig
-    from rapidlite.runtime.distributed import ParallelDims
-
     s = plan.settings
-    dims = ParallelDims(plan.world_size, s.parallel.tensor_model_parallel_size, s.parallel.pipeline_model_parallel_size)
-    micro, m, seq = s.training.micro_batch_size, s.training.gradient_accumulation_steps, plan.seq_length
+    dims = s.topology
+    micro, m, seq = s.batching.micro_batch_size, s.batching.gradient_accumulation_steps, plan.seq_length
     flops = plan.flops
     shared = min(per_node, plan.world_size) if profile.shared_by_node else 1
     peak = profile.peak(plan.precision) / shared
@@ -137,7 +134,6 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     per_micro /= dims.tp * dims.pp
     virtual = _virtual_stages(s, layers, dims.pp)
 
-    dp_cfg = DataParallelConfig.of(s.parallel)
     tp_link = _link(profile, dims.tp, per_node)
     dp_link = _link(profile, dims.dp * dims.tp, per_node)
     pp_link = _link(profile, plan.world_size, per_node)
@@ -162,12 +158,12 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
             t.terms["tensor-parallel dispatch"] = blocks * profile.tensor_parallel_overhead * (1 + forward_again)
         t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
         overlap = per_micro if profile.overlaps_communication else 0.0
-        exposed, hidden_comm = _data_parallel(r, dp_cfg, dims.dp, m, overlap, plan.precision, dp_link, profile)
+        exposed, hidden_comm = _data_parallel(r, dims, dims.dp, m, overlap, plan.precision, dp_link, profile)
         t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm
-        t.terms["optimizer"] = _optimizer(r, dp_cfg, profile, memory_bandwidth)
+        t.terms["optimizer"] = _optimizer(r, dims, profile, memory_bandwidth)
         ranks.append(t)
     slowest = max(ranks, key=lambda t: t.seconds)
-    global_batch = s.training.global_batch_size or micro * m * dims.dp
+    global_batch = s.batching.global_batch_size
     return Throughput(
         step=slowest,
         ranks=ranks,
@@ -196,7 +192,7 @@ def _virtual_stages(settings: Any, layers: int, pp: int) -> int:
 
 def _data_parallel(
     r: Any,
-    dp_cfg: Any,
+    dims: Any,
     dp: int,
     m: int,
     per_micro: float,
@@ -210,23 +206,23 @@ def _data_parallel(
         return 0.0, 0.0
     grads = r.trainable_params * 4  # fp32 gradients, reduced as they are kept
     backward = per_micro * 2 / 3  # the last micro-batch's backward pass, which the reduction overlaps
-    if dp_cfg.deepspeed or dp_cfg.zero_stage <= 1:
+    if dims.deepspeed or dims.zero_stage <= 1:
         total = all_reduce(grads, dp, *link)
-        after = all_gather(r.compute_params * 4, dp, *link) if dp_cfg.zero_stage == 1 else 0.0
+        after = all_gather(r.compute_params * 4, dp, *link) if dims.zero_stage == 1 else 0.0
         # The bucket holding the first layers' gradients is reduced after the backward pass ends.
         last_bucket = all_reduce(min(grads, DDP_BUCKET_BYTES), dp, *link)
         exposed = min(total, max(total - backward, last_bucket))
         return exposed + after, total - exposed
     gathered = r.compute_params * _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
     gather = profile.all_gather_slowdown * all_gather(gathered, dp, *link)
-    gathers = (2 if dp_cfg.zero_stage == 3 else 1) * m * gather
+    gathers = (2 if dims.zero_stage == 3 else 1) * m * gather
     total = gathers + profile.reduce_scatter_slowdown * all_gather(grads, dp, *link)  # the summed gradients
     exposed = max(0.0, total - m * per_micro)
     return exposed, total - exposed
 
 
-def _optimizer(r: Any, dp_cfg: Any, profile: DeviceProfile, memory_bandwidth: float) -> float:
-    if dp_cfg.cpu_offload:
+def _optimizer(r: Any, dims: Any, profile: DeviceProfile, memory_bandwidth: float) -> float:
+    if dims.cpu_offload:
         trips = (r.trainable_params * 4 + r.compute_params * 4) / profile.host_bandwidth
         return r.stepped_params / profile.host_optimizer_rate + trips
     rate = profile.optimizer_rate * memory_bandwidth / profile.memory_bandwidth

@@ -13,6 +13,7 @@ log. Nothing here builds or downloads anything: a refused command leaves no trac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from rapidlite.config.fields import derived_defaults
 from rapidlite.config.parser import ExtraArgsProvider, parse
 from rapidlite.config.settings import SECTIONS, Sections
 from rapidlite.config.tasks import TaskSpec, get_task, task_names
+from rapidlite.config.topology import Batching, Topology
 from rapidlite.errors import ConfigError
 from rapidlite.observe.trackers import resolve_trackers
 from rapidlite.observe.trackers.tensorboard import default_dir as tensorboard_default_dir
@@ -41,6 +43,7 @@ from rapidlite.resolve.checks import (
     section_of,
 )
 from rapidlite.resolve.run_dirs import check_save_dir, resolve_load
+from rapidlite.resolve.topology import adopt_distributed_optimizer, adopt_user_config, batching_of, topology_of
 from rapidlite.runtime.paths import check_writable_dir
 from rapidlite.runtime.world import target_world_size
 
@@ -63,12 +66,17 @@ class RunConfig(argparse.Namespace):
     __slots__ = ("_notices", "_deepspeed_notices", "_sections")
 
     def __init__(
-        self, values: Mapping[str, Any], notices: Sequence[str] = (), deepspeed_notices: Sequence[str] = ()
+        self,
+        values: Mapping[str, Any],
+        notices: Sequence[str] = (),
+        deepspeed_notices: Sequence[str] = (),
+        topology: Topology | None = None,
+        batching: Batching | None = None,
     ) -> None:
         self.__dict__.update(values)
         object.__setattr__(self, "_notices", tuple(notices))
         object.__setattr__(self, "_deepspeed_notices", tuple(deepspeed_notices))
-        object.__setattr__(self, "_sections", Sections.of(values))
+        object.__setattr__(self, "_sections", Sections.of(values, topology, batching))
 
     @property
     def sections(self) -> Sections:
@@ -89,7 +97,8 @@ class RunConfig(argparse.Namespace):
         raise FrozenConfigError(f"the run's settings are resolved and frozen: cannot delete {name!r}")
 
     def __reduce__(self):  # pickling and copying rebuild through __init__, not attribute by attribute
-        return type(self), (dict(vars(self)), self._notices, self._deepspeed_notices)
+        layout = (self._sections.topology, self._sections.batching)
+        return type(self), (dict(vars(self)), self._notices, self._deepspeed_notices, *layout)
 
     @property
     def notices(self) -> list[str]:
@@ -136,6 +145,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     args.dataset_name = args.data_name
 
     notices += megatron_flags.check_megatron_flags(args)
+    adopt_distributed_optimizer(args)
     args.precision = precision_of_flags(args)
     resolve_recompute(args)
     # A DeepSpeed file may decide the precision, the batch and the ZeRO stage: it is read before anything is
@@ -145,7 +155,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     check_data_parallel(args)
     check_optimizer(args)
     check_offload_activations(args)
-    _resolve_batch(args)
+    topology, batching = _resolve_batch(args)
     megatron_flags.samples_to_iterations(args)
     notices += check_lr(args)
     given_load = args.load  # before a first launch's --save D --load D drops it
@@ -163,7 +173,8 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     if task is not None:
         _apply_task_defaults(task, args)  # last: a default may load a model's config (after every cheap check)
     notices += _resolve_graph(args)
-    return RunConfig(vars(args), notices, deepspeed_notices)
+    batching = dataclasses.replace(batching, seq_length=args.seq_length)
+    return RunConfig(vars(args), notices, deepspeed_notices, topology, batching)
 
 
 def resolve_command(namespace: argparse.Namespace) -> RunConfig:
@@ -251,7 +262,7 @@ def _resolve_deepspeed(args: argparse.Namespace) -> list[str]:
     args.deepspeed_accumulation = None
     if args.deepspeed_config is None:
         return []
-    from rapidlite.parallel.deepspeed_config import adopt_user_config, read_user_config
+    from rapidlite.parallel.deepspeed_config import read_user_config
 
     args.deepspeed = True
     args.deepspeed_user_config = read_user_config(args.deepspeed_config)
@@ -261,29 +272,17 @@ def _resolve_deepspeed(args: argparse.Namespace) -> list[str]:
     return notices
 
 
-def _resolve_batch(args: argparse.Namespace) -> None:
-    """Megatron's batch arithmetic: accumulation = global / (micro x data-parallel size)."""
-    world = target_world_size(section_of(args, "parallel"))
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world % model_parallel:
-        raise ConfigError(
-            f"the world of {world} process{'es' if world > 1 else ''} is not divisible by tensor x pipeline "
-            f"parallel size {args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}: set "
-            f"--nproc-per-node (x --nnodes) to a multiple of {model_parallel}"
-        )
-    args.world_size = world
-    args.data_parallel_size = world // model_parallel
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step * (args.deepspeed_accumulation or 1)
-    if args.global_batch_size % per_step != 0:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; "
-            f"use a multiple of {per_step}"
-        )
-    args.gradient_accumulation_steps = args.global_batch_size // per_step
+def _resolve_batch(args: argparse.Namespace) -> tuple[Topology, Batching]:
+    """The run's ``Topology`` and ``Batching`` (``rapidlite.resolve.topology``), and the flat view's derived values
+    from them (``get_args().data_parallel_size``, ``.gradient_accumulation_steps``, ...)."""
+    topology = topology_of(args, target_world_size(section_of(args, "parallel")))
+    batching = batching_of(args, topology)
+    args.world_size = topology.world_size
+    args.data_parallel_size = topology.dp
+    args.global_batch_size = batching.global_batch_size
+    args.gradient_accumulation_steps = batching.gradient_accumulation_steps
     check_pipeline_micro_batches(args)
+    return topology, batching
 
 
 def parse_args(

@@ -1,10 +1,10 @@
 """Process group, topology and collectives: one place that knows ranks.
 
-``ParallelDims`` is the topology: pipeline x data x tensor parallel, tensor-parallel ranks neighbours
-(rank = (pp_index * dp + dp_index) * tp + tp_index), as in Megatron and torchtitan.
-``init_distributed`` joins the process group a launcher (torchrun, Slurm,
-Kubernetes) described through ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and builds
-the device mesh. Every other module asks the returned ``DistributedContext``; nobody recomputes ranks.
+``init_distributed`` joins the process group a launcher (torchrun, Slurm, Kubernetes) described through
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and builds the device mesh from the resolved
+``Topology`` (``rapidlite.config.topology``): named dimensions pp, dp, cp, tp in torchtitan's order,
+tensor-parallel ranks neighbours. Every other module asks the returned ``DistributedContext``; nobody
+recomputes ranks.
 
 ``shutdown`` ends a worker: barrier, ``destroy_process_group``, flushed output, ``os._exit``. On torch
 2.13 a gloo worker that simply returns aborts with "terminate called without an active exception" in
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rapidlite.config.runtime import ParallelConfig
+from rapidlite.config.topology import Topology
 from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.runtime.environ import env_int
 
@@ -37,27 +38,6 @@ _COLLECTIVE_TIMEOUT: datetime.timedelta | None = None  # the process group's (--
 def collective_timeout() -> datetime.timedelta | None:
     """How long a collective of the process group rapidlite started waits before it fails (None: it started none)."""
     return _COLLECTIVE_TIMEOUT
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The world split into pipeline stages, data-parallel replicas and tensor-parallel shards."""
-
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        model_parallel = self.tp * self.pp
-        if self.world_size % model_parallel:
-            raise ConfigError(
-                f"the world of {self.world_size} processes is not divisible by tensor x pipeline parallel "
-                f"size {self.tp} x {self.pp}; use a world size that is a multiple of {model_parallel}"
-            )
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
 
 
 def launched_world_size() -> int | None:
@@ -78,9 +58,9 @@ class DistributedContext:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    dims: ParallelDims = ParallelDims(1)
+    topology: Topology = Topology()
     device: torch.device = torch.device("cpu")
-    mesh: Any = None  # DeviceMesh with dimension "dp" ("pp" before it, "tp" after it when used)
+    mesh: Any = None  # DeviceMesh with dimension "dp" ("pp" before it, "cp" and "tp" after it when used)
 
     @property
     def initialized(self) -> bool:
@@ -88,19 +68,19 @@ class DistributedContext:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.dims.tp) % self.dims.dp
+        return self.topology.coordinates(self.rank)["dp"]
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.dims.tp * self.dims.dp)
+        return self.topology.coordinates(self.rank)["pp"]
 
     @property
     def pp_group(self) -> Any:
-        return self.mesh.get_group("pp") if self.mesh is not None and self.dims.pp > 1 else None
+        return self.mesh.get_group("pp") if self.mesh is not None and self.topology.pp > 1 else None
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.topology.dp
 
     @property
     def is_main_process(self) -> bool:
@@ -119,7 +99,7 @@ class DistributedContext:
 
     @property
     def tp_mesh(self) -> Any:
-        return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
+        return self.mesh["tp"] if self.mesh is not None and self.topology.tp > 1 else None
 
     # ---------------------------------------------------------------- collectives (no-ops on one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -194,17 +174,27 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dict[s
     return {"store": dist.PrefixStore(f"rapidlite/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def init_distributed(cfg: ParallelConfig, need_process_group: bool = False) -> DistributedContext:
-    """Join the process group the launcher described (or none for a single process that needs none).
+def init_distributed(
+    topology: Topology, cfg: ParallelConfig, need_process_group: bool | None = None
+) -> DistributedContext:
+    """Join the process group the launcher described (or none for a single process that needs none), split
+    as ``topology`` says; ``cfg`` gives the process group's backend and timeout.
 
-    ``need_process_group`` starts a one-process group when sharding is asked for on a single process,
-    so FSDP and the sharded optimizer run the same code on 1 rank as on N.
+    A single process starts a one-process group where sharding is asked for (``need_process_group``, by
+    default where the topology has a ZeRO stage or DeepSpeed), so FSDP and the sharded optimizer run the same
+    code on 1 rank as on N.
     """
     world = launched_world_size() or 1
+    if world != topology.world_size:
+        raise ConfigError(
+            f"this process is one of {world}, but the run was resolved for {topology.world_size}: start it through "
+            "rapidlite or torchrun, which start --nproc-per-node (x --nnodes) processes"
+        )
+    if need_process_group is None:
+        need_process_group = topology.zero_stage > 0 or topology.deepspeed
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
-    dims = ParallelDims(world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
     device = pick_device(local_rank)
-    ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world, dims=dims, device=device)
+    ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world, topology=topology, device=device)
     if world == 1 and not need_process_group:
         return ctx
     if not dist.is_initialized():
@@ -223,18 +213,16 @@ def init_distributed(cfg: ParallelConfig, need_process_group: bool = False) -> D
         )
         global _COLLECTIVE_TIMEOUT
         _COLLECTIVE_TIMEOUT = timeout
-    ctx.mesh = device_mesh(device.type, dims)
+    ctx.mesh = device_mesh(device.type, topology)
     return ctx
 
 
-def device_mesh(device_type: str, dims: ParallelDims) -> Any:
-    """The world's mesh: rank = (pp_index * dp + dp_index) * tp + tp_index, so tensor-parallel groups are
-    neighbouring ranks. Dimensions of size 1 are left out, except dp."""
+def device_mesh(device_type: str, topology: Topology) -> Any:
+    """The world's mesh, its dimensions named (``Topology.mesh_shape``: pp, dp, cp, tp, outermost first, so
+    tensor-parallel groups are neighbouring ranks). Dimensions of size 1 are left out, except dp."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = [
-        (name, size) for name, size in (("pp", dims.pp), ("dp", dims.dp), ("tp", dims.tp)) if size > 1 or name == "dp"
-    ]
+    shape = topology.mesh_shape
     return init_device_mesh(
         device_type, tuple(size for _, size in shape), mesh_dim_names=tuple(name for name, _ in shape)
     )

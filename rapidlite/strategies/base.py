@@ -17,11 +17,12 @@ import torch
 from rapidlite.checkpoint import dcp
 from rapidlite.checkpoint.export import export_hf
 from rapidlite.config.settings import Sections
+from rapidlite.config.topology import Topology
 from rapidlite.errors import ConfigError
 from rapidlite.models.losses import unpack_loss
 from rapidlite.models.spec import spec_of
 from rapidlite.parallel.activation_offload import OffloadActivations
-from rapidlite.parallel.data_parallel import DataParallelConfig, gradient_sync
+from rapidlite.parallel.data_parallel import gradient_sync
 from rapidlite.parallel.recompute import apply_activation_checkpointing
 from rapidlite.precision import Precision
 from rapidlite.runtime.distributed import DistributedContext
@@ -32,10 +33,13 @@ class StrategyContext:
     """What every strategy is built from: the run's settings, topology, precision and logger."""
 
     config: Sections
-    dist: DistributedContext
-    data_parallel: DataParallelConfig
+    dist: DistributedContext  # its topology (the resolved one) says how the world is split and sharded
     precision: Precision
     logger: logging.Logger
+
+    @property
+    def topology(self) -> Topology:
+        return self.dist.topology
 
     @property
     def is_main_process(self) -> bool:
@@ -86,7 +90,7 @@ class Strategy:
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
-        self.config, self.dist, self.data_parallel = ctx.config, ctx.dist, ctx.data_parallel
+        self.config, self.dist, self.topology = ctx.config, ctx.dist, ctx.dist.topology
         self.precision, self.logger = ctx.precision, ctx.logger
         self.device = ctx.dist.device
         # --offload-activations: the saved-tensor hooks each micro-batch's forward runs under.
@@ -250,6 +254,6 @@ def refuse_foreign_optimizer(strategy: Strategy, optimizer: Any, builds_it: bool
     """A strategy that shards the optimizer must build it itself."""
     if builds_it and optimizer is not None:
         raise ConfigError(
-            f"{strategy.data_parallel.name} shards the optimizer, so it must build it: return None for the optimizer "
+            f"{strategy.topology.name} shards the optimizer, so it must build it: return None for the optimizer "
             "from model_optimizer_lr_scheduler_provider (or pass none to compose) and set it with the flags"
         )

@@ -34,7 +34,7 @@ class DeepSpeed(Strategy):
 
     @property
     def name(self) -> str:
-        return self.data_parallel.name
+        return self.topology.name
 
     def prepare_resume(self, load_dir: str) -> None:
         """A checkpoint written without DeepSpeed: its weights go into the model before DeepSpeed builds its
@@ -68,7 +68,7 @@ class DeepSpeed(Strategy):
             raise TypeError("compose() was given a DeepSpeed engine: pass the plain model")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("under --deepspeed, compose() takes a torch.optim.Optimizer (or None: built from flags)")
-        dp = self.data_parallel
+        topology = self.topology
         model.to(self.device)
         self._prepare_module(model, dynamic_shapes, split=None)
         if self._resume_weights is not None:  # a checkpoint from another backend: its weights, loaded whole
@@ -79,8 +79,8 @@ class DeepSpeed(Strategy):
         # DeepSpeed steps the optimizer on its own fp32 partitions (in host memory with --cpu-offload), where
         # Apex's CUDA kernels may not run: torch's AdamW steps either.
         optimizer = optimizer or build_optimizer(model, self.config.optim, allow_apex=False)
-        config = build_config(self.config, self.precision.name, dp.zero_stage, dp.cpu_offload)
-        self.logger.info(f"starting {dp.name} (its ops are compiled on first use: that can take minutes)")
+        config = build_config(self.config, self.precision.name, topology.zero_stage, topology.cpu_offload)
+        self.logger.info(f"starting {topology.name} (its ops are compiled on first use: that can take minutes)")
         ds_engine = deepspeed_backend.initialize(model, optimizer, config)
         return ds_engine, deepspeed_backend.DeepSpeedOptimizer(ds_engine)
 
@@ -90,14 +90,15 @@ class DeepSpeed(Strategy):
         stage 0 (DeepSpeed's cast to bf16/fp16, as TRL prepares its reference)."""
         from rapidlite.parallel.deepspeed_config import build_config
 
-        dp = self.data_parallel
+        topology = self.topology
         model.requires_grad_(False)
         model.eval()
         model.to(self.device)
-        config = build_config(self.config, self.precision.name, dp.zero_stage if dp.zero_stage == 3 else 0, False)
+        stage = topology.zero_stage if topology.zero_stage == 3 else 0
+        config = build_config(self.config, self.precision.name, stage, False)
         zero = config["zero_optimization"]
         zero.pop("offload_optimizer", None)
-        if dp.cpu_offload and dp.zero_stage == 3:
+        if topology.cpu_offload and topology.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu"}
         ds_engine = deepspeed_backend.initialize(model, None, config)
         ds_engine.eval()

@@ -24,7 +24,7 @@ class Pipeline(DataParallel):
 
     @property
     def name(self) -> str:
-        return super().name + f" x pipeline parallel {self.dist.dims.pp} ({self.config.parallel.pipeline_schedule})"
+        return super().name + f" x pipeline parallel {self.topology.pp} ({self.config.parallel.pipeline_schedule})"
 
     def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
         if self.pipeline is not None:
@@ -41,21 +41,21 @@ class Pipeline(DataParallel):
             model,
             dist.pp_group,
             dist.pp_rank,
-            dist.dims.pp,
+            dist.topology.pp,
             self.device,
             cfg.pipeline_schedule,
             layers_per_virtual_stage=cfg.num_layers_per_virtual_pipeline_stage,
             split=cfg.pipeline_split,
             tp_mesh=dist.tp_mesh,
         )
-        runner.embedding_group = embedding_groups(dist.mesh, dist.dims.pp) if runner.tied else None
+        runner.embedding_group = embedding_groups(dist.mesh, dist.topology.pp) if runner.tied else None
         self.pipeline = runner
 
     def _wrap(self, model: torch.nn.Module) -> None:
         """Stage modules over the rank's blocks: autocast per stage, or FSDP per stage under ZeRO-2/3."""
         for stage in self.pipeline.build_stages():
-            if self.data_parallel.fully_sharded:
-                apply_data_parallel(stage, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
+            if self.topology.fully_sharded:
+                apply_data_parallel(stage, self.dist.dp_mesh, self.topology, self.precision.dtype)
             else:
                 self.precision.apply(stage)
 

@@ -30,17 +30,17 @@ class DataParallel(Strategy):
     def name(self) -> str:
         if not self.dist.initialized:
             return "single process"
-        tp = self.dist.dims.tp
-        return self.data_parallel.name + (f" x tensor parallel {tp}" if tp > 1 else "")
+        tp = self.topology.tp
+        return self.topology.name + (f" x tensor parallel {tp}" if tp > 1 else "")
 
     @property
     def model_parallel(self) -> bool:
         """The model's weights are split over ranks (tensor or pipeline parallelism)."""
-        return self.dist.tp_mesh is not None or self.dist.dims.pp > 1
+        return self.dist.tp_mesh is not None or self.topology.pp > 1
 
     def setup(self, model: torch.nn.Module, optimizer: Any, dynamic_shapes: bool | None) -> tuple[Any, Any]:
-        refuse_foreign_optimizer(self, optimizer, self.dist.initialized and self.data_parallel.zero_stage > 0)
-        if not self.data_parallel.cpu_offload:  # offloaded shards are placed by FSDP
+        refuse_foreign_optimizer(self, optimizer, self.dist.initialized and self.topology.zero_stage > 0)
+        if not self.topology.cpu_offload:  # offloaded shards are placed by FSDP
             model.to(self.device)
         self._prepare_module(model, dynamic_shapes, self._split)
         self._wrap(model)
@@ -56,16 +56,16 @@ class DataParallel(Strategy):
         after each forward: it keeps no gathered weights), its shards in host memory with --cpu-offload."""
         model.requires_grad_(False)
         model.eval()
-        if not self.data_parallel.cpu_offload:
+        if not self.topology.cpu_offload:
             model.to(self.device)
         if self.dist.tp_mesh is not None:
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.dist.tp_mesh, self.config.parallel.sequence_parallel)
-        if self.dist.initialized and self.data_parallel.fully_sharded:
+        if self.dist.initialized and self.topology.fully_sharded:
             from rapidlite.parallel.data_parallel import apply_fsdp
 
-            apply_fsdp(model, self.dist.dp_mesh, True, self.precision.dtype, self.data_parallel.cpu_offload)
+            apply_fsdp(model, self.dist.dp_mesh, True, self.precision.dtype, self.topology.cpu_offload)
         else:
             self.precision.apply(model)
         return model
@@ -73,11 +73,11 @@ class DataParallel(Strategy):
     def _wrap(self, model: torch.nn.Module) -> None:
         """Precision and data parallelism over the prepared model."""
         self.precision.apply(model)
-        if self.dist.initialized and (self.data_parallel.zero_stage > 0 or self.dist.tp_mesh is None):
-            apply_data_parallel(model, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
+        if self.dist.initialized and (self.topology.zero_stage > 0 or self.dist.tp_mesh is None):
+            apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype)
 
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
-        zero1_group = self.dist.dp_group if self.dist.initialized and self.data_parallel.zero_stage == 1 else None
+        zero1_group = self.dist.dp_group if self.dist.initialized and self.topology.zero_stage == 1 else None
         optimizer = optimizer or build_optimizer(model, self.config.optim, zero1_group)
         scaler = LossScaler.of(self.config.precision) if self.precision.name == "fp16" else None
         hooks, warn = self.step_hooks(), self.ctx.is_main_process
@@ -100,7 +100,7 @@ class DataParallel(Strategy):
 
     def _replica_averager(self) -> Any:
         """The gradient average over data-parallel replicas where no wrapper does it (model parallelism)."""
-        if self.model_parallel and not self.data_parallel.fully_sharded and self.dist.dp_size > 1:
+        if self.model_parallel and not self.topology.fully_sharded and self.dist.dp_size > 1:
             return gradient_averager(self.dist.dp_group, self.dist.dp_size)
         return None
 
@@ -113,7 +113,7 @@ class FullySharded(DataParallel):
     dtype is FSDP's mixed-precision policy, as in torchtitan, not autocast."""
 
     def _wrap(self, model: torch.nn.Module) -> None:
-        apply_data_parallel(model, self.dist.dp_mesh, self.data_parallel, self.precision.dtype)
+        apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype)
 
     def step_hooks(self) -> StepHooks:
         hooks = super().step_hooks()

@@ -198,7 +198,7 @@ class CausalLMFinetuner(Finetuner):
             source.train,
             encode,
             Packer(seq_length) if task.packing else Unpacked(),
-            settings.training.micro_batch_size,
+            settings.batching.micro_batch_size,
             CausalLMCollator(pad_id),
             rank=self.engine.dp_rank,
             world_size=self.engine.dp_size,

@@ -47,8 +47,8 @@ class KTOFinetuner(DPOFinetuner):
 
     # ------------------------------------------------------------------ data
     def train_valid_test_datasets_provider(self):
-        pref, training = self.settings.preference, self.settings.training
-        group = training.global_batch_size
+        pref = self.settings.preference
+        group = self.settings.batching.global_batch_size
         if group < 2:
             raise ConfigError(
                 "--task kto estimates its KL term from the global batch's completions paired with other prompts: "
@@ -63,7 +63,9 @@ class KTOFinetuner(DPOFinetuner):
             unpaired = unpaired_rows(rows, rows.column_names)
             samples = encode_unpaired(unpaired, self.tokenizer, seq_length, pref.max_prompt_length, counts)
             if name == "train":
-                order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(training.seed))
+                order = torch.randperm(
+                    len(samples), generator=torch.Generator().manual_seed(self.settings.training.seed)
+                )
                 samples = [samples[i] for i in order.tolist()]
             add_kl_completions(samples, group)
             return samples

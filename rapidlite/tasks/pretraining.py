@@ -140,7 +140,7 @@ class GPTPretrainer(PreTrainer):
                 path,
                 functools.partial(document_ids, tokenizer=self.data_tokenizer),
                 SampleCutter(settings.data.seq_length),
-                settings.training.micro_batch_size,
+                settings.batching.micro_batch_size,
                 stack_samples,
                 rank=self.engine.dp_rank,
                 world_size=self.engine.dp_size,

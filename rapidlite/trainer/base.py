@@ -171,13 +171,13 @@ class BaseTrainer:
         self.engine.barrier()
         strategy = self.engine.strategy
         n_params = strategy.parameter_count(self.model)
-        a = self.settings.training
+        a, batch = self.settings.training, self.settings.batching
         self.logger.info(
             f"model: {model_class_name(strategy.module(self.model))}, {n_params / 1e6:.2f}M parameters | "
             f"device: {self.engine.device} | "
-            f"precision: {self.engine.precision.name} | micro batch {a.micro_batch_size} x accumulation "
-            f"{a.gradient_accumulation_steps} x data-parallel {self.settings.parallel.data_parallel_size} = global "
-            f"batch {a.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
+            f"precision: {self.engine.precision.name} | micro batch {batch.micro_batch_size} x accumulation "
+            f"{batch.gradient_accumulation_steps} x data-parallel {self.settings.topology.dp} = global "
+            f"batch {batch.global_batch_size} | iterations: {total_iters if not a.eval_only else 'none (--eval-only)'}"
             + (f" (resuming at {self.iteration})" if self.iteration else "")
             + f" | run id {self.monitor.run_id}"
         )

@@ -69,7 +69,7 @@ class Finetuner(BaseTrainer):
 
     def estimated_eval_seconds(self, step_s: float) -> float:
         batches = len(self.valid_dataloader) if self.valid_dataloader is not None else 0
-        return batches * step_s / max(self.settings.training.gradient_accumulation_steps, 1) / 3  # forward only
+        return batches * step_s / max(self.settings.batching.gradient_accumulation_steps, 1) / 3  # forward only
 
     def evaluations_left(self) -> int | None:
         """One evaluation at each epoch's end, the last at the run's."""
@@ -115,7 +115,7 @@ class Finetuner(BaseTrainer):
 
     def _train(self) -> dict[str, Any]:
         settings = self.settings
-        if settings.parallel.pipeline_model_parallel_size > 1:
+        if settings.topology.pp > 1:
             raise ConfigError(
                 "--pipeline-model-parallel-size runs PreTrainer jobs (fixed-length samples, --task pretraining or a "
                 "PreTrainer script); a Finetuner trains with data, tensor or ZeRO parallelism: drop the flag"
@@ -146,7 +146,7 @@ class Finetuner(BaseTrainer):
             split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
             self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
-        accumulation = settings.training.gradient_accumulation_steps
+        accumulation = settings.batching.gradient_accumulation_steps
         micro_per_epoch = len(self.train_dataloader)
         self.steps_per_epoch = math.ceil(micro_per_epoch / accumulation)
         total = settings.training.epochs * self.steps_per_epoch
@@ -201,7 +201,7 @@ class Finetuner(BaseTrainer):
         self._validate_missed_epoch_end()
         # No look-ahead: the stream's position must be that of the batches handed out, as a checkpoint records it.
         batches = iter(DeviceDataLoader(stream, self.engine.device, prefetch=False))
-        accumulation = self.settings.training.gradient_accumulation_steps
+        accumulation = self.settings.batching.gradient_accumulation_steps
         while self.iteration < self.total_iters:
             if self._step(list(islice(batches, accumulation))):
                 return self.last_evaluation
@@ -244,7 +244,7 @@ class Finetuner(BaseTrainer):
                 "--group-by-length (or give the samples input_ids)"
             )
         if self.engine.is_main_process:
-            m, g = self.settings.training.micro_batch_size, self.settings.training.global_batch_size
+            m, g = self.settings.batching.micro_batch_size, self.settings.batching.global_batch_size
             plain, grouped = padded_share(lengths, m, g, grouped=False), padded_share(lengths, m, g, grouped=True)
             self.logger.info(
                 f"--group-by-length: {len(lengths)} samples of {min(lengths)}-{max(lengths)} tokens; padding in "

@@ -98,7 +98,7 @@ class PreTrainer(BaseTrainer):
         sampler = PretrainingBatchSampler(
             len(dataset),
             consumed_samples,
-            self.settings.training.micro_batch_size,
+            self.settings.batching.micro_batch_size,
             rank=self.engine.dp_rank,
             world_size=self.engine.dp_size,
         )
@@ -130,7 +130,7 @@ class PreTrainer(BaseTrainer):
         was_training = self.model.training
         self.model.eval()
         total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        accumulation, pipeline = self.settings.training.gradient_accumulation_steps, self.engine.pipeline
+        accumulation, pipeline = self.settings.batching.gradient_accumulation_steps, self.engine.pipeline
         bar = self.progress_bar(self.settings.training.eval_iters, split, unit="batch", leave=False)
         with torch.no_grad():
             for _ in range(self.settings.training.eval_iters):
@@ -176,7 +176,7 @@ class PreTrainer(BaseTrainer):
         if settings.training.train_iters is None:
             raise ConfigError("a PreTrainer run needs --train-iters (the number of optimizer steps)")
         eval_interval = settings.training.eval_interval or settings.training.train_iters
-        global_batch = settings.training.global_batch_size
+        global_batch = settings.batching.global_batch_size
         evaluations = settings.training.train_iters // eval_interval + 1
         if settings.training.time_budget is not None:  # a sized run may space its evaluations anew
             evaluations = max(evaluations, time_budget.EVALUATIONS + 1)
@@ -194,7 +194,7 @@ class PreTrainer(BaseTrainer):
         self.begin_training()
         iterator = self.train_data_iterator
         while self.iteration < self.total_iters:  # --time-budget may shorten it after the first steps
-            self.train_step(self._micro_step(iterator) for _ in range(settings.training.gradient_accumulation_steps))
+            self.train_step(self._micro_step(iterator) for _ in range(settings.batching.gradient_accumulation_steps))
             samples, tokens = iterator.take_counts()
             self.monitor.count_batch(samples, tokens)
             self.after_step(samples)
@@ -213,7 +213,7 @@ class PreTrainer(BaseTrainer):
         if train_ds is None or len(train_ds) == 0:
             raise DataError("the training dataset is empty")
         self.setup_model(settings.training.train_iters)
-        global_batch = settings.training.global_batch_size
+        global_batch = settings.batching.global_batch_size
         self.train_data_iterator = self._loader(train_ds, collate_fn, self.consumed_samples)
         # The validation stream continues across evaluations, as in Megatron; on resume it restarts where
         # the uninterrupted run would be.
