@@ -110,7 +110,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(corpus, tmp_path):
 
 BOUNDARY = """
 import json, sys
-from rapidlite.config.parser import parse_args
+from rapidlite.resolve import parse_args
 from rapidlite.planning import largest_micro_batch, plan
 
 budget, argv = float(sys.argv[1]) * 2**30, sys.argv[2:]

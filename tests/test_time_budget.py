@@ -69,7 +69,7 @@ def fake_speed(monkeypatch, step_s, elapsed_s):
     """Every timed step takes ``step_s`` and the command started ``elapsed_s`` before the sizing."""
     import time
 
-    from rapidlite.cli.main import main as cli
+    from rapidlite.cli import main as cli
     from rapidlite.trainer.clock import RunClock
 
     real = RunClock._time_step
