@@ -31,17 +31,22 @@ def test_the_table_names_every_spelling_of_a_stage():
     }
 
 
-def test_nothing_below_resolve_reads_the_zero_flags():
-    reads = []
+def below_resolve():
+    """(module path, AST node) for every node of the modules below resolve (outside ``ALLOWED``)."""
     for path in sorted((REPO / "rapidlite").rglob("*.py")):
         name = str(path.relative_to(REPO))
-        if name.startswith(ALLOWED):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), name)):
-            attr = node.attr if isinstance(node, ast.Attribute) else None
-            text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-            if attr in RAW_LAYOUT_FLAGS or text in RAW_LAYOUT_FLAGS:
-                reads.append(f"{name}:{node.lineno} {attr or text}")
+        if not name.startswith(ALLOWED):
+            for node in ast.walk(ast.parse(path.read_text(), name)):
+                yield name, node
+
+
+def test_nothing_below_resolve_reads_the_zero_flags():
+    reads = []
+    for name, node in below_resolve():
+        attr = node.attr if isinstance(node, ast.Attribute) else None
+        text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+        if attr in RAW_LAYOUT_FLAGS or text in RAW_LAYOUT_FLAGS:
+            reads.append(f"{name}:{node.lineno} {attr or text}")
     assert not reads, "read the resolved Topology (settings.topology) instead: " + ", ".join(reads)
 
 
@@ -61,14 +66,10 @@ DERIVED = {
 
 def test_below_resolve_the_batch_and_the_split_are_read_from_batching_and_topology():
     reads = []
-    for path in sorted((REPO / "rapidlite").rglob("*.py")):
-        name = str(path.relative_to(REPO))
-        if name.startswith(ALLOWED):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), name)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
-                if node.attr in DERIVED.get(node.value.attr, ()):
-                    reads.append(f"{name}:{node.lineno} .{node.value.attr}.{node.attr}")
+    for name, node in below_resolve():
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            if node.attr in DERIVED.get(node.value.attr, ()):
+                reads.append(f"{name}:{node.lineno} .{node.value.attr}.{node.attr}")
     assert not reads, "read settings.batching / settings.topology instead: " + ", ".join(reads)
 
 
