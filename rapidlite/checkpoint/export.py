@@ -89,12 +89,11 @@ def install(tmp: Path, out_dir: Path) -> None:
 
 
 def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory: Path) -> None:
-    from rapidlite.models.hf import quiet_deepspeed_accelerator, saved_config, unquantized
+    from rapidlite.models.hf import plain_save, saved_config, unquantized
     from rapidlite.models.spec import spec_of
 
     save = spec_of(model).save
-    quiet_deepspeed_accelerator()
-    with saved_config(model):
+    with saved_config(model), plain_save():
         if save is not None:  # the family writes Hugging Face's layout itself (the built-in GPT)
             save(model, weights, directory)
         else:

@@ -105,9 +105,6 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
 
     task = get_task(config.task)
     if config.demo:
-        from rapidlite.models.hf import quiet_deepspeed_accelerator
-
-        quiet_deepspeed_accelerator()  # the demo's model is written with save_pretrained
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
         return dry_run(config, argv)

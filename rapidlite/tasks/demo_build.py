@@ -115,6 +115,8 @@ class DemoSpec:
         import torch
         import transformers
 
+        from rapidlite.models.hf import plain_save
+
         model_class = getattr(transformers, self.model)
         config = model_class.config_class(**self.token_config(tokenizer), **label_maps(self.labels), **self.config)
         with torch.random.fork_rng(devices=[]):  # seeding must not change the caller's RNG stream
@@ -122,7 +124,8 @@ class DemoSpec:
             model = model_class(config)
             if self.init is not None:
                 self.init(model)
-        model.save_pretrained(model_dir)
+        with plain_save():
+            model.save_pretrained(model_dir)
 
     def prepare(self) -> None:
         """Write (once) the embedded demo's model, tokenizer and data in the cache."""

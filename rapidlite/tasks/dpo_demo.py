@@ -99,11 +99,14 @@ class _SFTDemoSpec(DemoSpec):
 
         import transformers
 
+        from rapidlite.models.hf import plain_save
+
         super()._write_model(model_dir, tokenizer, seed)
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         rows = [json.loads(line) for line in open(model_dir.parent / "sft.jsonl", encoding="utf-8")]
         sft(model, tokenizer, rows, seed)
-        model.save_pretrained(model_dir)
+        with plain_save():
+            model.save_pretrained(model_dir)
 
 
 def build_tokenizer(build: Any) -> Any:
