@@ -170,7 +170,8 @@ class Finetuner(BaseTrainer):
                     break
                 if self._step(micro):
                     return self.last_evaluation
-            if self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters:
+            at_end = self.iteration % self.steps_per_epoch == 0 or self.iteration >= self.total_iters
+            if at_end and self.validated_at != self.iteration:  # not again where --eval-interval just validated
                 self.evaluate("validation")
         if self.test_dataloader is not None:
             self.evaluate("test")
