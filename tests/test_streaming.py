@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import english_corpus, read_metrics, run_cli
+from helpers import english_corpus, rapidlite_captured, read_metrics, run_cli
 from rapidlite.data.gpt_dataset import SampleCutter
 from rapidlite.data.instruction import CausalLMCollator
 from rapidlite.data.packing import Encoded, Packer, pack
@@ -250,7 +250,7 @@ def test_streaming_combinations_that_cannot_work_are_one_line(extra, message):
     if "pretraining" in extra:
         argv = [a for a in argv if a not in ("--pretrained-model-name-or-path", "m")]
         argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "9"]
-    proc = run_cli(*argv, *extra)
+    proc = rapidlite_captured(*argv, *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
