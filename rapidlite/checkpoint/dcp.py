@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -73,10 +74,10 @@ def _one_process_is_fine():
 
 
 def _zero1_local(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The optimizer over this rank's share of the parameters, for ZeRO-1's sharded optimizer."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    """The optimizer over this rank's share of the parameters, for ZeRO-1's sharded optimizer. Its module is
+    loaded where one was built: without it (every other layout), no import just to answer no."""
+    zero = sys.modules.get("torch.distributed.optim")
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else None
 
 
 def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
