@@ -163,9 +163,9 @@ def plain_save() -> Iterator[None]:
     DeepSpeed run) nothing is changed."""
     import sys
 
-    import transformers.modeling_utils as modeling_utils
-
-    if "deepspeed" in sys.modules or not hasattr(modeling_utils, "unwrap_model"):
+    # Loaded by any model whose save_pretrained is Hugging Face's; the built-in GPT's own save never needs it.
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None or "deepspeed" in sys.modules or not hasattr(modeling_utils, "unwrap_model"):
         yield
         return
     unwrap = modeling_utils.unwrap_model
