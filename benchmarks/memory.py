@@ -80,7 +80,7 @@ class Workload:
 
 
 M = Workload()
-QUICK = Workload(layers=2, hidden=64, heads=2, ffn=176, seq=128, vocabs=(8192, 32768), steps=3, rank=4)
+QUICK = Workload(layers=2, hidden=64, heads=2, ffn=176, seq=128, vocabs=(8192,), steps=3, rank=4)
 LOSSES: list[float] = []  # the contender's loss at each step, checked against the other's
 LOSS_TOLERANCE = 1e-4  # relative, every step: both compute the same fp32 loss and AdamW update
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
