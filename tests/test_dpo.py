@@ -14,6 +14,7 @@ from helpers import (
     as_layout,
     assert_same_metrics,
     big_vocab_llama,
+    rapidlite,
     rapidlite_captured,
     read_jsonl,
     read_metrics,
@@ -306,16 +307,17 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
-    """``get(name)``: the --save directory of layout ``name`` (3 SGD steps with --rpo-alpha, then validation), run
-    once."""
+    """``get(name)``: the --save directory of layout ``name`` (2 SGD steps with --rpo-alpha, then validation), run
+    once (a one-process layout in this process)."""
     model_dir, pairs = assets
     root = tmp_path_factory.mktemp("dpo-layouts")
     done = {}
 
     def get(name):
         if name not in done:
-            common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "1e-2", "--rpo-alpha", "0.5"]
-            proc = run_cli(*dpo_args(model_dir, pairs, *common, *LAYOUTS[name], "--save", str(root / name)))
+            common = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "1e-2", "--rpo-alpha", "0.5"]
+            run = rapidlite if "--nproc-per-node" in LAYOUTS[name] else rapidlite_captured
+            proc = run(*dpo_args(model_dir, pairs, *common, *LAYOUTS[name], "--save", str(root / name)))
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[name] = root / name
         return done[name]

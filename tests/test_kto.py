@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import assert_same_metrics, big_vocab_llama, run_cli, write_jsonl
+from helpers import assert_same_metrics, big_vocab_llama, rapidlite, rapidlite_captured, write_jsonl
 from rapidlite import RapidliteEngine
 from rapidlite.data.preference import Counts, UnpairedCollator, add_kl_completions, encode_unpaired, unpaired_rows
 from rapidlite.models.head import MIN_VOCAB, loss_line
@@ -250,7 +250,7 @@ def runs(assets, tmp_path_factory):
     def get(name, *flags):
         if name not in done:
             common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "1e-2", *WEIGHTS]
-            proc = run_cli(*kto_args(model_dir, data, *common, *flags, "--save", str(root / name)))
+            proc = rapidlite(*kto_args(model_dir, data, *common, *flags, "--save", str(root / name)))
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[name] = root / name
         return done[name]
@@ -311,7 +311,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(assets, tmp_path, case
     elif case == "no_completion":
         rows = [{k: v for k, v in r.items() if k != "completion"} for r in rows]
     directory = write_jsonl(tmp_path / case, "train", rows)
-    proc = run_cli(*kto_args(model_dir, directory, *extra, "--save", str(tmp_path / "run")))
+    proc = rapidlite_captured(*kto_args(model_dir, directory, *extra, "--save", str(tmp_path / "run")))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]

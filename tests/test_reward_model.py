@@ -18,10 +18,10 @@ from helpers import (
     REPO,
     as_layout,
     assert_same_metrics,
+    rapidlite,
     rapidlite_captured,
     read_jsonl,
     read_metrics,
-    run_cli,
     write_jsonl,
 )
 from rapidlite import RapidliteEngine
@@ -226,16 +226,17 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layout_runs(assets, tmp_path_factory):
-    """``get(name)``: the --save directory of layout ``name`` (3 SGD steps, then validation), run once."""
+    """``get(name)``: the --save directory of layout ``name`` (2 SGD steps, then validation), run once (a
+    one-process layout in this process)."""
     model_dir, root = assets
     out = tmp_path_factory.mktemp("reward-layouts")
-    common = ["--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--global-batch-size", "8"]
+    common = ["--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--global-batch-size", "8"]
     done = {}
 
     def get(name):
         if name not in done:
             argv = reward_args(model_dir, root / "margin", *common, *LAYOUTS[name], "--save", str(out / name))
-            proc = run_cli(*argv)
+            proc = (rapidlite if "--nproc-per-node" in LAYOUTS[name] else rapidlite_captured)(*argv)
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[name] = out / name
         return done[name]
