@@ -9,6 +9,7 @@ from helpers import (
     bert_run_args,
     layout_runs,
     rapidlite,
+    rapidlite_captured,
     read_metrics,
     train_losses,
     write_tiny_corpus,
@@ -52,13 +53,13 @@ def state(save):
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory, data):
     """``get(name, model_args)``: the one-process reference run of a Hugging Face model (6 iterations,
-    checkpoints at 3 and 6), trained once and shared by the module's tests."""
+    checkpoints at 3 and 6), trained once in this process and shared by the module's tests."""
     root, done = tmp_path_factory.mktemp("tp_single"), {}
 
     def get(name, model):
         if name not in done:
             argv = [*COMMON, *data, *model, *LAYOUTS["single"], "--train-iters", "6", "--save-interval", "3"]
-            proc = rapidlite(*argv, "--save", str(root / name))
+            proc = rapidlite_captured(*argv, "--save", str(root / name))
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[name] = root / name
         return done[name]
@@ -99,7 +100,7 @@ def test_checkpoints_reshard_across_layouts(runs, data, tmp_path, first, then):
     shutil.copytree(runs(first) / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest").write_text("3")
     argv = [*COMMON, *data, *LAYOUTS[then], "--train-iters", "6", "--load", str(resumed), "--save", str(resumed)]
-    proc = rapidlite(*argv)
+    proc = (rapidlite if "--nproc-per-node" in LAYOUTS[then] else rapidlite_captured)(*argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_lists(train_losses(resumed), train_losses(runs("single"))[3:], rtol=1e-5)
 
@@ -114,16 +115,19 @@ def test_mixed_precision_and_recompute_run_under_tensor_parallel(data, tmp_path)
 
 
 @pytest.mark.parametrize(
-    "argv,message",
+    "argv,message,launched",
     [
-        (["--hidden-size", "48", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible by"),
-        (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline parallel size 2 x 1"),
-        (["--zero-1-memory-optimization"], "--zero-1-memory-optimization does not combine"),
+        (["--hidden-size", "48", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible by", True),
+        (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline parallel size 2 x 1", False),
+        (["--zero-1-memory-optimization"], "--zero-1-memory-optimization does not combine", False),
     ],
 )
-def test_bad_layouts_are_one_line(data, argv, message):
+def test_bad_layouts_are_one_line(data, argv, message, launched):
+    """``launched``: the workers find the error (a launch); else the launcher refuses before it starts any, so
+    the command runs in this process."""
     base = [*COMMON, *data, "--micro-batch-size", "4", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"]
-    proc = rapidlite(*base, *argv, "--train-iters", "2", timeout=120)
+    argv = [*base, *argv, "--train-iters", "2"]
+    proc = rapidlite(*argv, timeout=120) if launched else rapidlite_captured(*argv)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("rapidlite: error:")]
@@ -170,17 +174,28 @@ def gpt2(tmp_path_factory):
     return ["--pretrained-model-name-or-path", str(path)]
 
 
+@pytest.fixture(scope="module")
+def gpt2_tp2(tmp_path_factory, data, gpt2):
+    """GPT-2 under tensor parallelism 2 (6 iterations, checkpoints at 3 and 6), trained once for the module."""
+    save = tmp_path_factory.mktemp("gpt2_tp2") / "tp2"
+    argv = [*COMMON, *data, *gpt2, *LAYOUTS["tp2"], "--train-iters", "6", "--save-interval", "3"]
+    proc = rapidlite(*argv, "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return save
+
+
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "tp2_dp2_fsdp"])
-def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, single_run, tmp_path, layout):
+def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, single_run, gpt2_tp2, tmp_path, layout):
     """GPT-2's fused q/k/v projection is split column-wise in its original layout and regrouped per head
     after the projection, so checkpoints and the export stay Hugging Face's."""
     from transformers import AutoModelForCausalLM
 
     layouts = {"tp2": LAYOUTS["tp2"], "tp2_sp": LAYOUTS["tp2_sp"]}
     layouts["tp2_dp2_fsdp"] = [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]
-    saves = {"single": single_run("gpt2", gpt2), layout: tmp_path / layout}
-    proc = rapidlite(*COMMON, *data, *gpt2, *layouts[layout], "--train-iters", "6", "--save", str(saves[layout]))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    saves = {"single": single_run("gpt2", gpt2), layout: gpt2_tp2 if layout == "tp2" else tmp_path / layout}
+    if layout != "tp2":
+        proc = rapidlite(*COMMON, *data, *gpt2, *layouts[layout], "--train-iters", "6", "--save", str(saves[layout]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
     assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
     single_bytes, split_bytes = state(saves["single"])["param_bytes"], state(saves[layout])["param_bytes"]
@@ -191,11 +206,8 @@ def test_hugging_face_gpt2_tensor_parallel_trains_like_one_process(data, gpt2, s
         assert (actual[k] - v).abs().max().item() < 1e-4, k
 
 
-def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, single_run, tmp_path):
-    saves = {"single": single_run("gpt2", gpt2), "tp2": tmp_path / "tp2"}
-    argv = [*COMMON, *data, *gpt2, *LAYOUTS["tp2"], "--train-iters", "6", "--save-interval", "3"]
-    proc = rapidlite(*argv, "--save", str(saves["tp2"]))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, single_run, gpt2_tp2, tmp_path):
+    saves = {"single": single_run("gpt2", gpt2), "tp2": gpt2_tp2}
     import shutil
 
     resumed = tmp_path / "resumed"
@@ -203,7 +215,7 @@ def test_gpt2_tensor_parallel_checkpoint_resumes_on_one_process(data, gpt2, sing
     shutil.copytree(saves["tp2"] / "iter_0000003", resumed / "iter_0000003")
     (resumed / "latest").write_text("3")
     argv = [*COMMON, *data, *gpt2, *LAYOUTS["single"], "--train-iters", "6", "--load", str(resumed)]
-    proc = rapidlite(*argv, "--save", str(resumed))
+    proc = rapidlite_captured(*argv, "--save", str(resumed))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_lists(train_losses(resumed), train_losses(saves["single"])[3:], rtol=1e-5)
 
@@ -223,20 +235,26 @@ def test_families_without_a_plan_are_one_line(data, tmp_path):
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    return bert_run_args(tmp_path_factory.mktemp("bert"))
+    """The BERT pretraining flags (micro-batches of 2) and their one-process reference run, trained once for the
+    module in this process."""
+    root = tmp_path_factory.mktemp("bert")
+    argv = [*bert_run_args(root), "--micro-batch-size", "2"]
+    proc = rapidlite_captured(*argv, "--save", str(root / "single"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return argv, root / "single"
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_dp2_fsdp"])
 def test_hugging_face_bert_tensor_parallel_trains_like_one_process(bert, tmp_path, layout):
     """BertForPreTraining (masked LM + next sentence): its own loss, on the gathered decoder logits. Its loss
-    is a mean per micro-batch, so the one-process run uses the same micro-batches (of 2 with dp2)."""
-    layouts = {"tp2": LAYOUTS["tp2"], "tp2_dp2_fsdp": [*LAYOUTS["tp2_dp2"], "--zero-3-memory-optimization"]}
-    layouts["single"] = ["--micro-batch-size", "4" if layout == "tp2" else "2"]
-    saves = {}
-    for name in ("single", layout):
-        saves[name] = tmp_path / name
-        proc = rapidlite(*bert, *layouts[name], "--save", str(saves[name]))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    is a mean per micro-batch, so every layout and the one-process run use the same micro-batches (of 2)."""
+    argv, single = bert
+    layouts = {"tp2": ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"]}
+    layouts["tp2_dp2_fsdp"] = ["--nproc-per-node", "4", "--tensor-model-parallel-size", "2"]
+    layouts["tp2_dp2_fsdp"] += ["--zero-3-memory-optimization"]
+    saves = {"single": single, layout: tmp_path / layout}
+    proc = rapidlite(*argv, *layouts[layout], "--save", str(saves[layout]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(train_losses(saves[layout])) == 5
     assert_close_lists(train_losses(saves[layout]), train_losses(saves["single"]), rtol=1e-5)
     assert_close_lists(train_losses(saves[layout], "grad_norm"), train_losses(saves["single"], "grad_norm"), rtol=1e-5)
