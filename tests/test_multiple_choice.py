@@ -114,13 +114,13 @@ def test_choice_dicts_with_answer_keys(tokenizer):
 
 
 def test_accuracy_agrees_with_the_reference():
-    """torchmetrics' accuracy over the questions, by hand and as scikit-learn computes it."""
+    """The accuracy over the questions, by hand and as scikit-learn computes it."""
     preds = torch.tensor([0, 1, 2, 3, 1, 1, 0])
     labels = torch.tensor([0, 1, 1, 3, 2, 1, 3])
-    assert multiple_choice_accuracy(preds, labels, 4) == pytest.approx(4 / 7)
-    assert multiple_choice_accuracy(torch.tensor([1, 0]), torch.tensor([1, 0]), 2) == 1.0
+    assert multiple_choice_accuracy(preds, labels) == pytest.approx(4 / 7)
+    assert multiple_choice_accuracy(torch.tensor([1, 0]), torch.tensor([1, 0])) == 1.0
     sklearn = pytest.importorskip("sklearn.metrics")
-    assert multiple_choice_accuracy(preds, labels, 4) == pytest.approx(sklearn.accuracy_score(labels, preds))
+    assert multiple_choice_accuracy(preds, labels) == pytest.approx(sklearn.accuracy_score(labels, preds))
 
 
 def test_cli_run_exports_a_multiple_choice_model_and_eval_only_rescores_it(tiny_assets, tmp_path):

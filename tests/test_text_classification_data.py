@@ -8,6 +8,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import csv  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import datasets  # noqa: E402
@@ -394,6 +396,67 @@ def test_regression_metrics_are_pearson_spearman_and_mse():
     assert metrics["pearson"] == pytest.approx(pearsonr(scores, labels)[0], rel=1e-6)
     assert metrics["spearmanr"] == pytest.approx(spearmanr(scores, labels)[0], rel=1e-6)
     assert metrics["loss"] == pytest.approx(float(((scores - labels) ** 2).mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("num_labels", [2, 3, 5])
+def test_classification_metrics_equal_torchmetrics(num_labels):
+    """Accuracy and F1 (binary: the positive class; more labels: macro over the classes that occur) equal
+    torchmetrics' on random predictions, with classes missing from either side; no rows give NaN."""
+    from torchmetrics.functional.classification import binary_f1_score, multiclass_accuracy, multiclass_f1_score
+
+    from rapidlite.evaluation.metrics import classification_metrics
+
+    generator = torch.Generator().manual_seed(num_labels)
+    cases = [torch.randint(0, num_labels, (2, n), generator=generator) for n in (1, 7, 50, 200)]
+    cases += [torch.tensor([[0, 0, 0], [0, 0, 0]]), torch.tensor([[0, 1, 0], [1, 1, 1]])]  # one class; no negatives
+    for preds, labels in cases:
+        ours = classification_metrics(preds, labels, num_labels)
+        accuracy = multiclass_accuracy(preds, labels, num_classes=max(num_labels, 2), average="micro")
+        if num_labels == 2:
+            f1 = binary_f1_score(preds, labels)
+        else:
+            f1 = multiclass_f1_score(preds, labels, num_classes=num_labels, average="macro")
+        assert ours == pytest.approx({"accuracy": float(accuracy), "f1": float(f1)}, rel=1e-6), (preds, labels)
+    empty = classification_metrics(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long), 3)
+    assert all(v != v for v in empty.values())
+
+
+def test_regression_metrics_equal_torchmetrics_with_ties():
+    """Pearson, Spearman (tied values share their mean rank) and the mean squared error equal torchmetrics' and
+    scipy's on random scores, with ties on both sides; a constant side gives NaN correlations."""
+    from scipy.stats import spearmanr
+    from torchmetrics.functional import mean_squared_error, pearson_corrcoef, spearman_corrcoef
+
+    from rapidlite.evaluation.metrics import regression_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (2, 9, 100):
+        scores = torch.randint(0, 5, (n,), generator=generator).double() / 2  # STS-B's half steps: many ties
+        labels = torch.rand(n, generator=generator, dtype=torch.float64).mul(5).round()
+        if scores.std() == 0 or labels.std() == 0:
+            continue
+        ours = regression_metrics(scores, labels)
+        assert ours["pearson"] == pytest.approx(float(pearson_corrcoef(scores, labels)), rel=1e-6)
+        assert ours["spearmanr"] == pytest.approx(float(spearman_corrcoef(scores, labels)), rel=1e-6)
+        assert ours["spearmanr"] == pytest.approx(spearmanr(scores, labels)[0], rel=1e-6)
+        assert ours["loss"] == pytest.approx(float(mean_squared_error(scores, labels)), rel=1e-6)
+    constant = regression_metrics(torch.ones(4), torch.arange(4.0))
+    assert constant["pearson"] != constant["pearson"] and constant["loss"] == pytest.approx(1.5)
+
+
+def test_scoring_a_classifier_imports_no_torchmetrics():
+    """Importing torchmetrics costs an evaluating process about 2.5 s of CPU; classification does not need it."""
+    code = (
+        "import sys, torch\n"
+        "from rapidlite.evaluation.metrics import classification_metrics, multiple_choice_accuracy, "
+        "regression_metrics\n"
+        "classification_metrics(torch.tensor([0, 1]), torch.tensor([1, 1]), 2)\n"
+        "regression_metrics(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 2.0]))\n"
+        "multiple_choice_accuracy(torch.tensor([0]), torch.tensor([0]))\n"
+        "print('torchmetrics' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
 
 
 def test_empty_train_is_refused(tokenizer):

@@ -83,8 +83,9 @@ class TaskSpec:
     # logits: "sum" a summed loss, "tokens" per-token log-probabilities (each chunk recomputed in the backward).
     chunked_loss: Literal["sum", "tokens"] | None = None
     # The modules the run imports beyond torch and transformers, which the planner loads before it reads a CPU
-    # run's resident size.
-    libraries: tuple[str, ...] = ("datasets", "torchmetrics")
+    # run's resident size (every task but pretraining reads its data through datasets; only seq2seq scores
+    # through torchmetrics).
+    libraries: tuple[str, ...] = ("datasets",)
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
     streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
 

@@ -1,5 +1,8 @@
-"""Task metrics, computed as the community computes them (torchmetrics; seqeval's rules for tagging; SQuAD's
-official scoring), on predictions gathered from every rank."""
+"""Task metrics, computed as the community computes them (GLUE's accuracy, F1 and correlations as torchmetrics and
+scipy compute them; seqeval's rules for tagging; SQuAD's official scoring), on predictions gathered from every
+rank. They are written out here, a few lines each and tested equal to those libraries, because importing
+torchmetrics costs every evaluating process about 2.5 s of CPU (its package imports its audio, text and plotting
+modules, scipy.signal, transformers and matplotlib); only seq2seq's BLEU and ROUGE still import it."""
 
 from __future__ import annotations
 
@@ -13,43 +16,57 @@ import torch
 
 
 def classification_metrics(logits_argmax: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict[str, float]:
-    """Accuracy and F1 (positive class for two labels, macro average for more), from torchmetrics."""
-    # Imported here: torchmetrics takes seconds to import (scipy), which tasks without classification skip.
-    from torchmetrics.functional.classification import binary_f1_score, multiclass_accuracy, multiclass_f1_score
-
-    preds, target = logits_argmax.cpu(), labels.cpu()
+    """Accuracy and F1 (of the positive class for two labels; for more, the macro average over the classes that
+    occur in either the labels or the predictions), as torchmetrics' ``multiclass_accuracy`` (micro),
+    ``binary_f1_score`` and ``multiclass_f1_score(average="macro")`` compute them (tested equal). A zero
+    denominator scores 0. No rows: NaN."""
+    preds, target = logits_argmax.cpu().long(), labels.cpu().long()
+    if target.numel() == 0:
+        return {"accuracy": float("nan"), "f1": float("nan")}
+    accuracy = float((preds == target).double().mean())
+    classes = torch.arange(max(num_labels, 2))
+    predicted, actual = preds[:, None] == classes, target[:, None] == classes  # [rows, classes]
+    tp = (predicted & actual).sum(0).double()
+    fp, fn = (predicted & ~actual).sum(0).double(), (~predicted & actual).sum(0).double()
+    denominator = 2 * tp + fp + fn
+    f1 = torch.where(denominator > 0, 2 * tp / denominator.clamp(min=1), torch.zeros_like(tp))
     if num_labels == 2:
-        f1 = binary_f1_score(preds, target)
-    else:
-        f1 = multiclass_f1_score(preds, target, num_classes=num_labels, average="macro")
-    accuracy = multiclass_accuracy(preds, target, num_classes=max(num_labels, 2), average="micro")
-    return {"accuracy": float(accuracy), "f1": float(f1)}
+        return {"accuracy": accuracy, "f1": float(f1[1])}
+    occurring = denominator > 0
+    return {"accuracy": accuracy, "f1": float(f1[occurring].mean())}
+
+
+def _average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of ``x``, tied values sharing the mean of their ranks (scipy's ``rankdata``)."""
+    _, inverse, counts = torch.unique(x, sorted=True, return_inverse=True, return_counts=True)
+    first = torch.cumsum(counts, 0) - counts  # the 0-based rank of each distinct value's first occurrence
+    return (first + (counts + 1) / 2).double()[inverse]
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    dx, dy = x - x.mean(), y - y.mean()
+    return float((dx * dy).sum() / ((dx * dx).sum().sqrt() * (dy * dy).sum().sqrt()))
 
 
 def regression_metrics(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Pearson and Spearman correlation (run_glue's STS-B metrics, from torchmetrics) and ``loss``, the mean squared
-    error the model trains on."""
-    from torchmetrics.functional import mean_squared_error, pearson_corrcoef, spearman_corrcoef
-
+    """Pearson and Spearman correlation (run_glue's STS-B metrics; tested equal to scipy's and torchmetrics')
+    and ``loss``, the mean squared error the model trains on. A constant side has no correlation: NaN."""
     if scores.numel() == 0:
         return {"pearson": float("nan"), "spearmanr": float("nan"), "loss": float("nan")}
     preds, target = scores.double().cpu(), labels.double().cpu()
     correlated = preds.numel() > 1 and bool(preds.std() > 0) and bool(target.std() > 0)
     return {
-        "pearson": float(pearson_corrcoef(preds, target)) if correlated else float("nan"),
-        "spearmanr": float(spearman_corrcoef(preds, target)) if correlated else float("nan"),
-        "loss": float(mean_squared_error(preds, target)),
+        "pearson": _pearson(preds, target) if correlated else float("nan"),
+        "spearmanr": _pearson(_average_ranks(preds), _average_ranks(target)) if correlated else float("nan"),
+        "loss": float(((preds - target) ** 2).mean()),
     }
 
 
-def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor, num_choices: int) -> float:
-    """The share of questions whose highest-scored choice is the labelled one (torchmetrics' micro accuracy)."""
-    from torchmetrics.functional.classification import multiclass_accuracy
-
+def multiple_choice_accuracy(preds: torch.Tensor, labels: torch.Tensor) -> float:
+    """The share of questions whose highest-scored choice is the labelled one (run_swag's accuracy)."""
     if labels.numel() == 0:
         return float("nan")
-    accuracy = multiclass_accuracy(preds.cpu(), labels.cpu(), num_classes=max(num_choices, 2), average="micro")
-    return float(accuracy)
+    return float((preds.cpu().long() == labels.cpu().long()).double().mean())
 
 
 # ------------------------------------------------------------------------------------------------ tagging

@@ -308,8 +308,8 @@ def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
     return total
 
 
-# What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow), its
-# metrics through torchmetrics. Their resident size (about 80 and 60 MiB) is part of the run's.
+# What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow, about
+# 80 MiB); seq2seq's metrics through torchmetrics (about 60 MiB). Their resident size is part of the run's.
 def _runtime_bytes(task: Any) -> int:
     """The run's resident size before its tensors: this process's (it has imported torch, transformers and
     rapidlite as the run does), with the libraries the task's run loads (``TaskSpec.libraries``)."""

@@ -108,7 +108,7 @@ class MultipleChoiceFinetuner(Finetuner):
             losses.append(self.gather(F.cross_entropy(scores, target.clamp(min=0), reduction="none")))
         preds_t, labels_t, losses_t = torch.cat(preds), torch.cat(labels), torch.cat(losses)
         keep = labels_t >= 0
-        metrics = {"accuracy": multiple_choice_accuracy(preds_t[keep], labels_t[keep], self.data.num_choices)}
+        metrics = {"accuracy": multiple_choice_accuracy(preds_t[keep], labels_t[keep])}
         metrics["loss"] = float(losses_t[keep].double().mean()) if keep.any() else float("nan")
         return metrics
 
