@@ -42,6 +42,29 @@ def log_lines():
 OPT_IN = ("soak", "slurm", "docker")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), tests are handed out one by one (``--dist load``) except the groups of
+    ``_one_worker_per_shared_fixture``, which each go to one worker (``loadgroup``). An explicit ``--dist`` other
+    than ``load`` is kept."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+def _one_worker_per_shared_fixture(items) -> None:
+    """A module whose tests share a module- or session-scoped fixture of its own (a reference run, the runs of
+    several layouts) is one group: its tests run on one worker, so that fixture is computed once. Under
+    ``--dist load`` each worker that got one of its tests computed it again (the memory plan's eleven task runs
+    were trained twice)."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (info.name2fixturedefs.values() if info is not None else ()):
+            if defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
+                item.add_marker(pytest.mark.xdist_group(module))
+                break
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
     """Opt-in tests are deselected unless the ``-m`` expression names their marker: ``soak`` (a scenario the default
     suite runs once, repeated for statistics), ``slurm`` (a private Slurm, 2-3 minutes) and ``docker`` (builds the
@@ -54,6 +77,7 @@ def pytest_collection_modifyitems(config, items):
     if len(chosen) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
         items[:] = chosen
+    _one_worker_per_shared_fixture(items)
 
 
 @pytest.fixture(autouse=True)
