@@ -1,6 +1,8 @@
 import fcntl
+import functools
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -39,45 +41,53 @@ def log_lines():
     logger.removeHandler(handler)
 
 
-OPT_IN = ("soak", "slurm", "docker")
+OPT_IN = ("soak", "slurm", "docker", "exclusive")
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (``-n``), tests are handed out one by one (``--dist load``) except the groups of
-    ``_one_worker_per_shared_fixture``, which each go to one worker (``loadgroup``). An explicit ``--dist`` other
-    than ``load`` is kept."""
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+_SHARED_FIXTURE = re.compile(r"^@pytest\.fixture\(scope=\"(module|session)\"", re.MULTILINE)
 
 
-def _one_worker_per_shared_fixture(items) -> None:
-    """A module whose tests share a module- or session-scoped fixture of its own (a reference run, the runs of
-    several layouts) is one group: its tests run on one worker, so that fixture is computed once. Under
-    ``--dist load`` each worker that got one of its tests computed it again (the memory plan's eleven task runs
-    were trained twice)."""
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        info = getattr(item, "_fixtureinfo", None)
-        for defs in (info.name2fixturedefs.values() if info is not None else ()):
-            if defs[-1].scope in ("module", "session") and defs[-1].baseid == module:
-                item.add_marker(pytest.mark.xdist_group(module))
-                break
+@functools.cache
+def _shares_a_fixture(path: Path) -> bool:
+    """Whether the test module at ``path`` defines a module- or session-scoped fixture of its own."""
+    try:
+        return bool(_SHARED_FIXTURE.search(path.read_text()))
+    except OSError:
+        return False
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` (``--dist load``, the default), tests are handed out one at a time, except the tests of a
+    module that defines a module- or session-scoped fixture (a reference run, the runs of several layouts): those
+    go to one worker together, so that fixture is computed once. Handed out one by one, each worker that got one
+    of them computed it again (the memory plan's eleven task runs were trained on both workers). pytest-xdist's
+    ``--dist loadgroup`` would do this from markers, but it renames test ids, which pytest 9 no longer allows; the
+    scheduler sees test ids only, so the module's file says. Another ``--dist`` keeps xdist's own scheduler."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _shares_a_fixture(config.rootpath / module) else nodeid
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Opt-in tests are deselected unless the ``-m`` expression names their marker: ``soak`` (a scenario the default
-    suite runs once, repeated for statistics), ``slurm`` (a private Slurm, 2-3 minutes) and ``docker`` (builds the
-    image, 5-6 minutes). ``pytest -m slurm`` runs those; ``-m "docker or not docker"`` runs everything else too. A
-    ``-m 'not soak'`` in addopts would be replaced by any ``-m`` given on the command line (``-m distributed`` would
-    then run them too)."""
+    suite runs once, repeated for statistics), ``slurm`` (a private Slurm, 2-3 minutes), ``docker`` (builds the
+    image, 5-6 minutes) and ``exclusive`` (times the machine with nothing else running: 3-5 minutes in which the
+    other workers wait; a timing is a benchmark's to print, not the default suite's to assert). ``pytest -m slurm``
+    runs those; ``-m "docker or not docker"`` runs everything else too. A ``-m 'not soak'`` in addopts would be
+    replaced by any ``-m`` given on the command line (``-m distributed`` would then run them too)."""
     expression = config.option.markexpr or ""
     skipped = [name for name in OPT_IN if name not in expression]
     chosen = [item for item in items if not any(item.get_closest_marker(name) for name in skipped)]
     if len(chosen) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
         items[:] = chosen
-    _one_worker_per_shared_fixture(items)
 
 
 @pytest.fixture(autouse=True)

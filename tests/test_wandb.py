@@ -62,6 +62,8 @@ def _log_records(path: Path) -> list[bytes]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a chunk the writer has not finished
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             records.append(chunk)
@@ -78,10 +80,18 @@ def _log_records(path: Path) -> list[bytes]:
 
 def read_offline_run(run_dir: Path, timeout: float = 30) -> dict:
     """``{"id", "project", "name", "start", "config", "history", "exit_code"}`` of one offline run directory. W&B's
-    service process writes the file on its own time after ``finish`` returns: read until the exit record is in."""
+    service process writes the file on its own time after ``finish`` returns: read until the exit record is in
+    (a record caught half-written does not parse yet)."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout
     while True:
-        run = _parse_offline_run(run_dir)
+        try:
+            run = _parse_offline_run(run_dir)
+        except DecodeError:
+            if time.monotonic() > deadline:
+                raise
+            run = {"exit_code": None}
         if run["exit_code"] is not None or time.monotonic() > deadline:
             return run
         time.sleep(0.1)
