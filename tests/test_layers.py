@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli and compat", ("rapidlite.cli", "rapidlite.__main__", "rapidlite.compat")),
     ("tasks", ("rapidlite.tasks",)),
     ("trainer", ("rapidlite.trainer",)),
+    ("generation", ("rapidlite.generation",)),
     ("engine", ("rapidlite.engine",)),
     ("planning", ("rapidlite.planning",)),
     ("resolve", ("rapidlite.resolve",)),

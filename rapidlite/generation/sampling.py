@@ -1,0 +1,160 @@
+"""Sampling completions from the training model, with a key/value cache, keyed per completion.
+
+``sample(model, prompts, keys, settings)`` completes each prompt (token ids) once per key: the prompts are
+left-padded into batches of ``settings.batch_size``, run once through the model to fill the cache, then extended
+one token a step until every row has ended (EOS) or reached ``max_completion_length``. Each step's logits go
+through Hugging Face's own logits processors in ``generate``'s order (repetition penalty, then temperature, top-k,
+top-p, min-p: ``transformers.generation.logits_process``), and each row draws its token from a random stream of
+its own, seeded by its key (``completion_key``): a completion depends on its prompt and its key only, never on
+which rank, batch or row it was sampled in, so a run on N ranks samples what one process samples.
+
+The model is any causal LM whose forward takes ``past_key_values`` (Hugging Face's, LoRA-wrapped or not); under
+tensor parallelism every rank of the group runs the same steps and draws the same tokens (its logits are
+gathered). Parameters sharded by ZeRO-3 are gathered for the whole rollout by the caller (the strategy's
+``gathered_for_generation``), not once a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """``--max-completion-length``, ``--temperature``, ``--top-p``, ``--top-k`` (0: off), ``--min-p`` (None: off),
+    ``--repetition-penalty`` and ``--generation-batch-size`` (completions a forward): TRL's names and defaults."""
+
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    batch_size: int = 32
+
+
+def completion_key(seed: int, rollout: int, index: int) -> int:
+    """The random stream of the ``index``-th completion of the ``rollout``-th rollout of a run seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{rollout}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class Completions:
+    """Per completion: its token ids (up to and including the first EOS) and whether it was cut at the length
+    limit without one."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+
+
+def _processors(settings: SamplingSettings):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out = LogitsProcessorList()
+    if settings.repetition_penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(settings.repetition_penalty))
+    if settings.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k:
+        out.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p < 1.0:
+        out.append(TopPLogitsWarper(settings.top_p))
+    if settings.min_p is not None:
+        out.append(MinPLogitsWarper(settings.min_p))
+    return out
+
+
+def _last_logits(out) -> torch.Tensor:
+    logits = out.logits[:, -1]
+    if hasattr(logits, "full_tensor"):  # tensor parallelism: the vocabulary's shards gathered
+        logits = logits.full_tensor()
+    return logits.float()
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    keys: Sequence[int],
+    settings: SamplingSettings,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int | None,
+) -> Completions:
+    """One completion of ``prompts[i]`` for ``keys[i]``, for every i (see the module's docstring). A tokenizer
+    without a pad token pads with EOS (no padded position is ever attended to or kept)."""
+    if len(prompts) != len(keys):
+        raise ValueError(f"{len(prompts)} prompts for {len(keys)} keys")
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+    ids: list[list[int]] = []
+    truncated: list[bool] = []
+    for start in range(0, len(prompts), settings.batch_size):
+        batch = _sample_batch(
+            model, prompts[start : start + settings.batch_size], keys[start : start + settings.batch_size],
+            settings, eos_token_id, pad_token_id,
+        )  # fmt: skip
+        ids += batch.ids
+        truncated += batch.truncated
+    return Completions(ids, truncated)
+
+
+def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id) -> Completions:
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
+            mask[row, width - len(prompt) :] = 1
+    streams = [torch.Generator(device=device).manual_seed(key) for key in keys]
+    processors = _processors(settings)
+    cache = DynamicCache()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    sequences = input_ids
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    new_tokens = []
+    # What the repetition penalty sees of a row: its own tokens. Its left padding is replaced by its first token
+    # (a token it has anyway), so that a row's penalty never depends on the longest prompt of its batch.
+    first = input_ids.gather(1, (mask == 0).sum(-1, keepdim=True).clamp(max=width - 1))
+    for _ in range(settings.max_completion_length):
+        seen = torch.where(mask.bool(), sequences, first)
+        scores = processors(seen, _last_logits(out))
+        probs = torch.softmax(scores, dim=-1)
+        drawn = torch.cat([torch.multinomial(probs[r], 1, generator=streams[r]) for r in range(len(prompts))])
+        drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
+        new_tokens.append(drawn)
+        finished |= torch.isin(drawn, eos)
+        if bool(finished.all()):
+            break
+        sequences = torch.cat([sequences, drawn[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(drawn)[:, None]], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(
+            input_ids=drawn[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+            use_cache=True,
+        )  # fmt: skip
+    generated = torch.stack(new_tokens, dim=1).tolist()
+    ids, truncated = [], []
+    eos_ids = set(eos.tolist())
+    for row in generated:
+        end = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        ids.append(row[: end + 1] if end is not None else row)
+        truncated.append(end is None)
+    return Completions(ids, truncated)

@@ -1,0 +1,213 @@
+"""The online-RL losses (rapidlite.tasks.rl_losses) against TRL 1.16's GRPOTrainer and RLOOTrainer, on the same
+log-probabilities, rewards and masks: losses, gradients, advantages and every metric."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rapidlite.tasks.causal_lm_demo import write_demo_assets
+from rapidlite.tasks.rl_losses import (
+    LOSS_TYPES,
+    ClipSettings,
+    group_advantages,
+    loss_denominator,
+    loss_numerator,
+    masked_sums,
+    policy_terms,
+    rloo_advantages,
+    rloo_terms,
+)
+
+trl = pytest.importorskip("trl")
+B, T, G = 6, 5, 3  # completions, completion length, completions per prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model_dir, _ = write_demo_assets(tmp_path_factory.mktemp("rl"), seed=3, num_train=8, num_validation=2)
+    return model_dir
+
+
+def _length_reward(completions, **_):
+    """Whole-number rewards from the completion's length (ties within groups happen), none for some."""
+    return [None if len(c) % 7 == 0 else float(len(c) % 3) for c in completions]
+
+
+def _first_letter_reward(completions, **_):
+    return [float(c[:1] in "aeiou") for c in completions]
+
+
+def _trainer(model_dir, kind: str, **config):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    common = dict(
+        output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=B,
+        num_generations=G, max_completion_length=T, **config,
+    )  # fmt: skip
+    data = Dataset.from_list([{"prompt": "reverse: a b c"}, {"prompt": "reverse: d e"}])
+    if kind == "grpo":
+        args, cls = trl.GRPOConfig(**common), trl.GRPOTrainer
+    else:
+        args, cls = trl.RLOOConfig(**common), trl.RLOOTrainer
+    trainer = cls(
+        model=model, reward_funcs=[_length_reward, _first_letter_reward], args=args, train_dataset=data,
+        processing_class=tok,
+    )  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which these calls skip
+    return trainer
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logps = -2 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logps + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 1, 5, 4, 2])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    advantages = torch.randn(B, generator=g, dtype=torch.float64)
+    entropies = torch.rand(B, T, generator=g, dtype=torch.float64)
+    return logps, old, ref, mask, advantages, entropies
+
+
+def _trl_loss(trainer, logps, inputs, entropies):
+    """TRL's _compute_loss with its model's log-probabilities replaced by ``logps``: (loss, d loss / d logps,
+    the metrics it logged)."""
+    leaf = logps.clone().requires_grad_()
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, entropies, None)
+    trainer._metrics["train"].clear()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return float(loss), leaf.grad, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+CLIPS = [dict(beta=0.0), dict(beta=0.04, epsilon_high=0.28, delta=1.5), dict(beta=0.04, bias_correction_kl=False)]
+
+
+@pytest.fixture(scope="module")
+def grpo_trainer(model_dir):
+    return _trainer(model_dir, "grpo")
+
+
+@pytest.mark.parametrize(
+    "loss_type,level,clip", list(itertools.product(LOSS_TYPES, ("token", "sequence"), range(len(CLIPS))))
+)
+def test_grpo_loss_gradients_and_metrics_equal_trls(grpo_trainer, loss_type, level, clip):
+    """Every loss type at both importance-sampling levels, with and without the KL term, clip-higher and the two-sided
+    clip, the KL with and without its bias correction: the loss, its gradient and the metrics equal
+    GRPOTrainer._compute_loss's (one micro-batch on one process, where TRL's normalisers and the global batch's
+    agree)."""
+    settings = ClipSettings(loss_type=loss_type, importance_sampling_level=level, epsilon=0.2, **CLIPS[clip])
+    trainer = grpo_trainer  # one trainer, its loss settings set as its __init__ sets them from the config
+    trainer.loss_type, trainer.importance_sampling_level, trainer.beta = loss_type, level, settings.beta
+    trainer.epsilon_low, trainer.epsilon_high = settings.epsilon, settings.high
+    object.__setattr__(trainer.args, "delta", settings.delta)
+    object.__setattr__(trainer.args, "use_bias_correction_kl", settings.bias_correction_kl)
+    logps, old, ref, mask, advantages, entropies = _batch(seed=clip)
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": advantages,
+        "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum(),
+    }  # fmt: skip
+    expected, expected_grad, trl_metrics = _trl_loss(trainer, logps, inputs, entropies)
+
+    leaf = logps.clone().requires_grad_()
+    terms = policy_terms(leaf, old, ref, advantages, mask, settings)
+    loss = loss_numerator(terms.per_token_loss, mask, loss_type) / loss_denominator(
+        loss_type, completions=B, tokens=int(mask.sum()), micro_batches=1, max_completion_length=T
+    )
+    loss.backward()
+    assert float(loss) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-6, atol=1e-9)
+
+    def mean(values):
+        total, count = masked_sums(values, mask)
+        return float(total / count.clamp(min=1))
+
+    ours = {
+        "entropy": mean(entropies),
+        "clip_ratio/low_mean": mean(terms.low_clipped.double()),
+        "clip_ratio/high_mean": mean(terms.high_clipped.double()),
+        "clip_ratio/region_mean": mean(terms.region_clipped.double()),
+    }
+    if settings.beta:
+        ours["kl"] = mean(terms.per_token_kl)
+    assert set(ours) <= set(trl_metrics)
+    for name, value in ours.items():
+        assert value == pytest.approx(trl_metrics[name], rel=1e-6, abs=1e-9), name
+
+
+def _trl_scored(trainer):
+    """A rollout of TRL's own: two prompts, G completions each, scored by both reward functions. Returns what it
+    computed (advantages, metrics) and the rewards per function it computed them from."""
+    prompts = [{"prompt": "reverse: a b c"}] * G + [{"prompt": "reverse: d e"}] * G
+    torch.manual_seed(1)
+    trainer._metrics["train"].clear()
+    for value in trainer._logs["rewards"].values():
+        value.clear()
+    out = trainer._generate_and_score_completions(prompts)
+    rewards = torch.tensor(
+        [list(trainer._logs["rewards"][name])[-B:] for name in trainer.reward_func_names], dtype=torch.float32
+    ).T
+    return out, rewards, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_group_advantages_and_reward_metrics_equal_trls(model_dir, scale_rewards):
+    """GRPO's advantages and reward metrics for each --scale-rewards equal those GRPOTrainer computes on its own
+    rollout (rewards with ties, a group whose spread is zero, completions some function did not score)."""
+    trainer = _trainer(model_dir, "grpo", scale_rewards=scale_rewards, reward_weights=[1.0, 0.5])
+    out, rewards, trl_metrics = _trl_scored(trainer)
+    ours = group_advantages(rewards, torch.tensor([1.0, 0.5]), G, scale_rewards)
+    torch.testing.assert_close(ours.advantages, out["advantages"].float(), rtol=1e-5, atol=1e-6)
+    metrics = ours.metrics(trainer.reward_func_names)
+    for name, value in metrics.items():
+        assert value == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6, nan_ok=True), name
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rloo_advantages_loss_and_gradients_equal_trls(model_dir, normalize):
+    """RLOO's leave-one-out advantages (and reward metrics) on RLOOTrainer's own rollout, then its clipped
+    sequence-level loss and gradient on fixed log-probabilities, equal RLOOTrainer's."""
+    trainer = _trainer(model_dir, "rloo", normalize_advantages=normalize, reward_weights=[1.0, 0.5])
+    out, rewards, trl_metrics = _trl_scored(trainer)
+    ours = rloo_advantages(rewards, torch.tensor([1.0, 0.5]), G, normalize)
+    torch.testing.assert_close(ours.advantages, out["advantages"].float(), rtol=1e-5, atol=1e-6)
+    for name, value in ours.metrics(trainer.reward_func_names).items():
+        assert value == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6, nan_ok=True), name
+
+    logps, old, _, mask, advantages, entropies = _batch(seed=7)
+    old_sums = (old * mask).sum(1)
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": advantages,
+        "old_logps": old_sums,
+    }  # fmt: skip
+    expected, expected_grad, trl_metrics = _trl_loss(trainer, logps, inputs, entropies)
+    leaf = logps.clone().requires_grad_()
+    terms = rloo_terms(leaf, old_sums, advantages, mask, trainer.epsilon_low, trainer.epsilon_high)
+    loss = terms.per_token_loss.sum() / loss_denominator("grpo", B, int(mask.sum()), 1, T)
+    loss.backward()
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-6, atol=1e-9)
+    for name, flags in (("low", terms.low_clipped), ("high", terms.high_clipped), ("region", terms.region_clipped)):
+        assert float(flags.double().mean()) == pytest.approx(trl_metrics[f"clip_ratio/{name}_mean"], rel=1e-6)
+
+
+def test_nothing_scored_gets_no_advantage_and_a_lone_group_member_none():
+    """A completion no function scored is out of its group's mean and gets 0; under RLOO so does the only scored
+    member of a group (no other to compare with)."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0], [nan], [3.0], [2.0], [nan], [nan]])
+    grpo = group_advantages(rewards, torch.ones(1), 3, "none")
+    assert grpo.advantages.tolist() == [-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    rloo = rloo_advantages(rewards, torch.ones(1), 3, normalize=False)
+    assert rloo.advantages.tolist() == [-2.0, 0.0, 2.0, 0.0, 0.0, 0.0]
+    assert grpo.metrics(["f"])["rewards/f/mean"] == pytest.approx(2.0)
