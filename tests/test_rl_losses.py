@@ -211,3 +211,31 @@ def test_nothing_scored_gets_no_advantage_and_a_lone_group_member_none():
     rloo = rloo_advantages(rewards, torch.ones(1), 3, normalize=False)
     assert rloo.advantages.tolist() == [-2.0, 0.0, 2.0, 0.0, 0.0, 0.0]
     assert grpo.metrics(["f"])["rewards/f/mean"] == pytest.approx(2.0)
+
+
+def test_prompts_are_tokenized_as_trl_tokenizes_them(model_dir, grpo_trainer):
+    """Text prompts and conversations (the chat template's generation prompt) give GRPOTrainer._tokenize_prompts'
+    ids; --max-prompt-length keeps a prompt's end; a row without a prompt is one line."""
+    from transformers import AutoTokenizer
+
+    from rapidlite.data.instruction import set_chat_template
+    from rapidlite.data.prompts import check_layout, read_prompts
+    from rapidlite.errors import DataError
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    set_chat_template(tokenizer, "chatml")
+    grpo_trainer.processing_class = tokenizer
+    texts = ["reverse: a b c", "reverse: d e f g"]
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    for prompts in (texts, chats):
+        ours, counts = read_prompts([{"prompt": p, "answer": "x"} for p in prompts], tokenizer, None)
+        expected, _, _ = grpo_trainer._tokenize_prompts(prompts)
+        assert [p.ids for p in ours] == [list(ids) for ids in expected]
+        assert ours[0].columns == {"answer": "x"} and ours[0].prompt == prompts[0]
+    assert counts.conversations == 2
+    cut, counts = read_prompts([{"prompt": texts[1]}], tokenizer, 3)
+    assert cut[0].ids == list(grpo_trainer._tokenize_prompts(texts[1:])[0][0][-3:]) and counts.cut == 1
+    with pytest.raises(DataError, match="row 1 has an empty prompt"):
+        read_prompts([{"prompt": "a"}, {"prompt": " "}], tokenizer, None)
+    with pytest.raises(DataError, match="the data has question, answer: rename the prompt column"):
+        check_layout(["question", "answer"])

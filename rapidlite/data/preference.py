@@ -45,7 +45,7 @@ UNPAIR_BATCH = 1000  # datasets' default batch of a batched map, which TRL's unp
 # ------------------------------------------------------------------ rows
 
 
-def _conversation(value: Any) -> list[dict[str, str]] | None:
+def as_conversation(value: Any) -> list[dict[str, str]] | None:
     """``value`` as a list of messages when it is one (or JSON text of one, as a CSV holds it), else None."""
     if isinstance(value, str) and value.lstrip().startswith("[{"):
         try:
@@ -87,19 +87,19 @@ class Pair:
 
 def read_pair(row: Mapping[str, Any]) -> Pair:
     """The prompt, chosen and rejected response of a row in any of the paired layouts."""
-    chosen_conv, rejected_conv = _conversation(row["chosen"]), _conversation(row["rejected"])
+    chosen_conv, rejected_conv = as_conversation(row["chosen"]), as_conversation(row["rejected"])
     if (chosen_conv is None) != (rejected_conv is None):
         raise DataError("a row's chosen and rejected differ in kind (one a conversation, one text); give both alike")
     prompt = row.get("prompt")
     if chosen_conv is not None:
-        prompt_conv = _conversation(prompt) if prompt is not None else None
+        prompt_conv = as_conversation(prompt) if prompt is not None else None
         if prompt_conv is None:  # no prompt, or UltraFeedback's text prompt beside conversations that hold it
             return Pair(*implicit_prompt(chosen_conv, rejected_conv))
         return Pair(prompt_conv, chosen_conv, rejected_conv)
     chosen, rejected = _text(row["chosen"]), _text(row["rejected"])
     if prompt is None:
         return Pair(*implicit_prompt(chosen, rejected))
-    if _conversation(prompt) is not None:
+    if as_conversation(prompt) is not None:
         raise DataError("a row's prompt is a conversation but its chosen and rejected are text; give them alike")
     return Pair(_text(prompt), chosen, rejected)
 
@@ -284,8 +284,8 @@ def unpaired_rows(raw_rows: Any, columns: Sequence[str]) -> list[tuple[Any, Any,
     if {"completion", "label"} <= set(columns):
         out = []
         for row in raw_rows:
-            completion = _conversation(row["completion"])
-            prompt = _conversation(row.get("prompt")) if completion is not None else _text(row.get("prompt"))
+            completion = as_conversation(row["completion"])
+            prompt = as_conversation(row.get("prompt")) if completion is not None else _text(row.get("prompt"))
             if completion is not None and prompt is None:
                 raise DataError("a KTO row's completion is a conversation but its prompt is not; give them alike")
             out.append(
