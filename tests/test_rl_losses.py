@@ -239,3 +239,33 @@ def test_prompts_are_tokenized_as_trl_tokenizes_them(model_dir, grpo_trainer):
         read_prompts([{"prompt": "a"}, {"prompt": " "}], tokenizer, None)
     with pytest.raises(DataError, match="the data has question, answer: rename the prompt column"):
         check_layout(["question", "answer"])
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_rollout_tensors_and_completion_metrics_equal_trls(model_dir, mask_truncated):
+    """On GRPOTrainer's own rollout (completions of at most 5 tokens: some cut at the limit): the padded prompts and
+    completions, their masks (a cut completion masked whole with --mask-truncated-completions) and the
+    completions/* metrics equal TRL's."""
+    from transformers import AutoTokenizer
+
+    from rapidlite.generation.rollout import completion_metrics, rollout_batch
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    # An EOS logit raised by 2.5 (the untrained model rarely ends 5 tokens in): some end, some are cut.
+    bias = {"sequence_bias": [[[eos], 2.5]]}
+    trainer = _trainer(model_dir, "grpo", mask_truncated_completions=mask_truncated, generation_kwargs=bias)
+    out, _, trl_metrics = _trl_scored(trainer)
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)]
+    # The completions as generated: a masked one (cut at the limit, masked whole) has the limit's length.
+    pad = trainer.processing_class.pad_token_id
+    completions = [
+        ids[: int(m.sum()) or T].tolist() for ids, m in zip(out["completion_ids"], out["completion_mask"], strict=True)
+    ]
+    ours = rollout_batch(prompts, completions, trainer.eos_token_ids, pad, mask_truncated)
+    torch.testing.assert_close(ours.prompt_ids, out["prompt_ids"])
+    torch.testing.assert_close(ours.prompt_mask, out["prompt_mask"].long())
+    torch.testing.assert_close(ours.completion_ids, out["completion_ids"])
+    torch.testing.assert_close(ours.completion_mask, out["completion_mask"].long())
+    assert ours.truncated.any() and not ours.truncated.all()  # both kinds in this rollout
+    for name, value in completion_metrics(ours.lengths, ours.truncated).items():
+        assert value == pytest.approx(trl_metrics[name]), name
