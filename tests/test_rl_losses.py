@@ -269,3 +269,41 @@ def test_rollout_tensors_and_completion_metrics_equal_trls(model_dir, mask_trunc
     assert ours.truncated.any() and not ours.truncated.all()  # both kinds in this rollout
     for name, value in completion_metrics(ours.lengths, ours.truncated).items():
         assert value == pytest.approx(trl_metrics[name]), name
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_completion_logps_at_the_sampling_temperature_equal_trls(model_dir, tmp_path, chunked):
+    """The completion tokens' log-probabilities and entropies at temperature 0.7, through the chunked output layer
+    (8192 rows: the whole logits never made) or the whole logits, equal GRPOTrainer's (its own fused head)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rapidlite.models.head import output_logps
+
+    config = LlamaConfig(
+        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "big")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "big")
+    trainer = _trainer(tmp_path / "big", "grpo", temperature=0.7)
+    g = torch.Generator().manual_seed(0)
+    prompt, completion = torch.randint(3, 300, (4, 3), generator=g), torch.randint(3, 300, (4, 4), generator=g)
+    mask = torch.ones(4, 7, dtype=torch.long)
+    mask[1, 5:], mask[3, 6:] = 0, 0  # completions of 2 and 3 tokens
+    ids = torch.cat([prompt, completion], dim=1)
+    with torch.no_grad():
+        expected, expected_entropy, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, 4, compute_entropy=True
+        )
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "big")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    with torch.no_grad():
+        logps, (entropy, _) = output_logps(
+            model, {"input_ids": ids, "attention_mask": mask}, labels, shift=True, chunked=chunked, stats=True,
+            temperature=0.7,
+        )  # fmt: skip
+    keep = mask[:, 3:].bool()
+    torch.testing.assert_close(logps[:, 2:6][keep], expected[keep].float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[:, 2:6][keep], expected_entropy[keep].float(), rtol=1e-5, atol=1e-5)

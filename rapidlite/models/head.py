@@ -99,16 +99,21 @@ def causal_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def returns_logps(head: nn.Linear, targets: torch.Tensor, sum_only: bool, stats: list | None = None) -> Iterator[None]:
+def returns_logps(
+    head: nn.Linear, targets: torch.Tensor, sum_only: bool, stats: list | None = None, temperature: float = 1.0
+) -> Iterator[None]:
     """For one call: ``head``'s forward returns the log-probabilities of ``targets`` instead of logits (its
     hooks, a strategy's gathers and layouts, run as for any call). With ``stats`` (a list), the forward also
     appends ``linear_stats``' entropy and mean logit of the scored tokens to it (no gradient), while the
-    weight is in hand (gathered by ZeRO-3 or FSDP2 for the call)."""
+    weight is in hand (gathered by ZeRO-3 or FSDP2 for the call). ``temperature``: of the logits divided by it
+    (a bias-free layer's: its input is divided instead)."""
 
     def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != targets.shape:
             shapes = f"hidden states {list(hidden.shape)} for targets {list(targets.shape)}"
             raise RuntimeError(f"the output layer got {shapes}: run with --no-chunked-loss")
+        if temperature != 1.0:
+            hidden = hidden / temperature
         if stats is not None:
             stats.append(linear_stats(self, hidden, targets))
         return linear_logps(self, hidden, targets, sum_only)
@@ -235,20 +240,26 @@ def output_logps(
     sum_only: bool = False,
     chunked: bool = True,
     stats: bool = False,
+    temperature: float = 1.0,
 ) -> Any:
     """``model(**inputs)``'s log-probabilities of ``labels`` (``IGNORE`` left out): per position ``[B, T]``
     (0 where ignored; with ``shift`` position t scores label t+1 and the last position is 0), or with
     ``sum_only`` their fp32 sum. Chunked where ``chunkable_head`` serves the model and ``chunked``. With
     ``stats``, ``(logps, (entropy, mean_logit))``: also each scored position's entropy of its next-token
-    distribution and its mean logit, ``[B, T]`` fp32 without gradient (0 where ignored), from the same forward."""
+    distribution and its mean logit, ``[B, T]`` fp32 without gradient (0 where ignored), from the same forward.
+    ``temperature``: the distribution of the logits divided by it (sampling's, which online RL trains on)."""
     head = chunkable_head(model) if chunked else None
+    if head is not None and temperature != 1.0 and head.bias is not None:
+        head = None  # a bias is not divided by dividing the input: the whole logits are
     targets = causal_targets(labels) if shift else labels
     if head is not None:
         found: list | None = [] if stats else None
-        with returns_logps(head, targets, sum_only, found):
+        with returns_logps(head, targets, sum_only, found, temperature):
             logps = local_result(model_logits(model(**inputs)))
         return (logps, found[0]) if stats else logps
     logits = model_logits(model(**inputs))
+    if temperature != 1.0:
+        logits = logits / temperature
     if sum_only or hasattr(logits, "full_tensor"):
         logps = _cross_entropy_logps(logits, labels, shift, sum_only)
     else:
