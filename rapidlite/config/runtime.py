@@ -90,7 +90,9 @@ class ParallelConfig:
     distributed_backend: str | None = flag(
         None, "default: nccl on GPUs, else gloo", choices=("nccl", "gloo"), group=DISTRIBUTED
     )
-    distributed_timeout_minutes: int = flag(10, "collective timeout", group=DISTRIBUTED)
+    distributed_timeout_minutes: float = flag(
+        10, "collective timeout (fractions allowed: 0.5 is 30 s)", group=DISTRIBUTED
+    )
     max_restarts: int = flag(0, "restarts of the whole worker group after a failure (torchrun)", group=DISTRIBUTED)
     use_distributed_optimizer: bool = flag(
         False,

@@ -47,15 +47,15 @@ def check_ranges(args: argparse.Namespace) -> None:
         "vocab_size",
         "nproc_per_node",
         "nnodes",
-        "distributed_timeout_minutes",
         "max_prompt_length",
     ):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    budget = args.time_budget
-    if budget is not None and not budget > 0:
-        raise ConfigError(f"--time-budget {budget:g}: must be a positive number of minutes")
+    for name in ("time_budget", "distributed_timeout_minutes"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value:g}: must be a positive number of minutes")
     for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
         value = getattr(args, name)
         if value is not None and value < 0:
