@@ -66,6 +66,17 @@ def mrpc(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def mrpc_small(mrpc, tmp_path_factory) -> dict[str, Path]:
+    """The first 192 train and 32 validation and test rows of ``mrpc``: for the samples whose assertions need a
+    run, not learning (3 steps of 64 an epoch)."""
+    data = tmp_path_factory.mktemp("page_mrpc_small")
+    for split, rows in (("train", 192), ("validation", 32), ("test", 32)):
+        lines = (mrpc["data"] / f"{split}.csv").read_text().splitlines(keepends=True)
+        (data / f"{split}.csv").write_text("".join(lines[: rows + 1]))
+    return {**mrpc, "data": data}
+
+
+@pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
     """A JSON-lines corpus, GPT-2 BPE files and a BERT vocabulary made from it."""
     from rapidlite.data.tokenizers import train_byte_level_bpe, write_wordpiece_vocab
@@ -125,13 +136,13 @@ def bert_data(corpus) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------ black box
-def test_page_black_box_fine_tuning(mrpc, tmp_path):
+def test_page_black_box_fine_tuning(mrpc_small, tmp_path):
     """黑盒化加速:加速微調Huggingface模型 — the command as printed, with the local model and data."""
     out = ok(
         command(
             "rapidformer", "--task", "sequence_classification",
-            "--pretrained-model-name-or-path", str(mrpc["model"]),  # page: 'bert-base-cased'
-            "--data-path", str(mrpc["data"]),  # page: glue --data-name mrpc (hub names need a hub)
+            "--pretrained-model-name-or-path", str(mrpc_small["model"]),  # page: 'bert-base-cased'
+            "--data-path", str(mrpc_small["data"]),  # page: glue --data-name mrpc (hub names need a hub)
             "--epochs", "3",
             "--micro-batch-size", "16",
             "--global-batch-size", "64",
@@ -148,10 +159,10 @@ def test_page_black_box_fine_tuning(mrpc, tmp_path):
             cwd=tmp_path,
         )
     )  # fmt: skip
-    # 480 rows / 64 per step x 3 epochs = 24 iterations: the page's 100 warmup iterations are clamped, loudly.
-    assert "--lr-warmup-iters 100 is longer than the run's 24 iterations" in out
+    # 192 rows / 64 per step x 3 epochs = 9 iterations: the page's 100 warmup iterations are clamped, loudly.
+    assert "--lr-warmup-iters 100 is longer than the run's 9 iterations" in out
     assert "--onnx-runtime-training" in out and "using torch.compile" in out
-    assert "data: train = train.csv (480 rows); validation = validation.csv (96 rows); test = test.csv" in out
+    assert "data: train = train.csv (192 rows); validation = validation.csv (32 rows); test = test.csv" in out
     final = [r for r in read_metrics(tmp_path) if r.get("split") == "validation"][-1]
     assert 0 <= final["accuracy"] <= 1 and (tmp_path / "hf" / "config.json").is_file()
 
@@ -279,7 +290,7 @@ trainer.train()
 """
 
 
-def test_page_finetuner_template(mrpc, tmp_path):
+def test_page_finetuner_template(mrpc_small, tmp_path):
     """白盒化加速:基于Finetuner代碼模版的Huggingface模型微調 — the script and its launch flags."""
     script = tmp_path / "rapidformer_finetune_huggingface_bert_trainer.py"
     script.write_text(FINETUNER_SCRIPT)
@@ -287,9 +298,9 @@ def test_page_finetuner_template(mrpc, tmp_path):
         command(
             "rapidformer", "--user-script", str(script),
             "--task", "sequence_classification",
-            "--pretrained-model-name-or-path", str(mrpc["model"]),
-            "--data-path", str(mrpc["data"]),  # page: glue --data-name mrpc
-            "--load", str(mrpc["model"]),  # page: the script loads from_pretrained(args.load), the command passes none
+            "--pretrained-model-name-or-path", str(mrpc_small["model"]),
+            "--data-path", str(mrpc_small["data"]),  # page: glue --data-name mrpc
+            "--load", str(mrpc_small["model"]),  # page: the script loads from_pretrained(args.load), no --load given
             "--epochs", "3",
             "--micro-batch-size", "16",
             "--global-batch-size", "16",
