@@ -65,6 +65,10 @@ FLAGS = """
 --device-profile --search
 --use-dora --use-rslora --loraplus-lr-ratio --lora-init
 --eval-harness
+--reward-funcs --reward-weights --num-generations --max-completion-length --temperature --top-p --top-k --min-p
+--repetition-penalty --generation-batch-size --num-iterations --epsilon --epsilon-high --mask-truncated-completions
+--use-vllm --importance-sampling-level --scale-rewards --delta --use-bias-correction-kl --no-use-bias-correction-kl
+--normalize-advantages --reward-clip-range
 """.split()
 
 

@@ -4,12 +4,15 @@ its own option is a flag of the command line, of ``--help`` and of ``--config`` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import toy_task
 
 from helpers import read_metrics
 from rapidlite.cli.main import main
 from rapidlite.config import tasks as registry
+from rapidlite.config.fields import flag
 from rapidlite.config.parser import build_parser
 from rapidlite.errors import ConfigError
 from rapidlite.resolve import parse_args
@@ -88,9 +91,14 @@ def test_a_registered_tasks_option_is_its_own(word_count, tiny_encoder):
     refused = "^--train-sentences: --task pretraining does not use it \\(--task word_count's\\); drop the flag$"
     with pytest.raises(ConfigError, match=refused):
         parse_args(["--task", "pretraining", "--train-iters", "2", "--train-sentences", "16"])
-    taken = registry.TaskSpec(
-        name="char_count", summary="", trainer="toy_task:trainer_for", options=toy_task.WordCountOptions
-    )
-    with pytest.raises(ConfigError, match="its option 'train_sentences' is --task word_count's already"):
+    taken = registry.TaskSpec(name="char_count", summary="", trainer="toy_task:trainer_for", options=Clashing)
+    with pytest.raises(ConfigError, match="its option 'train_sentences' is --task word_count's already, of another"):
         registry.register_task(taken)
     assert "char_count" not in registry.task_names()
+
+
+@dataclass(frozen=True)
+class Clashing:
+    """An option named as word_count's, of another type: two tasks may share an option only as one flag."""
+
+    train_sentences: str = flag("all", "which sentences")

@@ -159,7 +159,7 @@ def test_flags_it_does_not_use_are_refused(assets):
     model_dir, root = assets
     for flags, expected in (
         (["--padding-free"], "--padding-free: --task reward_model reads each sequence's score at its last token"),
-        (["--beta", "0.2"], "--beta: --task reward_model does not use it; drop the flag"),
+        (["--beta", "0.2"], r"--beta: --task reward_model does not use it \(dpo, grpo, kto, rloo use it\); drop"),
         (["--max-prompt-length", "8"], "--max-prompt-length: --task reward_model does not use it"),
     ):
         with pytest.raises(ConfigError, match=expected):

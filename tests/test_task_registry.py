@@ -35,7 +35,7 @@ def toy_task(monkeypatch):
 
 
 def test_unknown_task_lists_the_registered_ones():
-    with pytest.raises(ConfigError, match="unknown task; choose one of causal_lm, dpo, kto, masked_lm"):
+    with pytest.raises(ConfigError, match="unknown task; choose one of causal_lm, dpo, grpo, kto, masked_lm"):
         parse_args(["--task", "summarise"])
 
 
@@ -69,17 +69,23 @@ def test_each_task_owns_its_options():
     """A task's options are declared in its own module, on no shared section, and make a --help group of their own."""
     shared = {f.name for section in SECTIONS for f in dataclasses.fields(section)}
     groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups}
-    owners = {}
+    several = registry.shared_options()
+    owners: dict[str, list[str]] = {}
     for spec in registry.registered():
         if spec.options is not None:
             assert spec.options.__module__ == f"rapidlite.tasks.{spec.name}_spec"
-            assert groups[f"--task {spec.name} options"] == list(spec.option_names())
-            owners |= {name: spec.name for name in spec.option_names()}
+            own = [name for name in spec.option_names() if name not in several]
+            assert groups.get(f"--task {spec.name} options", []) == own
+            for name in spec.option_names():
+                owners.setdefault(name, []).append(spec.name)
     assert not shared & set(owners)
-    assert {owners[n] for n in ("prompt_key", "doc_stride", "line_by_line", "choices_key", "label_all_tokens")} == {
+    assert {owners[n][0] for n in ("prompt_key", "doc_stride", "line_by_line", "choices_key", "label_all_tokens")} == {
         "causal_lm", "question_answering", "masked_lm", "multiple_choice", "token_classification"
     }  # fmt: skip
-    assert (owners["num_beams"], owners["loss_type"], owners["desirable_weight"]) == ("seq2seq", "dpo", "kto")
+    assert (owners["num_beams"], owners["desirable_weight"]) == (["seq2seq"], ["kto"])
+    # Declared by several tasks: one flag, in the group of shared options, each task with its own default.
+    assert owners["loss_type"] == ["dpo", "grpo"] and owners["beta"] == ["dpo", "grpo", "kto", "rloo"]
+    assert set(groups["options of several tasks"]) == set(several)
 
 
 def test_the_running_tasks_options_are_typed_and_flat():

@@ -104,16 +104,19 @@ def add_flags(
     sections: tuple[type, ...],
     groups: dict[str, str | None],
     group_of: dict[type, str] | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, argparse._ArgumentGroup]:
     """Add every flag the ``sections`` declare to ``parser``, in the ``--help`` groups ``groups`` (title ->
     description, in their order); returns the groups by title, for flags declared elsewhere (compatibility).
-    A section's group is ``group_of[section]`` where given (a task's options), else its ``GROUP``."""
+    A section's group is ``group_of[section]`` where given (a task's options), else its ``GROUP``. The names in
+    ``skip`` are left to the caller (the options several tasks share)."""
     made = {title: parser.add_argument_group(title, description) for title, description in groups.items()}
     group_of = group_of or {}
     declared = [
         (spec.group or group_of.get(section) or section.GROUP, f, spec, typing.get_type_hints(section)[f.name])
         for section in sections
         for f, spec in flag_fields(section)
+        if f.name not in skip
     ]
     order = list(groups)
     # Group by group (a stable sort keeps each section's order), so the usage line reads as --help does.

@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rapidlite.config import files as config_file
 from rapidlite.config import sections
-from rapidlite.config.fields import add_flags, flag_fields, option
+from rapidlite.config.fields import add_flags, argparse_kwargs, flag_fields, option
 from rapidlite.config.megatron import MEGATRON_DESCRIPTION, add_megatron_args
 from rapidlite.config.settings import SECTIONS
-from rapidlite.config.tasks import registered
+from rapidlite.config.tasks import registered, shared_options
 from rapidlite.errors import ConfigError
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
@@ -41,6 +42,9 @@ GROUPS: dict[str, str | None] = {
 # The --help group of a task's own flags (its TaskSpec.options), and what it says of them.
 TASK_OPTIONS = "--task {task} options"
 TASK_OPTIONS_NOTE = "read by this task only: another task refuses them (set off their defaults)"
+# The group of the options several tasks declare (TaskSpec.options fields of one name).
+SHARED_OPTIONS = "options of several tasks"
+SHARED_OPTIONS_NOTE = "each task has its own default and choices, given per task; a task that has none refuses them"
 
 
 def _check_task_options(task_groups: dict[type, str]) -> None:
@@ -61,7 +65,34 @@ def _with_task_groups(task_groups: dict[type, str]) -> dict[str, str | None]:
         groups[title] = description
         if title == sections.DATA:
             groups.update({TASK_OPTIONS.format(task=task): TASK_OPTIONS_NOTE for task in task_groups.values()})
+            groups[SHARED_OPTIONS] = SHARED_OPTIONS_NOTE
     return groups
+
+
+def _add_shared_options(group: argparse._ArgumentGroup) -> None:
+    """One flag for each option several tasks declare: None until given (each task then reads its own default),
+    the union of their choices (each task checks its own: ``resolve``), and each task's help and default."""
+    for name, declarations in shared_options().items():
+        specs = [(task, f, spec) for task, field in declarations for f, spec in flag_fields(task.options) if f is field]
+        task, f, spec = specs[0]
+        kwargs = argparse_kwargs(f, spec, typing.get_type_hints(task.options)[name])
+        kwargs["default"] = None
+        choices = [c for _, _, s in specs for c in s.choices or ()]
+        if choices:
+            kwargs["choices"] = list(dict.fromkeys(choices))
+        by_help: dict[str, list[tuple[str, Any]]] = {}  # one text: the tasks that declare it so, their defaults
+        for t, f, s in specs:
+            by_help.setdefault(s.help or "", []).append((t.name, f.default))
+        kwargs["help"] = "; ".join(f"{_declared_by(tasks)}: {text}" for text, tasks in by_help.items())
+        group.add_argument(option(name), *spec.aliases, **kwargs)
+
+
+def _declared_by(tasks: list[tuple[str, Any]]) -> str:
+    """ "grpo, rloo (default 512)", or each task with its own default; no default shown for None."""
+    if len({repr(default) for _, default in tasks}) == 1:
+        default = tasks[0][1]
+        return ", ".join(name for name, _ in tasks) + ("" if default is None else f" (default {default})")
+    return ", ".join(name if default is None else f"{name} (default {default})" for name, default in tasks)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,7 +125,9 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
         help="flags from a YAML or JSON file (keys are flag names: 'micro-batch-size: 8'); the command line wins",
     )
     by_options = {options: TASK_OPTIONS.format(task=task) for options, task in task_groups.items()}
-    groups = add_flags(p, SECTIONS + tuple(task_groups), _with_task_groups(task_groups), by_options)
+    shared = frozenset(shared_options())
+    groups = add_flags(p, SECTIONS + tuple(task_groups), _with_task_groups(task_groups), by_options, skip=shared)
+    _add_shared_options(groups[SHARED_OPTIONS])
     add_megatron_args(groups[sections.MEGATRON])
     if extra_args_provider is not None:
         try:

@@ -53,6 +53,20 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,5, got {text!r}") from None
 
 
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1.0,0.5, got {text!r}") from None
+
+
+def text_list(text: str) -> list[str]:
+    parts = [part for part in text.split(",") if part]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated values such as a,b, got {text!r}")
+    return parts
+
+
 def path_list(text: str) -> list[str]:
     parts = [part for part in text.split(",") if part]
     if not parts:
@@ -425,16 +439,16 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """Preference training's shared flags: the KL strength, the prompt cut and the reference model (``--task dpo``
-    and ``kto``; TRL's names and defaults). Each task's loss options are its own (``DpoOptions``, ``KtoOptions``)."""
+    """Preference training's shared flags: the prompt cut and the reference model (``--task dpo`` and ``kto``,
+    the prompt cut also ``grpo`` and ``rloo``; TRL's names and defaults). Each task's loss options, ``--beta``
+    among them, are its own (``DpoOptions``, ``KtoOptions``, ``GrpoOptions``, ``RlooOptions``)."""
 
     GROUP: ClassVar[str] = PREFERENCE
 
-    beta: float = flag(
-        0.1, "dpo, kto: the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)"
-    )
     max_prompt_length: int | None = flag(
-        None, "dpo, kto: prompt tokens kept (its start is cut); --max-length (--seq-length) cuts the rest"
+        None,
+        "dpo, kto, grpo, rloo: prompt tokens kept (its start is cut); for dpo and kto --max-length (--seq-length) "
+        "cuts the rest",
     )
     precompute_ref_logprobs: bool = flag(
         False,

@@ -17,7 +17,7 @@ from rapidlite.config.sections import (
     TaskConfig,
     TrainingConfig,
 )
-from rapidlite.config.tasks import find_task, registered
+from rapidlite.config.tasks import find_task, registered, task_options
 from rapidlite.config.topology import Batching, Topology
 
 SECTIONS: tuple[type, ...] = (
@@ -89,7 +89,7 @@ class Sections:
             built[name] = _section(section, values)
         spec = find_task(values.get("task")) if values.get("user_script") is None else None
         if spec is not None and spec.options is not None:
-            built["task_options"] = _section(spec.options, values)
+            built["task_options"] = task_options(spec, values)
         return cls(**built)
 
     def given(self, dest: str) -> bool:

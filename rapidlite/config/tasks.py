@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rapidlite.config.fields import option
 from rapidlite.errors import ConfigError
 
 # The built-in tasks' declarations: the modules of this package whose names end so.
@@ -126,15 +128,72 @@ def _discover() -> dict[str, TaskSpec]:
 
 
 def _add(spec: TaskSpec) -> None:
+    """Register ``spec``. Its options may share a name with another task's (``--loss-type``, ``--beta``): one flag,
+    with each task's default, choices and help (``shared_options``), which must then take the same type."""
     if spec.name in TASKS:
         raise ConfigError(f"task {spec.name!r} is registered already; give the new task another name")
-    taken = {name: other.name for other in TASKS.values() for name in other.option_names()}
-    for name in spec.option_names():
-        if name in taken:
-            raise ConfigError(
-                f"task {spec.name!r}: its option {name!r} is --task {taken[name]}'s already; give it another name"
-            )
+    hints = _option_types(spec)
+    for other in TASKS.values():
+        theirs = _option_types(other)
+        for name in hints.keys() & theirs.keys():
+            if hints[name] != theirs[name]:
+                raise ConfigError(
+                    f"task {spec.name!r}: its option {name!r} is --task {other.name}'s already, of another type "
+                    f"({theirs[name]}); give it another name or the same type"
+                )
     TASKS[spec.name] = spec
+
+
+def _option_types(spec: TaskSpec) -> dict[str, Any]:
+    return typing.get_type_hints(spec.options) if spec.options is not None else {}
+
+
+def shared_options() -> dict[str, list[tuple[TaskSpec, dataclasses.Field]]]:
+    """The option names several tasks declare, each with its declarations (task, field) in registration order.
+    The command line has one flag for each, whose value is None until given: each task reads its own default."""
+    declared: dict[str, list[tuple[TaskSpec, dataclasses.Field]]] = {}
+    for spec in _discover().values():
+        for f in dataclasses.fields(spec.options) if spec.options else ():
+            declared.setdefault(f.name, []).append((spec, f))
+    return {name: rows for name, rows in declared.items() if len(rows) > 1}
+
+
+def task_options(spec: TaskSpec, values: Mapping[str, Any]) -> Any:
+    """``spec``'s options (its ``options`` dataclass) from flat settings: a field the values lack, or a shared
+    option left unset (None), at the task's own default."""
+    shared = shared_options()
+    kwargs = {}
+    for f in dataclasses.fields(spec.options):
+        if f.name in values and not (f.name in shared and values[f.name] is None):
+            kwargs[f.name] = values[f.name]
+    return spec.options(**kwargs)
+
+
+def check_options(task: TaskSpec, values: Mapping[str, Any]) -> None:
+    """Another task's option set under ``task`` is one line naming whose it is; so is a shared option's value
+    outside ``task``'s own choices."""
+    own = set(task.option_names())
+    for other in registered():
+        for f in dataclasses.fields(other.options) if other.options and other is not task else ():
+            if f.name not in own and values.get(f.name) != unset_value(f.name):
+                owners = [t.name for t in registered() if f.name in t.option_names()]
+                whose = f"--task {owners[0]}'s" if len(owners) == 1 else f"{', '.join(owners)} use it"
+                raise ConfigError(f"{option(f.name)}: --task {task.name} does not use it ({whose}); drop the flag")
+    for f in dataclasses.fields(task.options) if task.options else ():
+        choices, value = f.metadata["flag"].choices, values.get(f.name)
+        if choices is not None and value is not None and value not in choices:
+            raise ConfigError(f"{option(f.name)} {value}: --task {task.name} takes {', '.join(map(str, choices))}")
+
+
+def unset_value(name: str) -> Any:
+    """What a task option holds when its flag is not given: None for a shared one, else its declared default."""
+    if name in shared_options():
+        return None
+    for spec in _discover().values():
+        for f in dataclasses.fields(spec.options) if spec.options else ():
+            if f.name == name:
+                return f.default
+    raise KeyError(name)
 
 
 def task_names() -> list[str]:

@@ -8,16 +8,17 @@ top-p, min-p: ``transformers.generation.logits_process``), and each row draws it
 its own, seeded by its key (``completion_key``): a completion depends on its prompt and its key only, never on
 which rank, batch or row it was sampled in, so a run on N ranks samples what one process samples.
 
-The model is any causal LM whose forward takes ``past_key_values`` (Hugging Face's, LoRA-wrapped or not); under
-tensor parallelism every rank of the group runs the same steps and draws the same tokens (its logits are
-gathered). Parameters sharded by ZeRO-3 are gathered for the whole rollout by the caller (the strategy's
-``gathered_for_generation``), not once a token.
+The model is any causal LM whose forward takes a key/value cache (``cache``, or ``past_key_values`` before
+transformers 5.2x: Hugging Face's, LoRA-wrapped or not); under tensor parallelism every rank of the group runs the
+same steps and draws the same tokens (its logits are gathered). Parameters sharded by ZeRO-3 are gathered for the
+whole rollout by the caller (the strategy's ``gathered_for_generation``), not once a token.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,12 @@ def _processors(settings: SamplingSettings):
     return out
 
 
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The forward's name for the key/value cache: ``cache`` (transformers >= 5.2x), else ``past_key_values``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own forward
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def _last_logits(out) -> torch.Tensor:
     logits = out.logits[:, -1]
     if hasattr(logits, "full_tensor"):  # tensor parallelism: the vocabulary's shards gathered
@@ -91,9 +98,12 @@ def sample(
     settings: SamplingSettings,
     eos_token_id: int | Sequence[int],
     pad_token_id: int | None,
+    all_finished: Callable[[bool], bool] | None = None,
 ) -> Completions:
     """One completion of ``prompts[i]`` for ``keys[i]``, for every i (see the module's docstring). A tokenizer
-    without a pad token pads with EOS (no padded position is ever attended to or kept)."""
+    without a pad token pads with EOS (no padded position is ever attended to or kept). ``all_finished``: given
+    whether this batch's rows have all ended, whether every rank's have (ranks whose forwards are collective stop
+    together; a row that has ended draws pad tokens meanwhile, which are not kept)."""
     if len(prompts) != len(keys):
         raise ValueError(f"{len(prompts)} prompts for {len(keys)} keys")
     if pad_token_id is None:
@@ -103,14 +113,14 @@ def sample(
     for start in range(0, len(prompts), settings.batch_size):
         batch = _sample_batch(
             model, prompts[start : start + settings.batch_size], keys[start : start + settings.batch_size],
-            settings, eos_token_id, pad_token_id,
+            settings, eos_token_id, pad_token_id, all_finished or bool,
         )  # fmt: skip
         ids += batch.ids
         truncated += batch.truncated
     return Completions(ids, truncated)
 
 
-def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id) -> Completions:
+def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, all_finished) -> Completions:
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -126,7 +136,8 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id) ->
     processors = _processors(settings)
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    name = _cache_argument(model)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
     sequences = input_ids
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new_tokens = []
@@ -141,15 +152,14 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id) ->
         drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
         new_tokens.append(drawn)
         finished |= torch.isin(drawn, eos)
-        if bool(finished.all()):
+        if all_finished(bool(finished.all())):
             break
         sequences = torch.cat([sequences, drawn[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(drawn)[:, None]], dim=1)
         positions = positions[:, -1:] + 1
         out = model(
-            input_ids=drawn[:, None], attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
-            use_cache=True,
-        )  # fmt: skip
+            input_ids=drawn[:, None], attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache}
+        )  # the cache object is updated in place
     generated = torch.stack(new_tokens, dim=1).tolist()
     ids, truncated = [], []
     eos_ids = set(eos.tolist())

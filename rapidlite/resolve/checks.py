@@ -10,7 +10,8 @@ from typing import Any
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
-from rapidlite.config.tasks import TaskSpec, get_task, registered, task_names
+from rapidlite.config.tasks import TaskSpec, check_options, get_task, task_names
+from rapidlite.config.topology import Batching, Topology
 from rapidlite.errors import ConfigError
 from rapidlite.runtime.environ import env_int, launch_value
 from rapidlite.runtime.world import num_nodes
@@ -60,7 +61,7 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops", "beta"):
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "loss_scale", "peak_flops"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
@@ -187,8 +188,10 @@ def check_lora(args: argparse.Namespace) -> None:
             )
 
 
-def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
-    """What the chosen black-box task needs (``rapidlite.config.tasks``)."""
+def check_task(
+    task: TaskSpec, args: argparse.Namespace, topology: Topology | None = None, batching: Batching | None = None
+) -> None:
+    """What the chosen black-box task needs (``rapidlite.config.tasks``); its own check sees the resolved layout."""
     if not args.demo:
         missing = [flag for flag in task.required if getattr(args, flag.lstrip("-").replace("-", "_")) is None]
         if missing:
@@ -202,11 +205,7 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
             f"{flag} batches fine-tuning data of varying lengths; --task {task.name} trains fixed-length samples: "
             f"drop {flag}"
         )
-    for other, f in ((t, f) for t in registered() if t is not task and t.options for f, _ in flag_fields(t.options)):
-        if getattr(args, f.name) != f.default:
-            raise ConfigError(
-                f"{option(f.name)}: --task {task.name} does not use it (--task {other.name}'s); drop the flag"
-            )
+    check_options(task, vars(args))
     if task.ignored:
         sections = Sections.of(vars(args))
         for name in SECTION_NAMES:
@@ -225,7 +224,7 @@ def check_task(task: TaskSpec, args: argparse.Namespace) -> None:
     if args.streaming:
         check_streaming(task, args)
     if task.check is not None:
-        task.check(Sections.of(vars(args)))
+        task.check(Sections.of(vars(args), topology, batching))
 
 
 def check_streaming(task: TaskSpec, args: argparse.Namespace) -> None:

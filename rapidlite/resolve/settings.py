@@ -168,7 +168,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
         check_writable_dir("--tensorboard-dir", args.tensorboard_dir, "the TensorBoard event files")
     check_lora(args)
     if task is not None:
-        check_task(task, args)
+        check_task(task, args, topology, batching)
     check_rest(args)
     if task is not None:
         _apply_task_defaults(task, args)  # last: a default may load a model's config (after every cheap check)

@@ -217,6 +217,15 @@ class Strategy:
         nothing is needed: the parameters are whole, or gathered per submodule (DeepSpeed's ZeRO-3)."""
         return contextlib.nullcontext()
 
+    # The parameters are sharded over the data-parallel ranks (ZeRO-3): a forward is collective there.
+    shards_parameters: bool = False
+
+    def gathered_for_generation(self, model: Any) -> contextlib.AbstractContextManager:
+        """Around sampling with the model (many forwards of a few tokens each): parameters the backend shards are
+        gathered once on entry and kept whole until exit, not gathered again at every forward. Here nothing is
+        sharded."""
+        return contextlib.nullcontext()
+
     def parameter_count(self, model: Any) -> int:
         return sum(p.numel() for p in self.module(model).parameters())
 

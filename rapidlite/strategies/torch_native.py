@@ -121,6 +121,34 @@ class FullySharded(DataParallel):
             hooks = dataclasses.replace(hooks, reduce_found_inf=functools.partial(self.dist.all_reduce, op="max"))
         return hooks
 
+    shards_parameters = True
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, model: Any) -> Iterator[None]:
+        """Every FSDP module's parameters gathered once and kept whole (no reshard after each forward) while the
+        model samples, then resharded and the modules' reshard settings put back."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        saved = []
+        for m in modules:
+            state = m._get_fsdp_state()
+            saved.append(
+                (state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+            )
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in modules:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m, (auto, infos) in zip(modules, saved, strict=True):
+                m.reshard()
+                state = m._get_fsdp_state()
+                state._auto_reshard_after_forward = auto
+                for group, info in zip(state._fsdp_param_groups, infos, strict=True):
+                    group.post_forward_mesh_info = info
+
     @contextlib.contextmanager
     def whole_parameters(self, model: Any) -> Iterator[None]:
         # The blocks gather their own parameters in their forward hooks; the root's (embeddings, heads, whatever

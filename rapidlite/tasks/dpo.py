@@ -267,7 +267,7 @@ class DPOFinetuner(CausalLMFinetuner):
         return None  # DPO's and KTO's losses count pairs or examples, not the causal LM's tokens: counted in the step
 
     def run_forward_step(self, batch, model):
-        pref, loss = self.settings.preference, self.settings.task_options
+        loss = self.settings.task_options
         nll_weight = self.nll_weight()
         orpo = loss.loss_type == "orpo"
         result = self.forward_logps(model, batch, full_nll=orpo)
@@ -283,7 +283,7 @@ class DPOFinetuner(CausalLMFinetuner):
         scores = PairScores(chosen, rejected, chosen_tokens, rejected_tokens)
         if not loss.reference_free:
             scores.ref_chosen, scores.ref_rejected = self.reference_scores(batch, model)
-        beta = loss.orpo_alpha if orpo else pref.beta
+        beta = loss.orpo_alpha if orpo else loss.beta
         out = pair_loss(loss.loss_type, scores, beta, loss.label_smoothing, loss.simpo_gamma)
         pairs = chosen.shape[0]
         loss_sum = out.losses.sum()

@@ -1,6 +1,6 @@
 """``--task dpo``'s declaration and checks (torch-free; the trainer is ``dpo.py``), and the preference tasks'
-reference-model rule, which ``kto`` shares. Beta, the prompt cut and the precomputed reference are the shared
-``PreferenceConfig`` section; the loss and its coefficients are DPO's own (``DpoOptions``)."""
+reference-model rule, which ``kto`` shares. The prompt cut and the precomputed reference are the shared
+``PreferenceConfig`` section; the loss and its coefficients, beta among them, are DPO's own (``DpoOptions``)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ class DpoOptions:
 
     loss_type: str = flag(
         "sigmoid",
-        "dpo: sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
+        "sigmoid (DPO), ipo, hinge, robust (cDPO with --label-smoothing), simpo (no reference, length-normalised) "
         "or orpo (no reference: the chosen sequence's NLL plus the odds-ratio term)",
         choices=LOSSES,
     )
+    beta: float = flag(0.1, "the KL penalty's strength (IPO: its regularisation tau; SimPO: the reward scale)")
     label_smoothing: float = flag(0.0, "dpo: the assumed share of flipped preference labels (sigmoid, robust, simpo)")
     simpo_gamma: float = flag(0.5, "dpo --loss-type simpo: the target reward margin")
     orpo_alpha: float = flag(0.1, "dpo --loss-type orpo: the weight of the odds-ratio term (TRL's ORPO beta)")
@@ -58,6 +59,8 @@ def preference_reference(settings: Sections) -> str:
 
 def check(settings: Sections) -> None:
     pref: DpoOptions = settings.task_options
+    if pref.beta <= 0:
+        raise ConfigError(f"--beta {pref.beta}: must be positive")
     if not 0 <= pref.label_smoothing < 0.5:
         raise ConfigError(
             f"--label-smoothing {pref.label_smoothing:g}: must be in [0, 0.5) (the share of flipped labels)"

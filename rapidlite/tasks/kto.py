@@ -159,7 +159,7 @@ class KTOFinetuner(DPOFinetuner):
 
     # ------------------------------------------------------------------ forward
     def run_forward_step(self, batch, model):
-        pref, w = self.settings.preference, self.settings.task_options
+        w = self.settings.task_options
         training = self.training_mode(model)
         kl = self._kl if training else self._eval_kl
         if kl is None:  # a forward outside the loop (no before_step): the batch's own estimate
@@ -168,7 +168,7 @@ class KTOFinetuner(DPOFinetuner):
         reference = self.reference_logps(batch, model)
         desirable = batch["label"].bool()
         losses, rewards = kto_loss(
-            logps, reference, desirable, kl.to(logps.device), pref.beta, w.desirable_weight, w.undesirable_weight
+            logps, reference, desirable, kl.to(logps.device), w.beta, w.desirable_weight, w.undesirable_weight
         )
         sink = self.monitor.step_metrics if training else self.eval_metrics
         for name, rows in (("chosen", desirable), ("rejected", ~desirable)):

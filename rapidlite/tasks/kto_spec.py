@@ -17,15 +17,17 @@ if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only name
 
 @dataclass(frozen=True)
 class KtoOptions:
-    """The loss weights of the two labels (TRL's names and defaults); beta, the prompt cut and the precomputed
-    reference are the preference tasks' shared section."""
+    """The KL strength and the loss weights of the two labels (TRL's names and defaults); the prompt cut and the
+    precomputed reference are the preference tasks' shared section."""
+
+    beta: float = flag(0.1, "the KL penalty's strength")
 
     desirable_weight: float = flag(1.0, "kto: the loss weight of desirable (label true) completions")
     undesirable_weight: float = flag(1.0, "kto: the loss weight of undesirable (label false) completions")
 
 
 def check(settings: Sections) -> None:
-    for name, value in dataclasses.asdict(settings.task_options).items():  # the two weights
+    for name, value in dataclasses.asdict(settings.task_options).items():  # beta and the two weights
         if value <= 0:
             raise ConfigError(f"{option(name)} {value}: must be positive")
     if settings.data.padding_free:

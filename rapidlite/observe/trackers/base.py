@@ -52,6 +52,10 @@ class Tracker(ABC):
     def log_file(self, path: str) -> None:  # noqa: B027 - a tracker without file storage keeps nothing
         """Store the file at ``path`` with the run (the default: trackers that keep only numbers ignore it)."""
 
+    def log_table(self, name: str, rows: list[Mapping[str, Any]], step: int) -> None:  # noqa: B027
+        """A table of ``rows`` (one dict each, the same keys) at ``step`` (the default: trackers without tables
+        keep nothing; the run directory has the rows as JSON lines)."""
+
     @abstractmethod
     def finish(self, exit_code: int, preempted: bool) -> None:
         """End the run with the process's outcome (``preempted``: stopped by SIGTERM/SIGUSR1, exit code 143)."""
@@ -95,6 +99,10 @@ class Trackers:
     def log_file(self, path: str) -> None:
         for tracker in self.trackers:
             self._shielded(tracker, f"store {path}", tracker.log_file, path)
+
+    def log_table(self, name: str, rows: list[Mapping[str, Any]], step: int) -> None:
+        for tracker in self.trackers:
+            self._shielded(tracker, f"log the table {name}", tracker.log_table, name, rows, step)
 
     def finish(self, exit_code: int = 0, preempted: bool = False) -> None:
         """Finish every tracker once (idempotent)."""

@@ -59,6 +59,20 @@ class WandbTracker(Tracker):
         if values and self._run is not None:
             self._run.log({STEP: record.get(STEP, 0), **values})
 
+    def log_table(self, name: str, rows: list[Mapping[str, Any]], step: int) -> None:
+        """``rows`` as a ``wandb.Table`` (nested values as JSON text) at ``step``."""
+        if self._run is None or not rows:
+            return
+        import json
+
+        import wandb
+
+        columns = list(rows[0])
+        data = [
+            [v if isinstance(v, int | float | str) else json.dumps(v, default=str) for v in r.values()] for r in rows
+        ]
+        self._run.log({STEP: step, name: wandb.Table(columns=columns, data=data)})
+
     def log_file(self, path: str) -> None:
         """The file among the run's files (uploaded online; kept in the offline run's directory)."""
         if self._run is not None:

@@ -1,0 +1,228 @@
+"""``--task grpo`` and ``--task rloo`` whole runs: every layout samples the completions one process samples and
+trains as it does (losses, metrics, the exported weights); a rollout trained on twice (``--num-iterations 2``)
+resumes mid-rollout as the uninterrupted run; bad input is one line, exit 2, nothing written. The losses,
+advantages and metrics themselves are tested equal to TRL's in ``test_rl_losses.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics, stopped_copy, write_jsonl
+from rapidlite.tasks.causal_lm_demo import write_demo_assets
+
+REWARDS = '''
+def letters(prompts, completions, completion_ids, **kwargs):
+    """The share of letters in the completion: spread enough to give every group advantages."""
+    return [sum(ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def overlap(prompts, completions, completion_ids, answer, **kwargs):
+    """The answer's words the completion has; None (no reward) for an empty completion."""
+    return [None if not c else sum(w in a.split() for w in c.split()) / len(a.split())
+            for c, a in zip(completions, answer)]
+
+
+def no_kwargs(prompts, completions, completion_ids):
+    return [0.0 for _ in completions]
+
+
+def broken(prompts, completions, completion_ids, **kwargs):
+    return [1 / 0 for _ in completions]
+
+
+def short(prompts, completions, completion_ids, **kwargs):
+    return [0.0]
+'''
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The causal demo's tiny LLaMA and tokenizer, its word-reversal prompts with their answers, and rewards."""
+    root = tmp_path_factory.mktemp("grpo")
+    model_dir, data_dir = write_demo_assets(root, seed=5, num_train=24, num_validation=4)
+    prompts = root / "prompts"
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in open(data_dir / f"{split}.jsonl")]
+        write_jsonl(prompts, split, [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows])
+    (root / "rewards.py").write_text(REWARDS)
+    return model_dir, prompts, root / "rewards.py"
+
+
+def grpo_args(assets, *extra, task="grpo"):
+    model_dir, prompts, rewards = assets
+    return [
+        "--task", task, "--pretrained-model-name-or-path", str(model_dir), "--data-path", str(prompts),
+        "--reward-funcs", f"{rewards}:letters,{rewards}:overlap",
+        "--num-generations", "4", "--global-batch-size", "8", "--max-completion-length", "8",
+        "--temperature", "0.9", "--optimizer", "sgd", "--lr", "0.2", "--log-interval", "1", "--hidden-dropout", "0",
+        "--attention-dropout", "0", *extra,
+    ]  # fmt: skip
+
+
+TWO = ["--micro-batch-size", "2", "--nproc-per-node", "2"]
+LAYOUTS = {
+    "one": ["--micro-batch-size", "8"],
+    "accumulation": ["--micro-batch-size", "2"],
+    "ddp": TWO,
+    "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
+    "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
+    "tensor_parallel": ["--micro-batch-size", "8", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+    "lora_one": ["--micro-batch-size", "8", "--lora-rank", "4", "--lr", "1.0"],
+    "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4", "--lr", "1.0"],
+    "lora_deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization", "--lora-rank", "4", "--lr", "1.0"],
+    "mu2_one": ["--micro-batch-size", "4", "--num-iterations", "2", "--beta", "0.1"],
+    "mu2_ddp": [*TWO, "--num-iterations", "2", "--beta", "0.1"],
+    "rloo_one": ["--micro-batch-size", "8"],
+    "rloo_ddp": TWO,
+}  # fmt: skip
+# Metrics that equal exactly when the completions do (they are read from the completions and rewards alone).
+ROLLOUT_METRICS = ("reward", "reward_std", "rewards/letters/mean", "rewards/overlap/mean", "completions/mean_length")
+METRICS = ("loss", "entropy", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """``get(name)``: the --save directory of layout ``name`` (4 SGD steps, a checkpoint after each, then the
+    validation prompts' rewards), run once (a one-process layout in this process)."""
+    root = tmp_path_factory.mktemp("grpo-layouts")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            task = "rloo" if name.startswith("rloo") else "grpo"
+            common = ["--train-iters", "4", "--save-interval", "1", "--reward-weights", "1.0,0.5"]
+            common += ["--save", str(root / name)]
+            run = rapidlite if "--nproc-per-node" in LAYOUTS[name] else rapidlite_captured
+            proc = run(*grpo_args(assets, *common, *LAYOUTS[name], task=task))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+def completions(run):
+    return [(r["iteration"], r["completion"], r["tokens"]) for r in map(json.loads, open(run / "completions.jsonl"))]
+
+
+def assert_same_run(run, reference, rel=1e-5):
+    """The same completions (the logged ones token for token, every one through its rewards and lengths), and
+    the same losses and metrics."""
+    assert completions(run) == completions(reference)
+    assert_same_metrics(run, reference, ROLLOUT_METRICS, rel=0, at_least=4)
+    assert_same_metrics(run, reference, METRICS, rel=rel, at_least=4)
+
+
+def test_one_process_trains_samples_and_logs(runs):
+    """The run's records: TRL's metric names at every step, rewards that vary within groups (the loss has
+    advantages to follow), the validation prompts' rewards at the end, and a sample of completions each step."""
+    run = runs("one")
+    steps = [r for r in read_metrics(run) if "split" not in r and "loss" in r]
+    assert len(steps) == 4
+    for name in (
+        *ROLLOUT_METRICS,
+        "frac_reward_zero_std",
+        "entropy",
+        "clip_ratio/low_mean",
+        "completions/clipped_ratio",
+    ):
+        assert all(name in r for r in steps), name
+    assert any(r["frac_reward_zero_std"] < 1 for r in steps)
+    (final,) = [r for r in read_metrics(run) if r.get("split") == "validation"]
+    assert final["iteration"] == 4 and 0 < final["reward"] < 2
+    logged = completions(run)
+    assert [i for i, _, _ in logged] == [i for i in range(1, 5) for _ in range(8)]
+    assert all(0 < tokens <= 8 for _, _, tokens in logged)
+
+
+@pytest.mark.parametrize("layout", ["accumulation"])
+def test_accumulation_trains_as_one_micro_batch(runs, layout):
+    assert_same_run(runs(layout), runs("one"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3", "tensor_parallel"])
+def test_two_ranks_sample_and_train_as_one_process(runs, layout):
+    """Each rank samples its share of the global batch (the ZeRO-3 layouts with their parameters gathered for the
+    rollout, tensor parallelism sharded): the same completions, losses and metrics as one process, and the same
+    exported weights."""
+    assert_same_run(runs(layout), runs("one"))
+    _assert_same_weights(runs(layout), runs("one"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["lora_zero3", "lora_deepspeed_zero3"])
+def test_lora_on_two_ranks_trains_the_adapters_of_one_process(runs, layout):
+    """Sampling with the adapters applied; the adapters train as one process's."""
+    assert_same_run(runs(layout), runs("lora_one"))
+    _assert_same_weights(runs(layout), runs("lora_one"), "adapter/adapter_model.safetensors")
+
+
+@pytest.mark.distributed
+def test_two_iterations_a_rollout_with_a_reference_train_as_one_process(runs):
+    """``--num-iterations 2``: the rollout policy's log-probabilities kept for the second step; ``--beta 0.1``: a
+    frozen reference copy and the KL term."""
+    assert_same_run(runs("mu2_ddp"), runs("mu2_one"))
+    steps = [r for r in read_metrics(runs("mu2_one")) if "split" not in r and "loss" in r]
+    assert all("kl" in r for r in steps) and steps[-1]["kl"] > 0
+
+
+@pytest.mark.distributed
+def test_rloo_on_two_ranks_trains_as_one_process(runs):
+    assert_same_run(runs("rloo_ddp"), runs("rloo_one"))
+
+
+def test_resumed_mid_rollout_equals_the_uninterrupted_run(runs, assets, tmp_path):
+    """Stopped after the first step of a rollout trained on twice: the checkpoint holds the rollout, so the
+    resumed run trains its second step on the completions the stopped run sampled, and on from there."""
+    whole = runs("mu2_one")
+    resumed = stopped_copy(whole, tmp_path / "run", iteration=1)
+    (resumed / "completions.jsonl").write_text("".join(open(whole / "completions.jsonl").readlines()[:8]))
+    argv = grpo_args(assets, "--train-iters", "4", "--save-interval", "1", "--reward-weights", "1.0,0.5")
+    argv += LAYOUTS["mu2_one"]
+    proc = rapidlite_captured(*argv, "--save", str(resumed), "--load", str(resumed))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(resumed, whole, rel=1e-6)
+
+
+def _assert_same_weights(run, reference, name="model.safetensors"):
+    from safetensors.torch import load_file
+
+    ours, expected = load_file(str(run / "hf" / name)), load_file(str(reference / "hf" / name))
+    assert set(expected) <= set(ours) and set(ours) - set(expected) <= {"lm_head.weight"}  # tied: one export has it
+    for key, value in expected.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--num-generations", "1"], "--num-generations 1: --task grpo compares the completions of one prompt"),
+        (["--num-generations", "3"], "--global-batch-size 8 is not a multiple of --num-generations 3"),
+        (["--reward-funcs", "{rewards}:missing"], "has no function 'missing'"),
+        (["--reward-funcs", "{root}/nowhere.py:f"], "no file {root}/nowhere.py"),
+        (["--reward-funcs", "no_such_module_here:f"], "no_such_module_here"),
+        (["--reward-funcs", "{rewards}:no_kwargs"], "the function takes no **kwargs"),
+        (["--reward-funcs", "{rewards}:broken"], "reward function broken ({rewards}:broken) raised ZeroDivisionError"),
+        (["--reward-funcs", "{rewards}:short"], "returned 1 rewards for 8 completions"),
+        (["--loss-type", "sigmoid"], "--loss-type sigmoid: --task grpo takes grpo, dapo, dr_grpo, bnpo"),
+        (["--use-vllm"], "--use-vllm: "),
+        (["--reward-weights", "1,2,3"], "--reward-weights: 3 weights for 2 reward functions"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(assets, tmp_path, flags, expected):
+    model_dir, prompts, rewards = assets
+    fill = {"rewards": str(rewards), "root": str(rewards.parent)}
+    flags = [f.format(**fill) for f in flags]
+    proc = rapidlite_captured(*grpo_args(assets, *flags, "--train-iters", "1", "--save", str(tmp_path / "run")))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rapidlite: error:")]
+    assert len(errors) == 1 and expected.format(**fill) in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
