@@ -19,10 +19,11 @@ SEQ, HIDDEN = 256, 384
 BERT = {"hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 6, "intermediate_size": 1536}
 LLAMA = {"hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 6, "intermediate_size": 1024}
 T5 = {"d_model": HIDDEN, "d_ff": 1024, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 6, "d_kv": 64}
-COMMON = [
-    "--seq-length", str(SEQ), "--micro-batch-size", "2", "--train-iters", "3", "--eval-interval", "2",
-    "--eval-iters", "1", "--log-interval", "1", "--no-progress", "--hidden-dropout", "0",
+RUN = [
+    "--micro-batch-size", "2", "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1", "--log-interval",
+    "1", "--no-progress", "--hidden-dropout", "0",
 ]  # fmt: skip
+COMMON = ["--seq-length", str(SEQ), *RUN]
 
 
 def _tokenizer(directory, style):
@@ -108,10 +109,15 @@ def _rows(task, rng, n):
             rows.append({"document": _text(rng, 300), "summary": _text(rng, 300)})
         elif task in ("dpo", "reward_model"):
             rows.append({"prompt": _text(rng, 100), "chosen": _text(rng, 150), "rejected": _text(rng, 150)})
+        elif task in ("grpo", "rloo"):
+            rows.append({"prompt": _text(rng, 100)})
         elif task == "kto":
             rows.append({"prompt": _text(rng, 100), "completion": _text(rng, 150), "label": i % 2 == 0})
     return rows
 
+
+ONLINE_RL = ["--max-prompt-length", "100", "--max-completion-length", str(SEQ - 100)]
+REWARD = "def reward(prompts, completions, completion_ids, **kwargs):\n    return [len(c) % 7 for c in completions]\n"
 
 # task: (model family, extra flags)
 TASKS = {
@@ -124,6 +130,9 @@ TASKS = {
     "dpo": ("llama", ["--micro-batch-size", "1"]),
     "kto": ("llama", []),
     "reward_model": ("llama", []),
+    # Untrained, the model samples every completion to its full length: 100 prompt + 156 completion tokens = SEQ.
+    "grpo": ("llama", [*ONLINE_RL, "--num-generations", "2", "--global-batch-size", "2"]),
+    "rloo": ("llama", [*ONLINE_RL, "--num-generations", "2", "--global-batch-size", "2", "--beta", "0.1"]),
     # Last: the plans share one process, and its plan imports ROUGE's libraries (TaskSpec.libraries).
     "seq2seq": ("t5", ["--max-target-length", str(SEQ)]),
 }
@@ -150,7 +159,11 @@ def argvs(tmp_path_factory):
         write_jsonl(data, "train", _rows(task, rng, 24))
         write_jsonl(data, "validation", _rows(task, rng, 4))
         out[task] = ["--task", task, "--pretrained-model-name-or-path", models[family], "--data-path", str(data)]
-        out[task] += [*COMMON, *flags]
+        if task in ("grpo", "rloo"):  # a sequence is prompt + completion (ONLINE_RL), not --seq-length
+            (root / "reward.py").write_text(REWARD)
+            out[task] += [*RUN, *flags, "--reward-funcs", f"{root / 'reward.py'}:reward"]
+        else:
+            out[task] += [*COMMON, *flags]
     return out
 
 

@@ -88,6 +88,9 @@ class TaskSpec:
     # run's resident size (every task but pretraining reads its data through datasets; only seq2seq scores
     # through torchmetrics).
     libraries: tuple[str, ...] = ("datasets",)
+    # An online-RL task samples from the model between steps: given the settings, (completions sampled together on
+    # a rank, tokens each at most: prompt + completion), whose key/value cache the planner counts.
+    generation: Callable[[Any], tuple[int, int]] | None = None
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
     streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
 

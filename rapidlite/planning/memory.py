@@ -54,6 +54,7 @@ from rapidlite.planning.activations import (
     stage_activations,
 )
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
+from rapidlite.planning.task_terms import count_generation, count_reference
 
 GiB = 2**30
 MiB = 2**20
@@ -75,6 +76,7 @@ class RankPlan:
     host: int = 0
     runtime: int = 0
     reference: int = 0  # a preference task's frozen reference model, laid out as the policy
+    generation: int = 0  # online RL's sampling between steps: the key/value cache and gathered ZeRO-3 parameters
     activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
     forward_grads: int = 0  # the gradients there at the forward pass's end (see ``peak``)
     # Elements the rank computes with (its tensor/pipeline share, whole over data parallelism), trains, and steps.
@@ -92,8 +94,9 @@ class RankPlan:
         freed after each step (``zero_grad(set_to_none=True)``): the peak is at the forward pass's end, with the
         activations, its transients and the gradients there then (``forward_grads``: those kept across
         micro-batches or in DDP's buckets, and the chunked loss's output-layer gradient), or after the
-        backward pass, with every gradient and no activations."""
-        return self.held + max(self.with_activations, self.grads)
+        backward pass, with every gradient and no activations; online RL samples with the gradients still held
+        (``generation``)."""
+        return self.held + max(self.with_activations, self.grads + self.generation)
 
     @property
     def held(self) -> int:
@@ -256,7 +259,9 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
     if adapters.quantized:
         notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
-    notes += _count_reference(settings, dims, ranks, total, precision, deepspeed, task)
+    notes += count_reference(settings, dims, ranks, total, precision, deepspeed, task)
+    if task is not None and task.generation is not None:
+        notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
     runtime = _runtime_bytes(task) if device.type == "cpu" else 0
     for r in ranks:
         r.runtime = runtime
@@ -327,37 +332,6 @@ def _resident_bytes() -> int:
     except OSError:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024
-
-
-def _count_reference(
-    settings: Sections, dims: Any, ranks: list[RankPlan], total: int, precision: Any, deepspeed: bool, task: Any
-) -> list[str]:
-    """A preference task's reference model in each rank's bytes: a frozen copy holds the base's weights split
-    as the policy's are (tensor parallel; ZeRO-2/3 shard it over data parallel, in host memory with
-    --cpu-offload); disabled adapters and precomputed scores hold nothing."""
-    kind = task.reference(settings) if task is not None and task.reference is not None else None
-    if kind is None:
-        return []
-    if kind != "copy":
-        what = {
-            "none": f"--loss-type {settings.task_options.loss_type} has none",
-            "precomputed": "its scores are computed before training (--precompute-ref-logprobs), no model kept",
-            "adapters": "the policy with its LoRA adapters disabled, no second copy",
-        }[kind]
-        return [f"reference model: 0 MiB ({what})"]
-    topology = settings.topology
-    # DeepSpeed casts the frozen engine's weights to bf16/fp16; FSDP2 and DDP keep the copy's fp32 weights.
-    width = 2 if deepspeed and precision.dtype is not None else 4
-    sharded = topology.zero_stage >= (3 if deepspeed else 2)  # strategies' prepare_frozen
-    per_rank = total * width // (dims.tp * (dims.dp if sharded else 1))
-    offloaded = sharded and topology.cpu_offload
-    for r in ranks:
-        if offloaded:
-            r.host += per_rank
-        else:
-            r.reference = per_rank
-    where = "host memory (--cpu-offload)" if offloaded else "the device"
-    return [f"reference model: a frozen copy, {per_rank / 2**20:.2f} MiB per rank in {where} (counted in the peak)"]
 
 
 def _rank_plan(

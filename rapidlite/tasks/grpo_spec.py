@@ -26,6 +26,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_SPEC = "file.py:function, package.module:function, or a directory holding a one-label reward model"
 # The shared flags online RL does not read: one set is refused in one line.
 IGNORED = (
+    "seq_length",  # a sequence is --max-prompt-length + --max-completion-length
     "precompute_ref_logprobs",
     "packing",
     "padding_free",
@@ -167,6 +168,14 @@ def seq_length(settings: Sections) -> int:
     return (settings.preference.max_prompt_length or 512) + settings.task_options.max_completion_length
 
 
+def generation(settings: Sections) -> tuple[int, int]:
+    """What a rank samples together (``--generation-batch-size``, at most its share of the global batch) and how
+    long a sequence grows: the planner's key/value cache."""
+    share = settings.batching.global_batch_size // max(settings.topology.dp, 1)
+    rows = min(settings.task_options.generation_batch_size or share, share)
+    return rows, seq_length(settings)
+
+
 TASK = TaskSpec(
     name="grpo",
     summary="online RL of AutoModelForCausalLM on prompts with reward functions (GRPO, DAPO, Dr. GRPO, GSPO)",
@@ -178,6 +187,7 @@ TASK = TaskSpec(
     check=check,
     auto_class="AutoModelForCausalLM",
     reference=online_reference,
+    generation=generation,
     ignored=IGNORED,
     chunked_loss="tokens",
 )

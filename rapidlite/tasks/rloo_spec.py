@@ -11,7 +11,14 @@ from rapidlite.config.fields import flag
 from rapidlite.config.sections import float_list
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError
-from rapidlite.tasks.grpo_spec import IGNORED, RolloutOptions, check_rollout, online_reference, seq_length
+from rapidlite.tasks.grpo_spec import (
+    IGNORED,
+    RolloutOptions,
+    check_rollout,
+    generation,
+    online_reference,
+    seq_length,
+)
 
 if TYPE_CHECKING:
     from rapidlite.config.settings import Sections
@@ -47,6 +54,7 @@ TASK = TaskSpec(
     check=check,
     auto_class="AutoModelForCausalLM",
     reference=online_reference,
+    generation=generation,
     ignored=IGNORED,
     chunked_loss="tokens",
 )
