@@ -17,6 +17,8 @@ _LAZY = {
     "Finetuner": "rapidlite.trainer",
     "PreTrainer": "rapidlite.trainer",
     "Pretrainer": "rapidlite.trainer",  # Rapidformer spells it so in places
+    "GRPOFinetuner": "rapidlite.tasks.grpo",  # online RL templates: reward_functions_provider beside the others
+    "RLOOFinetuner": "rapidlite.tasks.rloo",
     "get_args": "rapidlite.compat.global_vars",
     "get_logger": "rapidlite.compat.global_vars",
     "get_timers": "rapidlite.compat.global_vars",
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from rapidlite.compat.megatron import GPTModel, build_train_valid_test_datasets_for_huggingface
     from rapidlite.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_masks_and_position_ids
     from rapidlite.engine import RapidformerEngine, RapidliteEngine
+    from rapidlite.tasks.grpo import GRPOFinetuner
+    from rapidlite.tasks.rloo import RLOOFinetuner
     from rapidlite.trainer import Finetuner, PreTrainer, Pretrainer
 
 
@@ -58,6 +62,8 @@ __all__ = [
     "GPTModel",
     "Finetuner",
     "PreTrainer",
+    "GRPOFinetuner",
+    "RLOOFinetuner",
     "Pretrainer",
     "get_args",
     "get_logger",

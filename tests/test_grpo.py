@@ -10,7 +10,15 @@ import json
 import pytest
 import torch
 
-from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics, stopped_copy, write_jsonl
+from helpers import (
+    REPO,
+    assert_same_metrics,
+    rapidlite,
+    rapidlite_captured,
+    read_metrics,
+    stopped_copy,
+    write_jsonl,
+)
 from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
 REWARDS = '''
@@ -226,3 +234,19 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(assets, tmp_path, flag
     assert len(errors) == 1 and expected.format(**fill) in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_white_box_script_brings_its_prompts_and_rewards(assets, tmp_path):
+    """``examples/grpo_own_rewards.py`` under ``--user-script``: rows built in the script, Python reward functions,
+    the --task grpo flags read as that task reads them."""
+    model_dir, _, _ = assets
+    argv = ["--user-script", str(REPO / "examples" / "grpo_own_rewards.py"), "--pretrained-model-name-or-path"]
+    argv += [str(model_dir), "--num-generations", "4", "--global-batch-size", "8", "--max-completion-length", "6"]
+    argv += ["--train-iters", "2", "--log-interval", "1", "--loss-type", "grpo", "--save", str(tmp_path / "run")]
+    proc = rapidlite_captured(*argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r for r in read_metrics(tmp_path / "run") if "split" not in r and "loss" in r]
+    assert len(steps) == 2 and all("rewards/correct_sum/mean" in r and r["rewards/short/mean"] > 0 for r in steps)
+    assert [r["prompt"] for r in map(json.loads, open(tmp_path / "run" / "completions.jsonl"))][0].endswith(" is")
+    bad = rapidlite_captured(*argv[:-2], "--num-generations", "1", "--save", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "--num-generations 1: --task grpo compares" in bad.stderr

@@ -23,6 +23,7 @@ ranks agree on when a generation batch has ended, so the collective forwards sta
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -31,14 +32,17 @@ from typing import Any
 import torch
 
 from rapidlite.config.settings import Sections
+from rapidlite.config.tasks import get_task, task_options
 from rapidlite.data.prompts import Prompt, check_layout, read_prompts
 from rapidlite.errors import DataError
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.generation.rollout import completion_metrics, rollout_batch
 from rapidlite.generation.sampling import SamplingSettings, completion_key, sample
 from rapidlite.models.head import output_logps
+from rapidlite.models.hf import load_tokenizer
+from rapidlite.tasks.causal_lm import choose_pad
 from rapidlite.tasks.dpo import DPOFinetuner
-from rapidlite.tasks.grpo_spec import online_reference
+from rapidlite.tasks.grpo_spec import RolloutOptions, online_reference
 from rapidlite.tasks.rewards import TrainerState, load_reward_functions, reward_weights, score
 from rapidlite.tasks.rl_losses import ClipSettings, group_advantages, loss_numerator, masked_sums, policy_terms
 from rapidlite.tasks.rollout_state import Rollout, as_reward_functions, real_tokens
@@ -56,6 +60,15 @@ class GRPOFinetuner(DPOFinetuner):
     task_name = "grpo"
     _rollout: Rollout | None = None
     _restored: dict[str, Any] | None = None  # a mid-rollout checkpoint's rollout, until the loop reaches it
+    pad_id: int | None = None
+
+    def __init__(self, engine: Any = None) -> None:
+        super().__init__(engine)
+        if not isinstance(self.settings.task_options, RolloutOptions):
+            # A --user-script run: the flags as --task <task_name> reads them, checked as its command line is.
+            spec = get_task(self.task_name)
+            self.settings = dataclasses.replace(self.settings, task_options=task_options(spec, vars(self.args)))
+            spec.check(self.settings)
 
     # ------------------------------------------------------------------ data and rewards
     def train_valid_test_datasets_provider(self):
@@ -84,10 +97,27 @@ class GRPOFinetuner(DPOFinetuner):
         return "adapters" if kind == "copy" and getattr(self, "adapter", None) is not None else kind
 
     # ------------------------------------------------------------------ the loop
+    def as_prompts(self, rows: Any) -> list[Prompt]:
+        """A split as ``Prompt``s: the built-in provider's are; a script's rows (dicts with a ``prompt``, every
+        other key for the reward functions) are read as ``--data-path``'s are, with the model's tokenizer."""
+        rows = list(rows or [])
+        if not rows or isinstance(rows[0], Prompt):
+            return rows
+        if self.tokenizer is None:  # the script gives its own data: only the tokenizer is loaded
+            self.tokenizer = load_tokenizer(self.settings.model.pretrained_model_name_or_path)
+        if self.pad_id is None:
+            self.pad_id = choose_pad(self.tokenizer, None, self.logger)
+        check_layout(list(rows[0]))
+        prompts, _ = read_prompts(rows, self.tokenizer, self.settings.preference.max_prompt_length)
+        self.max_token_id = max(
+            getattr(self, "max_token_id", -1), max((max(p.ids, default=-1) for p in prompts), default=-1)
+        )
+        return prompts
+
     def _train(self) -> dict[str, Any]:
         settings, o = self.settings, self.settings.task_options
         train, valid, _test, _ = split_datasets(self.train_valid_test_datasets_provider())
-        self.train_prompts, self.eval_prompts_rl = list(train or []), list(valid or [])
+        self.train_prompts, self.eval_prompts_rl = self.as_prompts(train), self.as_prompts(valid)
         self.reward_functions = as_reward_functions(self.reward_functions_provider())
         self.weights = torch.tensor(reward_weights(o.reward_weights, self.reward_functions), dtype=torch.float32)
         prompts_per_rollout = settings.batching.global_batch_size // o.num_generations

@@ -105,10 +105,9 @@ def _positive(name: str, value: float | None) -> None:
         raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
 
 
-def check_rollout(settings: Sections) -> None:
+def check_rollout(settings: Sections, task: str) -> None:
     """The checks ``grpo`` and ``rloo`` share (the batch sizes count completions)."""
     o: RolloutOptions = settings.task_options
-    task = settings.task.task
     if o.num_generations < 2:
         raise ConfigError(
             f"--num-generations {o.num_generations}: --task {task} compares the completions of one prompt with each "
@@ -157,7 +156,7 @@ def check_vllm() -> None:
 
 
 def check(settings: Sections) -> None:
-    check_rollout(settings)
+    check_rollout(settings, "grpo")
     o: GrpoOptions = settings.task_options
     if o.delta is not None and not o.delta > 1 + o.epsilon:
         raise ConfigError(f"--delta {o.delta}: must be above 1 + --epsilon ({1 + o.epsilon:g})")

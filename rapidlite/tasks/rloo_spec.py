@@ -37,7 +37,7 @@ class RlooOptions(RolloutOptions):
 
 
 def check(settings: Sections) -> None:
-    check_rollout(settings)
+    check_rollout(settings, "rloo")
     clip = settings.task_options.reward_clip_range
     if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
         raise ConfigError(f"--reward-clip-range {','.join(map(str, clip))}: give LOW,HIGH with LOW <= HIGH")
