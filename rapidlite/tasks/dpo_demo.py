@@ -91,7 +91,7 @@ def sft(model: Any, tokenizer: Any, rows: list[dict[str, str]], seed: int) -> No
 
 
 @dataclass(frozen=True)
-class _SFTDemoSpec(DemoSpec):
+class SFTDemoSpec(DemoSpec):
     """The causal-LM demo's model, fine-tuned on the ``sft`` rows before the pairs train it."""
 
     def _write_model(self, model_dir: pathlib.Path, tokenizer: Any, seed: int) -> None:
@@ -128,7 +128,7 @@ DEMO_FLAGS = {
 }
 
 # ``--task dpo --demo``: the causal-LM demo's LLaMA after a short SFT, and prompt/chosen/rejected jsonl.
-demo = _SFTDemoSpec(
+demo = SFTDemoSpec(
     "dpo", GENERATOR_VERSION, splits={"train": 1500, "validation": 100},
     generate=generate, write_split=write_split, suffix=".jsonl", tokenizer=build_tokenizer,
     model="LlamaForCausalLM", token_config=causal_lm_demo.token_config, flags=DEMO_FLAGS,

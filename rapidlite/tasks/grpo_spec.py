@@ -181,6 +181,7 @@ TASK = TaskSpec(
     trainer="rapidlite.tasks.grpo:trainer_for",
     required=("--pretrained-model-name-or-path", "--data-path", "--reward-funcs"),
     options=GrpoOptions,
+    demo="rapidlite.tasks.grpo_demo:demo",
     defaults={"seq_length": seq_length},
     load_model_dir=True,
     check=check,
