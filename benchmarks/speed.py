@@ -1,7 +1,7 @@
 """rapidlite against a plain PyTorch loop and the Hugging Face Trainer, and its speed switches, side by side.
 
     python benchmarks/speed.py              # workload W: about 25 minutes on 2 cores
-    python benchmarks/speed.py --quick      # a tiny model for a few steps: checks the script works
+    python benchmarks/speed.py --quick      # a tiny model for a few steps, in two processes: checks the script works
 
 Workload W (``benchmarks/speed_workload.py``): GPT2LMHeadModel (6 layers, 384 wide, 6 heads, 256
 positions, vocabulary 8192, dropout 0) on synthetic token rows, micro-batch 8 x 256 tokens, 4 micro-batches
@@ -21,7 +21,9 @@ a step, AdamW (lr 3e-4, weight decay 0.1 on the >= 2-D weights), clipping 1.0, 1
 They run interleaved step by step: every process stops after each optimizer step (a global optimizer
 step hook) until this script lets it run its next one, so the contenders take turns (A B C ... A B C ...)
 and a change in the machine's load hits them all alike. A step's time is the wall time of its turn; the
-table gives the median over steps 6-30 (the first steps warm up, compile, allocate). The script first
+table gives the median over steps 6-30 (the first steps warm up, compile, allocate). ``--quick``, which measures
+nothing, runs the contenders in two processes that take turns (the baselines one after another in one, rapidlite's
+in the other: ``process_groups``), so that the script's every path costs two start-ups, not nine. The script first
 checks that the contenders reach the same loss curve (plain loop, Trainer and rapidlite within 1e-4), then
 prints median tokens/s, the ratio to the plain loop, MFU against the matmul peak measured at the start (fp32
 or bf16, as the contender computes), the seconds to the end of step 1 (start-up and compilation), peak RSS
@@ -31,7 +33,7 @@ Activation checkpointing's memory is measured apart, with a longer sequence (102
 dominate: rapidlite with and without ``--checkpoint-activations``, one after the other, 3 steps of one
 micro-batch of 4, with glibc returning freed blocks to the system at once (``MALLOC_MMAP_THRESHOLD_``), so
 that the peak resident size minus the resident parameters and optimizer state is the step's peak memory
-for activations (and the gradients live at that moment).
+for activations (and the gradients live at that moment); ``--quick`` probes both in one process.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from speed_workload import QUICK, W, Workload, build_model, dataset  # noqa: E40
 class Contender:
     key: str
     label: str
-    kind: str  # "plain", "trainer" or "rapidlite"
+    kind: str  # "plain", "trainer" or "rapidlite" ("group": a process running several, see spawn)
     bf16: bool = False
     flags: tuple[str, ...] = ()
 
@@ -236,31 +238,36 @@ def run_rapidlite(w: Workload, flags: tuple[str, ...], workdir: str) -> list[flo
     return [r["loss"] for r in metrics if "split" not in r and "loss" in r]
 
 
-def contender_main(key: str, result: str, quick: bool, memory_seq: int | None) -> None:
+def contender_main(keys: list[str], result: str, quick: bool, memory_seq: int | None) -> None:
+    """The contenders ``keys`` one after another (one, but where --quick groups them), their records by key in
+    ``result``; taking turns with the other processes, or with ``memory_seq`` the activation-memory probe."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    contender = BY_KEY[key]
     w = QUICK if quick else W
-    record: dict = {}
     if memory_seq:  # the activation-memory probe: no turns, 3 steps of one micro-batch of 4
         w = replace(w, seq=memory_seq, micro_batch=4, accumulation=1, steps=3, warmup=1)
-        state = StepState(at=2)
-        register_optimizer_step_post_hook(state)
     elif TURN_FDS in os.environ:
         register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
-    with tempfile.TemporaryDirectory(prefix=f"speed_{key}_") as workdir:
-        if contender.kind == "plain":
-            losses = run_plain(w, contender.bf16)
-        elif contender.kind == "trainer":
-            losses = run_trainer(w, workdir)
-        else:
-            losses = run_rapidlite(w, contender.flags, workdir)
-    record.update(losses=losses, max_rss=max_rss_bytes())
-    if memory_seq:
-        record["step_peak_above_state"] = max_rss_bytes() - state.bytes
-    Path(result).write_text(json.dumps(record))
+    records = {}
+    for key in keys:
+        contender = BY_KEY[key]
+        if memory_seq:
+            state = StepState(at=2)
+            probe = register_optimizer_step_post_hook(state)
+        with tempfile.TemporaryDirectory(prefix=f"speed_{key}_") as workdir:
+            if contender.kind == "plain":
+                losses = run_plain(w, contender.bf16)
+            elif contender.kind == "trainer":
+                losses = run_trainer(w, workdir)
+            else:
+                losses = run_rapidlite(w, contender.flags, workdir)
+        records[key] = {"losses": losses, "max_rss": max_rss_bytes()}
+        if memory_seq:
+            probe.remove()
+            records[key]["step_peak_above_state"] = max_rss_bytes() - state.bytes
+    Path(result).write_text(json.dumps(records))
 
 
 # ---------------------------------------------------------------------- the coordinator
@@ -313,27 +320,45 @@ def start_contender(c: Contender, argv: list[str], log: Path, result: Path, env:
     return Running(c, proc, go, done, log, result, time.perf_counter())
 
 
-def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
-    log, result = tmp / f"{c.key}.log", tmp / f"{c.key}.json"
-    argv = [sys.executable, __file__, "--contender", c.key, "--result", str(result)] + (["--quick"] if quick else [])
-    return start_contender(c, argv, log, result, child_env(threads))
+def spawn(group: list[Contender], tmp: Path, quick: bool, threads: int) -> Running:
+    """A process running the contenders of ``group`` one after another (see ``process_groups``)."""
+    name = "+".join(c.key for c in group)
+    log, result = tmp / f"{name}.log", tmp / f"{name}.json"
+    argv = [sys.executable, __file__, "--contender", ",".join(c.key for c in group), "--result", str(result)]
+    process = Contender(name, " + ".join(c.label for c in group), "group")
+    return start_contender(process, argv + (["--quick"] if quick else []), log, result, child_env(threads))
 
 
-def take_turns(running: list[Running], steps: int) -> dict[str, dict]:
-    """Step 1 (start-up, compilation) side by side; then steps 2..``steps`` one contender at a time, each step's
-    wall time recorded. Returns each contender's result file by key, with its ``run`` and ``step_s``; a contender
-    still running on the way out is killed. Shared by the benchmarks that interleave their contenders."""
+def process_groups(contenders: list, quick: bool, together) -> list[list]:
+    """Which contenders share a process: none in a full run (each is measured in a process of its own); with
+    ``--quick``, which checks the script and measures nothing, those for which ``together(contender)`` is the same,
+    one after another in the contenders' order: a start-up of torch and transformers each group, not each
+    contender. Shared by the benchmarks that interleave their contenders."""
+    if not quick:
+        return [[c] for c in contenders]
+    groups: dict = {}
+    for c in contenders:
+        groups.setdefault(together(c), []).append(c)
+    return list(groups.values())
+
+
+def take_turns(running: list[Running], steps: int | list[int]) -> dict[str, dict]:
+    """Step 1 (start-up, compilation) side by side; then one process at a time, each step's wall time recorded,
+    until each has run its ``steps`` (one count for all, or one a process). Returns each process's result file by
+    its contender's key, with its ``run`` and ``step_s``; a process still running on the way out is killed. Shared
+    by the benchmarks that interleave their contenders."""
+    counts = [steps] * len(running) if isinstance(steps, int) else steps
     try:
         for r in running:
             r.wait_done()
             r.first_step_s = time.perf_counter() - r.start
-        for step in range(2, steps + 1):
-            for r in running:
+        for step in range(2, max(counts) + 1):
+            for r in (r for r, n in zip(running, counts, strict=True) if step <= n):
                 start = time.perf_counter()
                 r.go.write(b".")
                 r.wait_done()
                 r.step_s.append(time.perf_counter() - start)
-            print(f"  step {step}/{steps}", end="\r", file=sys.stderr, flush=True)
+            print(f"  step {step}/{max(counts)}", end="\r", file=sys.stderr, flush=True)
         for r in running:
             r.go.write(b".")
         results = {}
@@ -348,8 +373,25 @@ def take_turns(running: list[Running], steps: int) -> dict[str, dict]:
                 r.proc.kill()
 
 
+def take_turns_grouped(running: list[Running], groups: list[list[str]], steps: int) -> dict[str, dict]:
+    """``take_turns`` for processes each running the contenders of a group (their keys in ``groups``) one after
+    another, ``steps`` optimizer steps each, the process's result file holding their records by key. Returns each
+    contender's record with its ``first_step_s`` (the process's start-up included for a group's first) and its
+    ``step_s`` (steps 2..``steps``). Shared by the benchmarks that interleave their contenders."""
+    finished = take_turns(running, [steps * len(group) for group in groups])
+    results = {}
+    for r, group in zip(running, groups, strict=True):
+        for i, key in enumerate(group):  # r.step_s[j] is the process's step j + 2
+            first = r.first_step_s if i == 0 else r.step_s[i * steps - 1]
+            step_s = r.step_s[i * steps : (i + 1) * steps - 1]
+            results[key] = {**finished[r.contender.key][key], "first_step_s": first, "step_s": step_s}
+    return results
+
+
 def run_interleaved(contenders: list[Contender], w: Workload, quick: bool, threads: int, tmp: Path) -> dict:
-    return take_turns([spawn(c, tmp, quick, threads) for c in contenders], w.steps)
+    groups = process_groups(contenders, quick, together=lambda c: c.kind == "rapidlite")
+    running = [spawn(group, tmp, quick, threads) for group in groups]
+    return take_turns_grouped(running, [[c.key for c in group] for group in groups], w.steps)
 
 
 def memory_probe(seq: int, quick: bool, threads: int, tmp: Path) -> dict[str, int]:
@@ -357,14 +399,16 @@ def memory_probe(seq: int, quick: bool, threads: int, tmp: Path) -> dict[str, in
     env = child_env(threads)
     env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     peaks = {}
-    for key in ("rapidlite", "ckpt"):
-        result, log = tmp / f"memory_{key}.json", tmp / f"memory_{key}.log"
-        argv = [sys.executable, __file__, "--contender", key, "--result", str(result), "--memory-seq", str(seq)]
+    for keys in [["rapidlite", "ckpt"]] if quick else [["rapidlite"], ["ckpt"]]:  # --quick: one start-up
+        name = "+".join(keys)
+        result, log = tmp / f"memory_{name}.json", tmp / f"memory_{name}.log"
+        argv = [sys.executable, __file__, "--contender", ",".join(keys), "--result", str(result)]
+        argv += ["--memory-seq", str(seq)] + (["--quick"] if quick else [])
         with open(log, "w") as out:
-            code = subprocess.call(argv + (["--quick"] if quick else []), env=env, stdout=out, stderr=subprocess.STDOUT)
+            code = subprocess.call(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         if code != 0:
-            raise SystemExit(f"memory probe {key} failed (exit {code}); its log ends:\n{log.read_text()[-4000:]}")
-        peaks[key] = json.loads(result.read_text())["step_peak_above_state"]
+            raise SystemExit(f"memory probe {name} failed (exit {code}); its log ends:\n{log.read_text()[-4000:]}")
+        peaks.update({key: r["step_peak_above_state"] for key, r in json.loads(result.read_text()).items()})
     return peaks
 
 
@@ -405,7 +449,7 @@ def main() -> None:
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.contender:
-        contender_main(args.contender, args.result, args.quick, args.memory_seq)
+        contender_main(args.contender.split(","), args.result, args.quick, args.memory_seq)
         return
 
     import torch
@@ -445,11 +489,9 @@ def main() -> None:
         if "ckpt" in keys:
             memory = memory_probe(args.memory_seq or (128 if args.quick else 1024), args.quick, args.threads, Path(tmp))
 
-    rates = {}
-    for key, res in results.items():
-        run = res["run"]
-        timed = run.step_s[first_timed - 2 :]
-        rates[key] = w.tokens_per_step / statistics.median(timed)
+    rates = {
+        key: w.tokens_per_step / statistics.median(res["step_s"][first_timed - 2 :]) for key, res in results.items()
+    }
     print()
     header = "| contender | tokens/s | vs plain loop | MFU | to end of step 1 s | peak RSS MiB | final loss |"
     print(header)
@@ -459,7 +501,7 @@ def main() -> None:
         mfu = rates[c.key] * flops_per_token / peaks[c.bf16]
         print(
             f"| {c.label} | {rates[c.key]:.0f} | {rates[c.key] / rates['plain']:.3f} | {mfu:.1%} "
-            f"({'bf16' if c.bf16 else 'fp32'}) | {res['run'].first_step_s:.1f} | {res['max_rss'] / 2**20:.0f} | "
+            f"({'bf16' if c.bf16 else 'fp32'}) | {res['first_step_s']:.1f} | {res['max_rss'] / 2**20:.0f} | "
             f"{res['losses'][-1]:.4f} |"
         )
     print()

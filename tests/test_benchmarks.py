@@ -56,8 +56,9 @@ def test_model_parallel_benchmark_quick():
 
 @pytest.mark.slow
 def test_speed_benchmark_quick():
-    """Nine contenders interleaved step by step, each in its own process; the loss curves agree before any
-    speed is printed; the table and every target line are there (met or not: nothing is asserted on speed)."""
+    """Nine contenders interleaved step by step (in two processes: --quick groups them); the loss curves agree
+    before any speed is printed; the table and every target line are there (met or not: nothing is asserted on
+    speed)."""
     proc = run_quick("speed.py", "--threads", "1", timeout=900)
     lines = proc.stdout.splitlines()
     checks = [line for line in lines if "max relative loss difference" in line]
