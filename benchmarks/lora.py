@@ -1,7 +1,7 @@
 """LoRA and QLoRA fine-tuning: rapidlite against a plain peft + PyTorch loop and ``transformers.Trainer``.
 
     python benchmarks/lora.py            # workload L, 7 or 9 contenders: 10 minutes on 2 idle cores
-    python benchmarks/lora.py --quick    # a tiny model for a few steps: checks the script only
+    python benchmarks/lora.py --quick    # a tiny model for a few steps, in two processes: checks the script only
     python benchmarks/lora.py --only trainer,plain_again    # some contenders (plain and rapidlite always run)
 
 Workload L (``benchmarks/lora_workload.py``): ``LlamaForCausalLM`` (4 layers, hidden 512, 8 heads, SwiGLU
@@ -25,7 +25,9 @@ each its own process:
 
 As in ``speed.py`` the contenders take turns step by step (a global optimizer-step hook stops each after its
 step until this script lets it run the next), so a change in the machine's load hits them alike; a step's
-time is the wall time of its turn, the table gives the median over steps 3-16. Before printing any speed the
+time is the wall time of its turn, the table gives the median over steps 3-16 (``--quick``, which measures nothing,
+runs the baselines one after another in one process and rapidlite's contenders in another, taking turns: two
+start-ups of torch, transformers and peft instead of nine; see ``speed.process_groups``). Before printing any speed the
 script checks that the contenders started from the same adapters (a fingerprint of the trainable tensors
 before the first step) and that the Trainer's, rapidlite's and the second plain loop's loss curves match the
 plain loop's within 1e-4 relative at every step. The quantised and bf16 runs train a different base (rounded
@@ -54,7 +56,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_workload import LORA_SEED, QUICK, L, LoraWorkload, build_model, dataset, peft_config  # noqa: E402
-from speed import TURN_FDS, Running, Turns, child_env, lr_lambda, max_relative_difference, start_contender, take_turns  # noqa: E402
+from speed import (
+    TURN_FDS,
+    Running,
+    Turns,
+    child_env,
+    lr_lambda,
+    max_relative_difference,
+    process_groups,
+    start_contender,
+    take_turns_grouped,
+)  # noqa: E402
 
 WORKLOAD_SCRIPT = Path(__file__).resolve().with_name("lora_workload.py")
 LOSS_TOLERANCE = 1e-4  # relative, every step: fp32 contenders computing the same thing in the same order
@@ -65,7 +77,7 @@ TARGETS = {"plain": 1.0, "trainer": 1.05}  # rapidlite's tokens/s over these con
 class Contender:
     key: str
     label: str
-    kind: str  # "plain", "trainer" or "rapidlite"
+    kind: str  # "plain", "trainer" or "rapidlite" ("group": a process running several, see spawn)
     flags: tuple[str, ...] = ()
     lora: bool = True
     bf16: bool = False
@@ -222,7 +234,9 @@ def run_rapidlite(w: LoraWorkload, c: Contender, workdir: str) -> list[float]:
     return [r["loss"] for r in metrics if "split" not in r and "loss" in r]
 
 
-def contender_main(key: str, result: str, quick: bool) -> None:
+def contender_main(keys: list[str], result: str, quick: bool) -> None:
+    """The contenders ``keys`` one after another (one, but where --quick groups them), taking turns with the other
+    processes; their records by key in ``result``."""
     import peft  # noqa: F401  (every contender imports the same libraries before the baseline RSS)
     import torch
     import transformers  # noqa: F401
@@ -232,42 +246,54 @@ def contender_main(key: str, result: str, quick: bool) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     rss_start = peak_rss_kib() * 1024
-    contender = BY_KEY[key]
     w = QUICK if quick else L
-    first = FirstStep()
-    register_optimizer_step_pre_hook(first.before)
-    register_optimizer_step_post_hook(first.after)  # before the turn-taking hook: measured, then wait
-    register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
-    with tempfile.TemporaryDirectory(prefix=f"lora_bench_{key}_") as workdir:
-        if contender.kind == "plain":
-            losses = run_plain(w)
-        elif contender.kind == "trainer":
-            losses = run_trainer(w, workdir)
-        else:
-            losses = run_rapidlite(w, contender, workdir)
-    record = {
-        "losses": losses,
-        "fingerprint": first.fingerprint,
-        "state": first.state,
-        "rss_start": rss_start,
-        "max_rss": max(first.peak_before, peak_rss_kib() * 1024),
-        "train_peak_rss": peak_rss_kib() * 1024,
-    }
-    Path(result).write_text(json.dumps(record))
+    turns = Turns(os.environ[TURN_FDS])
+    records = {}
+    for key in keys:
+        contender = BY_KEY[key]
+        first = FirstStep()
+        hooks = [
+            register_optimizer_step_pre_hook(first.before),
+            register_optimizer_step_post_hook(first.after),  # before the turn-taking hook: measured, then wait
+            register_optimizer_step_post_hook(turns),
+        ]
+        with tempfile.TemporaryDirectory(prefix=f"lora_bench_{key}_") as workdir:
+            if contender.kind == "plain":
+                losses = run_plain(w)
+            elif contender.kind == "trainer":
+                losses = run_trainer(w, workdir)
+            else:
+                losses = run_rapidlite(w, contender, workdir)
+        for hook in hooks:
+            hook.remove()
+        records[key] = {
+            "losses": losses,
+            "fingerprint": first.fingerprint,
+            "state": first.state,
+            "rss_start": rss_start,
+            "max_rss": max(first.peak_before, peak_rss_kib() * 1024),
+            "train_peak_rss": peak_rss_kib() * 1024,
+        }
+    Path(result).write_text(json.dumps(records))
 
 
 # ---------------------------------------------------------------------- the coordinator
 
 
-def spawn(c: Contender, tmp: Path, quick: bool, threads: int) -> Running:
-    log, result = tmp / f"{c.key}.log", tmp / f"{c.key}.json"
-    argv = [sys.executable, __file__, "--contender", c.key, "--result", str(result)] + (["--quick"] if quick else [])
-    return start_contender(c, argv, log, result, child_env(threads))
+def spawn(group: list[Contender], tmp: Path, quick: bool, threads: int) -> Running:
+    """A process running the contenders of ``group`` one after another (``speed.process_groups``)."""
+    name = "+".join(c.key for c in group)
+    log, result = tmp / f"{name}.log", tmp / f"{name}.json"
+    argv = [sys.executable, __file__, "--contender", ",".join(c.key for c in group), "--result", str(result)]
+    process = Contender(name, " + ".join(c.label for c in group), "group")
+    return start_contender(process, argv + (["--quick"] if quick else []), log, result, child_env(threads))
 
 
 def run_interleaved(contenders: list[Contender], w: LoraWorkload, quick: bool, threads: int, tmp: Path) -> dict:
-    """Step 1 (start-up, building and quantising the model) side by side; then every contender in turn."""
-    return take_turns([spawn(c, tmp, quick, threads) for c in contenders], w.steps)
+    """Step 1 (start-up, building and quantising the model) side by side; then every process in turn."""
+    groups = process_groups(contenders, quick, together=lambda c: c.kind == "rapidlite")
+    running = [spawn(group, tmp, quick, threads) for group in groups]
+    return take_turns_grouped(running, [[c.key for c in group] for group in groups], w.steps)
 
 
 def check(results: dict) -> bool:
@@ -337,7 +363,7 @@ def main() -> int:
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.contender:
-        contender_main(args.contender, args.result, args.quick)
+        contender_main(args.contender.split(","), args.result, args.quick)
         return 0
 
     import torch
