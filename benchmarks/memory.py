@@ -9,7 +9,8 @@ decay), fp32, 8 optimizer steps on the speed benchmark's synthetic token rows (t
 order, for every contender), 2 threads. Each vocabulary trains in two modes: LoRA (rank 16, alpha 32,
 dropout 0 on the seven projections of every block) and full fine-tuning. Contenders, each its own process,
 the two of a mode side by side for step 1 (start-up) and then taking turns step by step (the speed
-benchmark's ``take_turns``: one runs while the other waits, so both see the same machine):
+benchmark's ``take_turns``: one runs while the other waits, so both see the same machine; ``--quick``, which
+measures nothing, trains both modes one after the other in each contender's process: two start-ups, not four):
 
     trainer     transformers.Trainer on the model (with peft's get_peft_model for LoRA): its own loss over the
                 whole logits
@@ -231,7 +232,13 @@ def _pretrainer_class():
     return _MemoryPreTrainer
 
 
-def contender_main(key: str, vocab: int, lora: bool, quick: bool, result: Path) -> None:
+def mode_name(lora: bool) -> str:
+    return "LoRA" if lora else "full"
+
+
+def contender_main(key: str, vocab: int, modes: list[bool], quick: bool, result: Path) -> None:
+    """The contender ``key`` at ``vocab`` in each of ``modes`` (LoRA or not; one, but where --quick runs both), one
+    after the other, taking turns with the other contender's process; its records by ``key/mode`` in ``result``."""
     import torch
 
     w = QUICK if quick else M
@@ -240,21 +247,30 @@ def contender_main(key: str, vocab: int, lora: bool, quick: bool, result: Path) 
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    meter = StepMeter()
-    register_optimizer_step_pre_hook(meter.step_pre_hook)
-    register_optimizer_step_post_hook(meter)  # before the turn-taking hook: measured, then wait
-    register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
-    register_module_forward_pre_hook(meter.forward_pre_hook)
-    with tempfile.TemporaryDirectory() as work:
-        (run_trainer if key == "trainer" else run_rapidlite)(w, vocab, lora, Path(work))
-    steps = meter.steps[1:]
-    result.write_text(json.dumps({
-        "peak": max(s["peak"] for s in steps),
-        "act_logits": max(s["act_logits"] for s in steps),
-        "tokens": w.seq - 1,  # a step's; the driver times the steps (contend)
-        "steps": len(meter.steps),
-        "losses": LOSSES,
-    }))  # fmt: skip
+    turns = Turns(os.environ[TURN_FDS])
+    records = {}
+    for lora in modes:
+        meter = StepMeter()
+        LOSSES.clear()
+        hooks = [
+            register_optimizer_step_pre_hook(meter.step_pre_hook),
+            register_optimizer_step_post_hook(meter),  # before the turn-taking hook: measured, then wait
+            register_optimizer_step_post_hook(turns),
+            register_module_forward_pre_hook(meter.forward_pre_hook),
+        ]
+        with tempfile.TemporaryDirectory() as work:
+            (run_trainer if key == "trainer" else run_rapidlite)(w, vocab, lora, Path(work))
+        for hook in hooks:
+            hook.remove()
+        steps = meter.steps[1:]
+        records[f"{key}/{mode_name(lora)}"] = {
+            "peak": max(s["peak"] for s in steps),
+            "act_logits": max(s["act_logits"] for s in steps),
+            "tokens": w.seq - 1,  # a step's; the driver times the steps (contend)
+            "steps": len(meter.steps),
+            "losses": list(LOSSES),
+        }
+    result.write_text(json.dumps(records))
 
 
 # ---------------------------------------------------------------- the driver
@@ -265,22 +281,25 @@ def child_env(threads: int) -> dict[str, str]:
     return {**speed_env(threads), "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def contend(vocab: int, lora: bool, quick: bool, threads: int, tmp: Path, steps: int) -> dict[str, dict]:
-    """The two contenders of a mode, taking turns (``speed.take_turns``): each one's result, its tokens/s from
-    the steps it ran alone."""
-    from speed import Contender, start_contender, take_turns
+def contend(vocab: int, modes: list[bool], quick: bool, threads: int, tmp: Path, steps: int) -> dict[tuple, dict]:
+    """The two contenders in ``modes``, each in a process of its own, taking turns (``speed.take_turns``): each
+    one's result by (mode, contender), its tokens/s from the steps it ran alone."""
+    from speed import Contender, start_contender, take_turns_grouped
 
+    names = [mode_name(lora) for lora in modes]
     running = []
     for key in ("trainer", "rapidlite"):
-        result, log = tmp / f"{key}-{vocab}-{lora}.json", tmp / f"{key}-{vocab}-{lora}.log"
-        argv = [sys.executable, __file__, "--contender", key, "--vocab", str(vocab), "--result", str(result)]
-        argv += (["--lora"] if lora else []) + (["--quick"] if quick else [])
-        label = f"{key} (vocabulary {vocab}, {'LoRA' if lora else 'full'})"
-        running.append(start_contender(Contender(key, label, key), argv, log, result, child_env(threads)))
-    results = take_turns(running, steps)
+        stem = f"{key}-{vocab}-{'+'.join(names)}"
+        result, log = tmp / f"{stem}.json", tmp / f"{stem}.log"
+        argv = [sys.executable, __file__, "--contender", key, "--vocab", str(vocab), "--modes", ",".join(names)]
+        argv += ["--result", str(result)] + (["--quick"] if quick else [])
+        label = f"{key} (vocabulary {vocab}, {' then '.join(names)})"
+        running.append(start_contender(Contender(stem, label, key), argv, log, result, child_env(threads)))
+    groups = [[f"{key}/{name}" for name in names] for key in ("trainer", "rapidlite")]
+    results = take_turns_grouped(running, groups, steps)
     for r in results.values():
         r["tokens_per_s"] = r.pop("tokens") / statistics.median(r["step_s"])
-    return results
+    return {(lora, key): results[f"{key}/{mode_name(lora)}"] for lora in modes for key in ("trainer", "rapidlite")}
 
 
 def pretraining_argv(w: Workload, vocab: int, seq: int, config_dir: Path) -> list[str]:
@@ -320,7 +339,7 @@ def longest_sequence(w: Workload, vocab: int, budget: int, config_dir: Path, tmp
     fits = lambda seq: planned_peak(w, vocab, seq, config_dir, budget, threads) <= budget
     low = w.seq
     high = 2 * low
-    while fits(high) and high < cap:
+    while high < cap and fits(high):
         low, high = high, 2 * high
     while high - low > step:
         mid = (low + high) // 2 // step * step
@@ -364,11 +383,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contender", choices=("trainer", "rapidlite"), help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--modes", help=argparse.SUPPRESS)  # LoRA,full
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.contender:
-        contender_main(args.contender, args.vocab, args.lora, args.quick, args.result)
+        modes = [name == mode_name(True) for name in args.modes.split(",")]
+        contender_main(args.contender, args.vocab, modes, args.quick, args.result)
         return 0
     w = QUICK if args.quick else M
     mib = lambda b: f"{b / 2**20:8.0f}"
@@ -377,17 +397,16 @@ def main() -> int:
         results = {}
         print(f"{'vocabulary':>10} {'mode':5} {'contender':10} {'peak MiB':>9} {'act+logits MiB':>15} {'tokens/s':>9}")
         for vocab in w.vocabs:
-            for lora in (True, False):
-                pair = contend(vocab, lora, args.quick, args.threads, tmp, w.steps)
-                for key in ("trainer", "rapidlite"):
-                    r = results[vocab, lora, key] = pair[key]
-                    mode = "LoRA" if lora else "full"
+            for modes in [[True, False]] if args.quick else [[True], [False]]:  # --quick: both in one process
+                pairs = contend(vocab, modes, args.quick, args.threads, tmp, w.steps)
+                for lora, key in pairs:
+                    r = results[vocab, lora, key] = pairs[lora, key]
                     if key == "rapidlite":
                         expected = results[vocab, lora, "trainer"]["losses"]
                         gap = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], expected, strict=True))
                         if gap > LOSS_TOLERANCE:
                             raise SystemExit(f"the loss curves differ by {gap:.1e}: {r['losses']} vs {expected}")
-                    print(f"{vocab:>10} {mode:5} {key:10} {mib(r['peak'])} {mib(r['act_logits']):>15} "
+                    print(f"{vocab:>10} {mode_name(lora):5} {key:10} {mib(r['peak'])} {mib(r['act_logits']):>15} "
                           f"{r['tokens_per_s']:9.1f}", flush=True)  # fmt: skip
         big = max(w.vocabs)
         print("\nrapidlite / Trainer (act+logits, tokens/s):")
