@@ -1,7 +1,7 @@
 """``--packing`` against padded batches and the Hugging Face Trainer's padding: useful tokens/s, equal loss.
 
     python benchmarks/packing.py            # about 5 minutes on 2 cores
-    python benchmarks/packing.py --quick    # a tiny model for 3 steps: checks the script only
+    python benchmarks/packing.py --quick    # a tiny model for 3 steps, in two processes: checks the script only
 
 In one invocation, in a temporary directory: an instruction set (prompt/completion jsonl) whose row lengths
 follow a seeded log-normal distribution (median 80 tokens, a long tail up to the sequence length of 512), a
@@ -22,7 +22,8 @@ and the script checks that before printing any speed. Useful tokens are the loss
 and its EOS, labels != -100), the same count for every contender; useful tokens/s is that count over the
 median step time. As in ``speed.py``, the contenders run side by side and take turns step by step (a global
 optimizer-step hook stops each after its step until this script lets it go), so a change in the machine's
-load hits them alike; the first step (start-up and first-use costs) is not timed. Target:
+load hits them alike; the first step (start-up and first-use costs) is not timed (``--quick``, which measures
+nothing, runs rapidlite's two contenders one after the other in one process: ``speed.process_groups``). Target:
 packing >= 1.5x the padded batches' useful tokens/s.
 """
 
@@ -42,7 +43,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed import TURN_FDS, Running, Turns, child_env, max_rss_bytes, start_contender, take_turns  # noqa: E402  (its turn-taking, shared)
+from speed import (
+    TURN_FDS,
+    Running,
+    Turns,
+    child_env,
+    max_rss_bytes,
+    process_groups,
+    start_contender,
+    take_turns_grouped,
+)  # noqa: E402  (its turn-taking, shared)
 
 TARGET = 1.5
 LOSS_TOLERANCE = 1e-4  # relative, every step: rapidlite packed against padded, and the Trainer against both
@@ -93,6 +103,7 @@ def write_model(out: Path, rows_file: Path, s: Setup) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rapidlite.data.tokenizers import GPT2BPETokenizer, train_byte_level_bpe
+    from rapidlite.models.hf import plain_save
 
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     vocab, merges = train_byte_level_bpe([r["prompt"] + r["completion"] for r in rows], 512, out / "bpe")
@@ -111,7 +122,8 @@ def write_model(out: Path, rows_file: Path, s: Setup) -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out / "model")
+    with plain_save():  # no DeepSpeed import (1.5 s) to learn that the model is not wrapped
+        LlamaForCausalLM(config).save_pretrained(out / "model")
 
 
 def encoded(model_dir: Path, data_dir: Path, s: Setup, packing: bool):
@@ -184,22 +196,27 @@ def run_trainer(work: Path, s: Setup) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def contender_main(key: str, work: Path, s: Setup, batches: int, result: Path) -> None:
+def contender_main(keys: list[str], work: Path, s: Setup, batches: dict[str, int], result: Path) -> None:
+    """The contenders ``keys`` one after another (one, but where --quick groups them), taking turns with the other
+    processes; their records by key in ``result``."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     register_optimizer_step_post_hook(Turns(os.environ[TURN_FDS]))
-    if key == "trainer":
-        losses = run_trainer(work, s)
-    else:
-        from rapidlite.cli.main import main as rapidlite_main
+    records = {}
+    for key in keys:
+        if key == "trainer":
+            losses = run_trainer(work, s)
+        else:
+            from rapidlite.cli.main import main as rapidlite_main
 
-        if rapidlite_main(rapidlite_argv(work, s, key, batches)) != 0:
-            raise SystemExit(f"rapidlite {key} failed")
-        metrics = [json.loads(line) for line in (work / key / "metrics.jsonl").read_text().splitlines()]
-        losses = [r["loss"] for r in metrics if "split" not in r]
-    result.write_text(json.dumps({"losses": losses, "max_rss": max_rss_bytes()}))
+            if rapidlite_main(rapidlite_argv(work, s, key, batches[key])) != 0:
+                raise SystemExit(f"rapidlite {key} failed")
+            metrics = [json.loads(line) for line in (work / key / "metrics.jsonl").read_text().splitlines()]
+            losses = [r["loss"] for r in metrics if "split" not in r]
+        records[key] = {"losses": losses, "max_rss": max_rss_bytes()}
+    result.write_text(json.dumps(records))
 
 
 # ---------------------------------------------------------------------- the coordinator
@@ -218,16 +235,20 @@ CONTENDERS = [
 ]
 
 
-def spawn(c: Contender, work: Path, quick: bool, batches: int, threads: int) -> Running:
-    log, result = work / f"{c.key}.log", work / f"{c.key}.json"
-    argv = [sys.executable, __file__, "--contender", c.key, "--work", str(work), "--batches", str(batches)]
-    argv += ["--result", str(result)] + (["--quick"] if quick else [])
-    return start_contender(c, argv, log, result, child_env(threads))
+def spawn(group: list[Contender], work: Path, quick: bool, batches: dict[str, int], threads: int) -> Running:
+    """A process running the contenders of ``group`` one after another (``speed.process_groups``)."""
+    name = "+".join(c.key for c in group)
+    log, result = work / f"{name}.log", work / f"{name}.json"
+    argv = [sys.executable, __file__, "--contender", ",".join(c.key for c in group), "--work", str(work)]
+    argv += ["--batches", json.dumps(batches), "--result", str(result)] + (["--quick"] if quick else [])
+    return start_contender(Contender(name, " + ".join(c.label for c in group)), argv, log, result, child_env(threads))
 
 
 def run_interleaved(work: Path, s: Setup, quick: bool, batches: dict[str, int], threads: int) -> dict[str, dict]:
-    """The contenders take turns step by step (each stops after its optimizer step until it is let go)."""
-    return take_turns([spawn(c, work, quick, batches.get(c.key, 0), threads) for c in CONTENDERS], s.steps)
+    """The contenders take turns step by step (each process stops after its optimizer step until it is let go)."""
+    groups = process_groups(CONTENDERS, quick, together=lambda c: c.key == "trainer")
+    running = [spawn(group, work, quick, batches, threads) for group in groups]
+    return take_turns_grouped(running, [[c.key for c in group] for group in groups], s.steps)
 
 
 def max_relative(a: list[float], b: list[float]) -> float:
@@ -240,14 +261,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model for 3 steps: checks the script only")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per contender (default 1)")
-    parser.add_argument("--contender", choices=[c.key for c in CONTENDERS], help=argparse.SUPPRESS)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)  # keys, comma-separated
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--batches", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batches", type=json.loads, help=argparse.SUPPRESS)  # batches per epoch, by key
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
     if args.contender:
-        contender_main(args.contender, Path(args.work), s, args.batches, Path(args.result))
+        contender_main(args.contender.split(","), Path(args.work), s, args.batches, Path(args.result))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="packing_bench_") as tmp:
