@@ -1,14 +1,15 @@
 """``--task dpo`` against TRL's ``DPOTrainer``: the same model, data, precision and batches, in one run.
 
     python benchmarks/preference.py            # workload P: a few minutes on 2 cores
-    python benchmarks/preference.py --quick    # a tiny model for a few steps: checks the script works
+    python benchmarks/preference.py --quick    # a tiny model for a few steps, in two launches: checks the script works
 
 Workload P: a randomly initialised LLaMA (8 layers, 512 wide, 8 heads, vocabulary 16000, 42M parameters) on
 prompt/chosen/rejected rows of fixed length (a 32-token prompt, 16-token responses, so every step holds the same
 tokens), sigmoid DPO with beta 0.1, micro-batch 2 pairs x accumulation 4, AdamW (lr 1e-5), fp32, 8 steps; the
 first 2 are warm-up and not timed. Short rows and small micro-batches make the model's states, not activations,
 most of the memory, as in fine-tuning a large model (where the frozen reference is the complaint). Contenders, each
-in its own processes, one after the other:
+in its own processes, one after the other (``--quick``, which measures nothing, runs the three one-process ones in
+one process: a start-up of torch, transformers and TRL instead of three):
 
     TRL DPOTrainer                 a frozen copy of the model as the reference (TRL's default)
     rapidlite                      the same: a frozen copy laid out as the policy
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import statistics
@@ -77,6 +79,19 @@ def vm(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+class ReferenceBytes(logging.Handler):
+    """The reference's weight bytes on this rank, from rapidlite's log line about its frozen copy (0 without one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.bytes = 0.0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", record.getMessage())
+        if match:
+            self.bytes = float(match.group(1)) * 2**20
+
+
 class TrainingPeak:
     """The peak resident size of the training steps after the first: at the end of step 1 (the model, its
     reference and the optimizer state all built, the first batch's buffers allocated) the high-water mark restarts
@@ -106,6 +121,7 @@ def write_assets(root: Path, w: Workload) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rapidlite.models.hf import plain_save
     from rapidlite.tasks.causal_lm_demo import WORDS
     from rapidlite.tasks.demo_build import DemoBuild
     from rapidlite.tasks.dpo_demo import build_tokenizer
@@ -136,7 +152,8 @@ def write_assets(root: Path, w: Workload) -> tuple[Path, Path]:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    with plain_save():  # no DeepSpeed import (1.5 s) to learn that the model is not wrapped
+        LlamaForCausalLM(config).save_pretrained(model_dir)
     return model_dir, data
 
 
@@ -200,21 +217,28 @@ def rapidlite_argv(w: Workload, model_dir: Path, data: Path, save: Path, flags: 
 
 def run_rapidlite(w: Workload, model_dir: Path, data: Path, save: Path, flags: list[str], result: Path) -> None:
     """rapidlite in this process (one of the ranks, under torchrun): after every step this rank's training peak
-    so far goes to ``result`` (a rank's process ends inside the run: gloo workers exit at its end)."""
+    so far and its reference's bytes go to ``result`` (a rank's process ends inside the run: gloo workers exit at
+    its end)."""
     from rapidlite.cli.main import main
+    from rapidlite.observe.logging import LOGGER_NAME
     from rapidlite.trainer.base import BaseTrainer
 
     import_everything()
-    peak = TrainingPeak()
+    peak, reference = TrainingPeak(), ReferenceBytes()
     after_step = BaseTrainer.after_step
 
     def measured(self, samples):
         after_step(self, samples)
         peak.step_ended()
-        result.write_text(json.dumps({"peak": peak.bytes()}))
+        result.write_text(json.dumps({"peak": peak.bytes(), "reference": reference.bytes}))
 
     BaseTrainer.after_step = measured
-    code = main(rapidlite_argv(w, model_dir, data, save, flags))
+    logging.getLogger(LOGGER_NAME).addHandler(reference)
+    try:
+        code = main(rapidlite_argv(w, model_dir, data, save, flags))
+    finally:  # the next contender of a --quick process runs unpatched
+        BaseTrainer.after_step = after_step
+        logging.getLogger(LOGGER_NAME).removeHandler(reference)
     if code not in (0, None):
         raise SystemExit(f"rapidlite exited {code}")
 
@@ -233,13 +257,16 @@ def rapidlite_metrics(save: Path) -> dict:
 FLAGS = {"rapidlite": [], "precomputed": ["--precompute-ref-logprobs"], "zero3": ["--zero-3-memory-optimization"]}
 
 
-def contender_main(key: str, w: Workload, root: Path, result: Path) -> None:
+def contender_main(keys: list[str], w: Workload, root: Path) -> None:
+    """The contenders ``keys`` one after another (one, but where --quick groups them), each rank's result in
+    ``root/KEY.RANK.json``."""
     model_dir, data = root / "model", root / "data"
-    mine = result.with_suffix(f".{os.environ.get('RANK', '0')}.json")
-    if key == "trl":
-        mine.write_text(json.dumps(run_trl(w, model_dir, data, Path(tempfile.mkdtemp(dir=root)))))
-    else:
-        run_rapidlite(w, model_dir, data, root / key, FLAGS[key], mine)
+    for key in keys:
+        mine = root / f"{key}.{os.environ.get('RANK', '0')}.json"
+        if key == "trl":
+            mine.write_text(json.dumps(run_trl(w, model_dir, data, Path(tempfile.mkdtemp(dir=root)))))
+        else:
+            run_rapidlite(w, model_dir, data, root / key, FLAGS[key], mine)
 
 
 CONTENDERS = {
@@ -250,48 +277,47 @@ CONTENDERS = {
 }
 
 
-def launch(key: str, w: Workload, root: Path, quick: bool) -> dict:
-    """One contender in processes of its own (2 ranks under torchrun for ZeRO-3): its result, rank 0's peak and
-    the largest rank's."""
+def launch(keys: list[str], w: Workload, root: Path, quick: bool) -> dict[str, dict]:
+    """The contenders ``keys`` in processes of their own (2 ranks under torchrun for ZeRO-3), one after another:
+    each one's result, with the largest rank's peak and rank 0's reference bytes."""
     env = {
         **os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RAPIDLITE_CACHE": str(root / "cache"),
         "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
     }  # fmt: skip
-    result = root / f"{key}.json"
-    argv = [__file__, "--contender", key, "--root", str(root), "--result", str(result)] + (["--quick"] if quick else [])
-    if key == "zero3":
+    argv = [__file__, "--contender", ",".join(keys), "--root", str(root)] + (["--quick"] if quick else [])
+    if keys == ["zero3"]:
         env["OMP_NUM_THREADS"] = "1"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
-    else:
-        env["OMP_NUM_THREADS"] = "2"
+    else:  # --quick: one thread, as the tests run everything (two wait on each other for a tiny model's steps)
+        env["OMP_NUM_THREADS"] = "1" if quick else "2"
         argv = [sys.executable, *argv]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-    ranks = [json.loads(p.read_text()) for p in sorted(root.glob(f"{key}.*.json"))]
-    if proc.returncode != 0 or not ranks:
-        raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    out = ranks[0] if key == "trl" else rapidlite_metrics(root / key)
-    out["peak"] = max(r["peak"] for r in ranks)
-    if key != "trl":
-        match = re.search(r"frozen copy .*?, ([0-9.]+) MiB of weights on this rank", proc.stdout + proc.stderr)
-        out["reference"] = float(match.group(1)) * 2**20 if match else 0
-    return out
+    results = {}
+    for key in keys:
+        ranks = [json.loads(p.read_text()) for p in sorted(root.glob(f"{key}.*.json"))]
+        if proc.returncode != 0 or not ranks:
+            raise SystemExit(f"{key}: exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        out = ranks[0] if key == "trl" else {**rapidlite_metrics(root / key), "reference": ranks[0]["reference"]}
+        results[key] = {**out, "peak": max(r["peak"] for r in ranks)}
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--contender")
+    parser.add_argument("--contender")  # keys, comma-separated
     parser.add_argument("--root")
-    parser.add_argument("--result")
     args = parser.parse_args()
     w = QUICK if args.quick else P
     if args.contender:
-        contender_main(args.contender, w, Path(args.root), Path(args.result))
+        contender_main(args.contender.split(","), w, Path(args.root))
         return 0
+    # --quick: the one-process contenders in one process (the script is checked, nothing is measured)
+    groups = [["trl", "rapidlite", "precomputed"], ["zero3"]] if args.quick else [[key] for key in CONTENDERS]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_assets(root, w)
-        results = {key: launch(key, w, root, args.quick) for key in CONTENDERS}
+        results = {key: r for keys in groups for key, r in launch(keys, w, root, args.quick).items()}
     print(f"{'contender':<38} {'tokens/s':>9} {'x TRL':>6} {'peak MiB':>9} {'x TRL':>6} {'reference MiB':>14}")
     trl_rate = results["trl"]["tokens_per_step"] / statistics.median(results["trl"]["step_s"][w.warmup :])
     for key, label in CONTENDERS.items():
