@@ -2,7 +2,7 @@
 streamed and map-style.
 
     python benchmarks/streaming_memory.py            # 5 MB and 50 MB of text: a few minutes on 2 cores
-    python benchmarks/streaming_memory.py --quick    # 0.5 MB and 5 MB: the test (tests/test_benchmarks.py)
+    python benchmarks/streaming_memory.py --quick    # 0.2 MB and 2 MB: the test (tests/test_benchmarks.py)
 
 In a temporary directory: the causal-LM demo's tiny LLaMA and tokenizer, and JSON-lines files of generated text
 (``{"text": ...}`` rows of about 600 characters) of the two sizes. Each contender is ``rapidlite --task causal_lm
@@ -67,10 +67,10 @@ def peak_mib(argv: list[str], env: dict[str, str]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="0.5 MB and 5 MB of text (the test)")
+    parser.add_argument("--quick", action="store_true", help="0.2 MB and 2 MB of text (the test)")
     parser.add_argument("--iters", type=int, default=4, help="training iterations of each run")
     args = parser.parse_args(argv)
-    small = 0.5 if args.quick else 5.0
+    small = 0.2 if args.quick else 5.0
     sys.path.insert(0, str(REPO))
     from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
