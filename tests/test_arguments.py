@@ -68,7 +68,7 @@ FLAGS = """
 --reward-funcs --reward-weights --num-generations --max-completion-length --temperature --top-p --top-k --min-p
 --repetition-penalty --generation-batch-size --num-iterations --epsilon --epsilon-high --mask-truncated-completions
 --use-vllm --importance-sampling-level --scale-rewards --delta --use-bias-correction-kl --no-use-bias-correction-kl
---normalize-advantages --reward-clip-range
+--normalize-advantages --reward-clip-range --vllm-gpu-memory-utilization
 """.split()
 
 

@@ -6,6 +6,7 @@ advantages and metrics themselves are tested equal to TRL's in ``test_rl_losses.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -265,3 +266,64 @@ def test_demo_raises_the_reward_above_0_8_and_the_accuracy_with_it(tmp_path, mon
     assert evals[0]["iteration"] == 0 and evals[0]["reward"] < 0.7
     assert evals[-1]["reward"] >= 0.8
     assert evals[-1]["rewards/exact/mean"] >= evals[0]["rewards/exact/mean"] + 0.15
+
+
+class StandInLLM:
+    """``vllm.LLM`` as ``rapidlite.generation.vllm`` calls it: ``generate`` answers each request with tokens made
+    from its seed (up to its max_tokens, then EOS), and ``load_weights``/``reset_prefix_cache`` are recorded."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos, self.loaded, self.resets, self.seeds = eos, [], 0, []
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=self))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    def generate(self, requests, sampling_params, use_tqdm):
+        out = []
+        for request, params in zip(requests, sampling_params, strict=True):
+            assert request["prompt_token_ids"] and params.max_tokens == 6
+            self.seeds.append(params.seed)
+            ids = [20 + (params.seed + j) % 40 for j in range(params.seed % 6)] + [self.eos]
+            ids = ids[: params.max_tokens]
+            reason = "stop" if ids[-1] == self.eos else "length"
+            out.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)]))
+        return out
+
+    def load_weights(self, weights):
+        self.loaded.append({name: tensor.clone() for name, tensor in weights})
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def test_use_vllm_dispatches_to_the_engine_and_syncs_the_weights_before_each_rollout(assets, tmp_path, monkeypatch):
+    """``--use-vllm`` through a stand-in engine (no GPU here): the rollouts are the engine's completions (each
+    request seeded by its completion's key), and before every rollout and the evaluation the engine is given the
+    policy's weights by their Hugging Face names (the last copy is the exported model) and a fresh prefix cache."""
+    from transformers import AutoTokenizer
+
+    from rapidlite.generation import vllm
+    from rapidlite.tasks import grpo_spec
+
+    model_dir, _, _ = assets
+    engine = StandInLLM(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+    monkeypatch.setattr(grpo_spec, "check_vllm", lambda: None)
+    monkeypatch.setattr(vllm, "make_llm", lambda *args: engine)
+    monkeypatch.setattr(
+        vllm,
+        "sampling_params",
+        lambda s, key: SimpleNamespace(seed=key % vllm.SEED_RANGE, max_tokens=s.max_completion_length),
+    )
+    save = tmp_path / "run"
+    argv = grpo_args(assets, "--use-vllm", "--max-completion-length", "6", "--micro-batch-size", "8")
+    proc = rapidlite_captured(*argv, "--train-iters", "3", "--optimizer", "sgd", "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(engine.loaded) == 4 and engine.resets == 4  # rollouts 0, 1, 2 and the final evaluation
+    from safetensors.torch import load_file
+
+    exported = load_file(str(save / "hf" / "model.safetensors"))
+    assert set(exported) <= set(engine.loaded[-1])
+    for name, value in exported.items():
+        torch.testing.assert_close(engine.loaded[-1][name], value, msg=name)
+    assert any(not torch.equal(engine.loaded[0][n], engine.loaded[-1][n]) for n in exported)  # the policy moved
+    logged = list(map(json.loads, open(save / "completions.jsonl")))
+    assert [row["tokens"] for row in logged[:8]] == [min(seed % 6 + 1, 6) for seed in engine.seeds[:8]]

@@ -9,11 +9,10 @@ import torch
 
 if TYPE_CHECKING:
     from rapidlite.config.settings import Sections
-    from rapidlite.planning.memory import RankPlan
 
 
 def count_reference(
-    settings: Sections, dims: Any, ranks: list[RankPlan], total: int, precision: Any, deepspeed: bool, task: Any
+    settings: Sections, dims: Any, ranks: list[Any], total: int, precision: Any, deepspeed: bool, task: Any
 ) -> list[str]:
     """A preference task's reference model in each rank's bytes: a frozen copy holds the base's weights split
     as the policy's are (tensor parallel; ZeRO-2/3 shard it over data parallel, in host memory with
@@ -46,7 +45,7 @@ def count_reference(
 
 
 def count_generation(
-    settings: Sections, dims: Any, ranks: list[RankPlan], total: int, precision: Any, task: Any, config: Any
+    settings: Sections, dims: Any, ranks: list[Any], total: int, precision: Any, task: Any, config: Any
 ) -> list[str]:
     """Online RL's sampling (``TaskSpec.generation``): the key/value cache of the completions a rank samples
     together at their longest, each step's fp32 logits (and the sampler's copies of them), and under ZeRO-3 the

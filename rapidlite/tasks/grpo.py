@@ -1,31 +1,23 @@
-"""``--task grpo`` and ``--task rloo``: online RL of a causal LM on prompts, with reward functions.
+"""``--task grpo`` (and ``rloo.py``'s ``--task rloo``): online RL of a causal LM on prompts, with reward functions.
 
-Each optimizer step trains on one global batch of completions. Every ``--num-iterations`` (mu) steps a rollout
-makes the next one: the global batch's prompts (``--global-batch-size / --num-generations`` of them, in a shuffled
-order per epoch) are each sampled ``--num-generations`` times by the policy, with a key/value cache
-(``rapidlite.generation.sampling``). Each data-parallel rank samples its contiguous share of the global batch's
-completions, the ``i``-th of rollout ``k`` from its own random stream (``completion_key(seed, k, i)``), so the
-completions never depend on the layout. The rewards (``rapidlite.tasks.rewards``) are gathered over the ranks,
-the advantages made from all of them (``rl_losses.group_advantages`` or ``rloo_advantages``), and every rank then
-holds the whole rollout: its tokens, advantages and, where needed, the rollout policy's and the reference's
-log-probabilities. A rank trains on its share, split into micro-batches; a checkpoint taken mid-rollout keeps the
-rollout (``state_dict``), so a resumed run trains on what the stopped run sampled.
+Each optimizer step trains on one global batch of completions. Every ``--num-iterations`` (mu) steps a rollout makes
+the next one: the global batch's prompts (shuffled per epoch) are each sampled ``--num-generations`` times by the
+policy (``generation.sampling``, or ``generation.vllm``). Each data-parallel rank samples its contiguous share, the
+``i``-th completion of rollout ``k`` from its own random stream (``completion_key(seed, k, i)``), so completions
+never depend on the layout. Rewards are gathered, advantages made from all of them, and every rank holds the whole
+rollout (tokens, advantages, the rollout policy's and reference's log-probabilities where needed): a checkpoint
+taken mid-rollout keeps it, so a resumed run trains on what was sampled. A rank trains on its share.
 
-The loss (``rl_losses``) is TRL's: ``(numerator, items)`` per micro-batch, where the items of the whole global
-batch are TRL's denominator (``loss_denominator``): any split into micro-batches and ranks trains as one batch.
-Log-probabilities go through the chunked output layer (``models.head.output_logps``) at the sampling
-temperature, with each row's positions counted from its first real token, so a left-padded prompt scores as it
-was sampled.
-
-Parameters that ZeRO-3 shards are gathered once per rollout (``Strategy.gathered_for_generation``), and the
-ranks agree on when a generation batch has ended, so the collective forwards stay in step.
+The loss is TRL's (``rl_losses``): ``(numerator, items)`` per micro-batch, the global batch's items being TRL's
+denominator, so any split trains as one batch. Log-probabilities go through the chunked output layer at the
+sampling temperature, positions counted from each row's first real token (a left-padded prompt scores as sampled).
+ZeRO-3's parameters are gathered once per rollout (``Strategy.gathered_for_generation``), and ranks whose forwards
+are collective stop a generation batch together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +30,7 @@ from rapidlite.errors import DataError
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.generation.rollout import completion_metrics, rollout_batch
 from rapidlite.generation.sampling import SamplingSettings, completion_key, sample
+from rapidlite.generation.vllm import sync_weights
 from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_tokenizer
 from rapidlite.tasks.causal_lm import choose_pad
@@ -45,10 +38,17 @@ from rapidlite.tasks.dpo import DPOFinetuner
 from rapidlite.tasks.grpo_spec import RolloutOptions, online_reference
 from rapidlite.tasks.rewards import TrainerState, load_reward_functions, reward_weights, score
 from rapidlite.tasks.rl_losses import ClipSettings, group_advantages, loss_numerator, masked_sums, policy_terms
-from rapidlite.tasks.rollout_state import Rollout, as_reward_functions, real_tokens
+from rapidlite.tasks.rollout_state import (
+    Rollout,
+    as_reward_functions,
+    completion_row,
+    gather_ids,
+    real_tokens,
+    reduced_metrics,
+    write_completions,
+)
 from rapidlite.trainer.base import split_datasets
 
-COMPLETIONS_FILE = "completions.jsonl"
 COMPLETIONS_LOGGED = 8  # completions written to completions.jsonl (and the W&B table) each log interval
 EVAL_ROLLOUT = -1  # the rollout index of evaluation's random streams: the same completions' keys every time
 
@@ -61,6 +61,8 @@ class GRPOFinetuner(DPOFinetuner):
     _rollout: Rollout | None = None
     _restored: dict[str, Any] | None = None  # a mid-rollout checkpoint's rollout, until the loop reaches it
     pad_id: int | None = None
+    vllm: Any = None  # --use-vllm's colocated engine (rapidlite.generation.vllm.VllmSampler)
+    _synced_at = -1  # the iteration whose policy the vLLM engine holds
 
     def __init__(self, engine: Any = None) -> None:
         super().__init__(engine)
@@ -133,6 +135,8 @@ class GRPOFinetuner(DPOFinetuner):
         if settings.training.train_iters is not None:
             total = min(total, settings.training.train_iters)
         self.setup_model(total)
+        if o.use_vllm:
+            self.vllm = self.vllm_sampler()
         for function in self.reward_functions:
             if hasattr(function.call, "load") and getattr(function.call, "model", True) is None:
                 function.call.load(self.engine.device)
@@ -179,9 +183,27 @@ class GRPOFinetuner(DPOFinetuner):
         size = n // self.engine.dp_size
         return range(self.engine.dp_rank * size, (self.engine.dp_rank + 1) * size)
 
+    def vllm_sampler(self) -> Any:
+        """``--use-vllm``: the colocated engine, built from the starting model's directory (``generation.vllm``)."""
+        from rapidlite.generation import vllm
+
+        o = self.settings.task_options
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(self.engine.precision.name), "auto")
+        name = getattr(self, "base_name", None) or self.settings.model.pretrained_model_name_or_path
+        seed = self.settings.training.seed
+        llm = vllm.make_llm(name, o.vllm_gpu_memory_utilization, self.settings.data.seq_length, dtype, seed)
+        self.logger.info(f"--use-vllm: a colocated vLLM engine samples the rollouts ({name}, dtype {dtype})")
+        return vllm.VllmSampler(llm)
+
     def generate(self, prompts: Sequence[Prompt], keys: Sequence[int]) -> tuple[list[list[int]], list[bool]]:
         """Sample one completion per (prompt, key) with the policy (adapters on, eval mode, no gradients), its
-        sharded parameters gathered once."""
+        sharded parameters gathered once; with ``--use-vllm``, with the vLLM engine holding its weights."""
+        if self.vllm is not None:
+            if self._synced_at != self.iteration:
+                sync_weights(self.vllm, self.engine.strategy, self.model)
+                self._synced_at = self.iteration
+            out = self.vllm.sample([p.ids for p in prompts], keys, self.sampling)
+            return out.ids, out.truncated
         strategy = self.engine.strategy
         module = strategy.module(self.model)
         was_training = module.training
@@ -244,15 +266,6 @@ class GRPOFinetuner(DPOFinetuner):
         """``rows`` of every data-parallel rank, in rank order (the whole batch's)."""
         return self.engine.dist.all_gather(rows)
 
-    def gather_ids(self, ids: list[list[int]], width: int) -> list[list[int]]:
-        """Every rank's token lists, in rank order."""
-        padded = torch.full((len(ids), width + 1), -1, dtype=torch.long)
-        for row, seq in enumerate(ids):
-            padded[row, 0] = len(seq)
-            padded[row, 1 : 1 + len(seq)] = torch.tensor(seq, dtype=torch.long)
-        whole = self.gather_rows(padded.to(self.engine.device)).cpu()
-        return [r[1 : 1 + int(r[0])].tolist() for r in whole]
-
     def make_rollout(self, index: int) -> Rollout:
         """Sample, reward and score rollout ``index`` (see the module's docstring)."""
         o = self.settings.task_options
@@ -265,7 +278,7 @@ class GRPOFinetuner(DPOFinetuner):
         rewards = self.gather_rows(self.rewards(prompts, ids, logged).to(self.engine.device)).cpu()
         self.write_completions(index, share, prompts, ids, rewards)
         width = max(o.max_completion_length, max((len(i) for i in ids), default=0))
-        completion_ids = self.gather_ids(ids, width)
+        completion_ids = gather_ids(self.engine, ids, width)
         rollout = Rollout(index, [p.ids for p in everything], completion_ids, torch.zeros(0))
         lengths = torch.tensor([len(c) for c in completion_ids])
         cut = self.gather_rows(torch.tensor(truncated, dtype=torch.bool).to(self.engine.device)).cpu()
@@ -274,24 +287,8 @@ class GRPOFinetuner(DPOFinetuner):
         advantages = self.advantages(rollout, rewards)
         rollout.advantages = advantages.advantages
         rollout.metrics.update(advantages.metrics([f.name for f in self.reward_functions]))
-        rollout.metrics.update(self.reduced(logged))
+        rollout.metrics.update(reduced_metrics(self.engine, logged))
         return rollout
-
-    def reduced(self, logged: MeanMetrics) -> dict[str, float]:
-        """What the reward functions logged (``log_metric``) on every rank, as means over the ranks' values: the
-        names are agreed first, since a function may log a name on some ranks only."""
-        names = set(logged.sums)
-        if self.engine.dp_size > 1:
-            import torch.distributed as dist
-
-            everyone: list[Any] = [None] * self.engine.dp_size
-            dist.all_gather_object(everyone, sorted(names), group=self.engine.dist.dp_group)
-            names = set().union(*everyone)
-        if not names:
-            return {}
-        for name in names - set(logged.sums):
-            logged.add(name, 0.0, 0.0)
-        return logged.means(self.engine.all_reduce_sum(logged.vector().to(self.engine.device)).cpu())
 
     def needs_old_logps(self) -> bool:
         return self.settings.task_options.num_iterations > 1
@@ -449,7 +446,7 @@ class GRPOFinetuner(DPOFinetuner):
         ids, truncated = self.generate(mine, keys)
         logged = MeanMetrics()
         rewards = self.gather_rows(self.rewards(mine, ids, logged).to(self.engine.device)).cpu()[:n]
-        logged_means = self.reduced(logged)
+        logged_means = reduced_metrics(self.engine, logged)
         lengths = self.gather_rows(torch.tensor([len(i) for i in ids]).to(self.engine.device)).cpu()[:n]
         cut = self.gather_rows(torch.tensor(truncated).to(self.engine.device)).cpu()[:n]
         advantages = group_advantages(rewards, self.weights, o.num_generations, "group")
@@ -462,38 +459,18 @@ class GRPOFinetuner(DPOFinetuner):
     # ------------------------------------------------------------------ completions.jsonl
     def write_completions(self, rollout: int, share: range, prompts: Sequence[Prompt], ids, rewards) -> None:
         """At each log interval, the global batch's first completions with their rewards (``rewards``: the whole
-        batch's ``[N, functions]``): a line each in the run directory's ``completions.jsonl``, and a table in the
-        trackers that keep tables (W&B). The ranks holding them send them to the main process."""
+        batch's): ``completions.jsonl`` and the trackers' table (``rollout_state.write_completions``)."""
         step = self.iteration + 1
         if step % self.log_every and step != 1:
             return
-        weights, names = self.weights.tolist(), [f.name for f in self.reward_functions]
-        rows = []
-        for i in range(share.start, min(share.stop, COMPLETIONS_LOGGED)):
-            local = i - share.start
-            values = [v if v == v else None for v in rewards[i].tolist()]  # NaN: no reward from that function
-            rows.append(
-                {
-                    "iteration": step, "rollout": rollout, "prompt": prompts[local].prompt,
-                    "completion": self._last_texts[local], "tokens": len(ids[local]),
-                    "reward": sum(w * v for w, v in zip(weights, values, strict=True) if v is not None),
-                    "rewards": dict(zip(names, values, strict=True)),
-                }
-            )  # fmt: skip
-        if self.engine.dp_size > 1:
-            import torch.distributed as dist
-
-            everyone: list[Any] = [None] * self.engine.dp_size
-            dist.all_gather_object(everyone, rows, group=self.engine.dist.dp_group)
-            rows = [row for part in everyone for row in part]
-        save = self.settings.checkpoint.save
-        if not self.engine.is_main_process:
-            return
-        if save is not None:
-            os.makedirs(save, exist_ok=True)
-            with open(os.path.join(save, COMPLETIONS_FILE), "a") as f:
-                f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
-        self.monitor.trackers.log_table("completions", rows, step)
+        names = [f.name for f in self.reward_functions]
+        mine = [i for i in share if i < COMPLETIONS_LOGGED]
+        rows = [
+            completion_row(step, rollout, prompts[i - share.start], self._last_texts[i - share.start],
+                           len(ids[i - share.start]), rewards[i], self.weights, names)
+            for i in mine
+        ]  # fmt: skip
+        write_completions(self.engine, self.settings.checkpoint.save, self.monitor.trackers, rows, step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -66,7 +66,8 @@ class RolloutOptions:
         False, "a completion cut at --max-completion-length neither trains nor counts"
     )
     beta: float = flag(0.0, "the KL penalty's strength (at 0 no reference model is loaded)")
-    use_vllm: bool = flag(False, "sample with vLLM colocated on the GPU (needs vllm and CUDA)")
+    use_vllm: bool = flag(False, "sample with vLLM colocated on the GPU (needs vllm and CUDA; not run here yet)")
+    vllm_gpu_memory_utilization: float = flag(0.3, "--use-vllm: the share of the GPU's memory vLLM takes")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def check_rollout(settings: Sections, task: str) -> None:
         raise ConfigError(f"--min-p {o.min_p}: must be in [0, 1]")
     if o.beta < 0:
         raise ConfigError(f"--beta {o.beta}: must be >= 0 (0: no KL term and no reference model)")
+    if not 0 < o.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm-gpu-memory-utilization {o.vllm_gpu_memory_utilization}: must be in (0, 1]")
     if o.use_vllm:
         check_vllm()
 

@@ -4,6 +4,8 @@ white-box script provides, made ``RewardFunction``s."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 
 from rapidlite.errors import DataError
+from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.generation.rollout import RolloutBatch
 from rapidlite.tasks.rewards import RewardFunction, load_reward_functions
 
@@ -62,3 +65,62 @@ def real_tokens(padded: RolloutBatch) -> torch.Tensor:
     """The completion tokens that are real (up to each completion's length), whatever the loss masks."""
     width = padded.completion_ids.shape[1]
     return (torch.arange(width)[None, :] < padded.lengths[:, None]).long()
+
+
+def gather_ids(engine: Any, ids: list[list[int]], width: int) -> list[list[int]]:
+    """Every data-parallel rank's token lists (each at most ``width`` long), in rank order."""
+    padded = torch.full((len(ids), width + 1), -1, dtype=torch.long)
+    for row, seq in enumerate(ids):
+        padded[row, 0] = len(seq)
+        padded[row, 1 : 1 + len(seq)] = torch.tensor(seq, dtype=torch.long)
+    whole = engine.dist.all_gather(padded.to(engine.device)).cpu()
+    return [r[1 : 1 + int(r[0])].tolist() for r in whole]
+
+
+def reduced_metrics(engine: Any, logged: MeanMetrics) -> dict[str, float]:
+    """What the reward functions logged (``log_metric``) on every rank, as means over the ranks' values: the
+    names are agreed first, since a function may log a name on some ranks only."""
+    names = set(logged.sums)
+    if engine.dp_size > 1:
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * engine.dp_size
+        dist.all_gather_object(everyone, sorted(names), group=engine.dist.dp_group)
+        names = set().union(*everyone)
+    if not names:
+        return {}
+    for name in names - set(logged.sums):
+        logged.add(name, 0.0, 0.0)
+    return logged.means(engine.all_reduce_sum(logged.vector().to(engine.device)).cpu())
+
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def completion_row(step, rollout, prompt, text, tokens, rewards: torch.Tensor, weights, names) -> dict[str, Any]:
+    """One line of ``completions.jsonl``: a completion, its prompt and its rewards (each function's, None where it
+    gave none, and their weighted sum)."""
+    values = [v if v == v else None for v in rewards.tolist()]  # NaN: no reward from that function
+    total = sum(w * v for w, v in zip(weights.tolist(), values, strict=True) if v is not None)
+    return {
+        "iteration": step, "rollout": rollout, "prompt": prompt.prompt, "completion": text, "tokens": tokens,
+        "reward": total, "rewards": dict(zip(names, values, strict=True)),
+    }  # fmt: skip
+
+
+def write_completions(engine: Any, save: str | None, trackers: Any, rows: list[dict[str, Any]], step: int) -> None:
+    """Every rank's ``rows`` (in rank order) appended to ``save``'s ``completions.jsonl`` by the main process, and
+    logged as a table to the trackers that keep tables (W&B)."""
+    if engine.dp_size > 1:
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * engine.dp_size
+        dist.all_gather_object(everyone, rows, group=engine.dist.dp_group)
+        rows = [row for part in everyone for row in part]
+    if not engine.is_main_process:
+        return
+    if save is not None:
+        os.makedirs(save, exist_ok=True)
+        with open(os.path.join(save, COMPLETIONS_FILE), "a") as f:
+            f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+    trackers.log_table("completions", rows, step)
