@@ -23,10 +23,10 @@ step hook) until this script lets it run its next one, so the contenders take tu
 and a change in the machine's load hits them all alike. A step's time is the wall time of its turn; the
 table gives the median over steps 6-30 (the first steps warm up, compile, allocate). ``--quick``, which measures
 nothing, runs the contenders in two processes that take turns (the baselines one after another in one, rapidlite's
-in the other: ``process_groups``), so that the script's every path costs two start-ups, not nine. The script first
-checks that the contenders reach the same loss curve (plain loop, Trainer and rapidlite within 1e-4), then
-prints median tokens/s, the ratio to the plain loop, MFU against the matmul peak measured at the start (fp32
-or bf16, as the contender computes), the seconds to the end of step 1 (start-up and compilation), peak RSS
+in the other: ``process_groups``): every path of the script for two start-ups of torch and transformers, not nine.
+The script first checks that the contenders reach the same loss curve (plain loop, Trainer and rapidlite within
+1e-4), then prints median tokens/s, the ratio to the plain loop, MFU against the matmul peak measured at the start
+(fp32 or bf16, as the contender computes), the seconds to the end of step 1 (start-up and compilation), peak RSS
 and the final loss, and the targets.
 
 Activation checkpointing's memory is measured apart, with a longer sequence (1024) where activations
