@@ -59,3 +59,19 @@ def test_a_completion_depends_on_its_prompt_and_key_only(lm):
     assert together == apart == alone
     assert together[0] != together[3]  # the same prompt under two keys
     assert completion_key(7, 0, 0) != completion_key(7, 1, 0) != completion_key(8, 0, 0)
+
+
+def test_keyed_gumbel_noise_draws_from_the_softmax():
+    """The noise of 20,000 keys over 5 tokens: argmax(scores + noise) lands on each token as often as softmax(scores)
+    says (within 1.5 points), the same key and step give the same noise, another step other noise."""
+    from rapidlite.generation.sampling import keyed_gumbel
+
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    keys = torch.tensor([completion_key(3, 0, i) & ((1 << 63) - 1) for i in range(20000)])
+    noise = keyed_gumbel(keys, step=5, vocab=5)
+    drawn = (scores + noise).argmax(-1)
+    frequencies = torch.bincount(drawn, minlength=5).double() / len(keys)
+    torch.testing.assert_close(frequencies, torch.softmax(scores.double(), -1), atol=0.015, rtol=0)
+    assert torch.equal(noise, keyed_gumbel(keys, step=5, vocab=5))
+    assert not torch.equal(noise, keyed_gumbel(keys, step=6, vocab=5))
+    assert torch.isfinite(noise).all()

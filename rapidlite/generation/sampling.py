@@ -4,8 +4,9 @@
 left-padded into batches of ``settings.batch_size``, run once through the model to fill the cache, then extended
 one token a step until every row has ended (EOS) or reached ``max_completion_length``. Each step's logits go
 through Hugging Face's own logits processors in ``generate``'s order (repetition penalty, then temperature, top-k,
-top-p, min-p: ``transformers.generation.logits_process``), and each row draws its token from a random stream of
-its own, seeded by its key (``completion_key``): a completion depends on its prompt and its key only, never on
+top-p, min-p: ``transformers.generation.logits_process``), and each row draws its token by the Gumbel-max trick
+from noise that is a hash of (its key, the step, the token) (``keyed_gumbel``, one vectorised op for the whole
+batch, no per-row generator): a completion depends on its prompt and its key (``completion_key``) only, never on
 which rank, batch or row it was sampled in, so a run on N ranks samples what one process samples.
 
 The model is any causal LM whose forward takes a key/value cache (``cache``, or ``past_key_values`` before
@@ -77,10 +78,39 @@ def _processors(settings: SamplingSettings):
     return out
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
-    """The forward's name for the key/value cache: ``cache`` (transformers >= 5.2x), else ``past_key_values``."""
+def _forward_arguments(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
+    """The forward's name for the key/value cache (``cache`` from transformers 5.2x, else ``past_key_values``), and
+    ``logits_to_keep=1`` where it takes it (the prompt's pass needs its last position's logits only)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own forward
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    parameters = inspect.signature(base.forward).parameters
+    name = "cache" if "cache" in parameters else "past_key_values"
+    return name, ({"logits_to_keep": 1} if "logits_to_keep" in parameters else {})
+
+
+MASK63 = (1 << 63) - 1
+# splitmix64's constants as signed 64-bit integers (torch's int64 arithmetic wraps as two's complement).
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) if c >= 1 << 63 else c for c in (
+    0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))  # fmt: skip
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 values (torch's ``>>`` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_gumbel(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise ``[rows, vocab]`` (float32) that is a function of (each row's key, ``step``, the token) only:
+    splitmix64 of the three, its top 24 bits a uniform in (0, 1). ``argmax(scores + noise)`` draws a token from
+    ``softmax(scores)`` (the Gumbel-max trick), the same for a key in any batch."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    step_term = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 in Python
+    z = keys[:, None] * _MIX2 + step_term + tokens[None, :] * _MIX1
+    z = z + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    uniform = (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
 
 
 def _last_logits(out) -> torch.Tensor:
@@ -132,23 +162,24 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
         if prompt:
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
             mask[row, width - len(prompt) :] = 1
-    streams = [torch.Generator(device=device).manual_seed(key) for key in keys]
+    row_keys = torch.tensor([k & MASK63 for k in keys], dtype=torch.long, device=device)
     processors = _processors(settings)
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    name = _cache_argument(model)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+    name, last_only = _forward_arguments(model)
+    out = model(
+        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache}, **last_only
+    )  # fmt: skip
     sequences = input_ids
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new_tokens = []
     # What the repetition penalty sees of a row: its own tokens. Its left padding is replaced by its first token
     # (a token it has anyway), so that a row's penalty never depends on the longest prompt of its batch.
     first = input_ids.gather(1, (mask == 0).sum(-1, keepdim=True).clamp(max=width - 1))
-    for _ in range(settings.max_completion_length):
+    for step in range(settings.max_completion_length):
         seen = torch.where(mask.bool(), sequences, first)
         scores = processors(seen, _last_logits(out))
-        probs = torch.softmax(scores, dim=-1)
-        drawn = torch.cat([torch.multinomial(probs[r], 1, generator=streams[r]) for r in range(len(prompts))])
+        drawn = (scores + keyed_gumbel(row_keys, step, scores.shape[-1])).argmax(-1)
         drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
         new_tokens.append(drawn)
         finished |= torch.isin(drawn, eos)
@@ -158,7 +189,11 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
         mask = torch.cat([mask, torch.ones_like(drawn)[:, None]], dim=1)
         positions = positions[:, -1:] + 1
         out = model(
-            input_ids=drawn[:, None], attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache}
+            input_ids=drawn[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{name: cache},
         )  # the cache object is updated in place
     generated = torch.stack(new_tokens, dim=1).tolist()
     ids, truncated = [], []
