@@ -4,7 +4,8 @@ keeps the flags, the data, the optimizer it builds, the LR schedule and the chec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,32 @@ class DeepSpeed(Strategy):
 
     def module(self, model: Any) -> torch.nn.Module:
         return model.module
+
+    @property
+    def shards_parameters(self) -> bool:  # type: ignore[override]
+        return self.topology.zero_stage == 3
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self, model: Any) -> Iterator[None]:
+        """ZeRO-3: every parameter gathered once (``deepspeed.zero.GatheredParameters``) and ZeRO-3's module hooks,
+        which would fetch and release each submodule's parameters at every forward, taken off while the model
+        samples, then put back."""
+        if self.topology.zero_stage != 3:
+            yield
+            return
+        import deepspeed
+
+        offload = getattr(model.optimizer, "parameter_offload", None) if model.optimizer is not None else None
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters())):
+            if offload is not None:
+                offload._remove_module_hooks()
+                offload.forward_hooks.clear()
+                offload.backward_hooks.clear()
+            try:
+                yield
+            finally:
+                if offload is not None:
+                    offload.setup_zero_stage3_hooks()
 
     def parameter_count(self, model: Any) -> int:
         return deepspeed_backend.parameter_count(model.module)
