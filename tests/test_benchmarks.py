@@ -202,6 +202,20 @@ def test_preference_benchmark_quick():
         assert any(line.startswith(target) for line in lines), proc.stdout
 
 
+def test_grpo_benchmark_quick():
+    """TRL's GRPOTrainer and --task grpo decode the same completions (the check), then the table and targets."""
+    proc = run_quick("grpo.py", timeout=600)
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("contender"))
+    assert [line[:24].strip() for line in lines[header + 1 : header + 3]] == [
+        "TRL GRPOTrainer",
+        "rapidlite --task grpo",
+    ], proc.stdout
+    assert any(line.startswith("check the same completions") and line.endswith(": ok") for line in lines)
+    for target in ("target rollout tokens/s >= 1.3 x TRL: x", "target peak memory <= 0.8 x TRL: x"):
+        assert any(line.startswith(target) for line in lines), proc.stdout
+
+
 def test_memory_benchmark_quick():
     """rapidlite's loss curve equals the Trainer's before anything is compared (the script stops otherwise); the
     table, the ratios, the longest-sequence line and the targets line are there (nothing is asserted on the

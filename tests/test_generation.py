@@ -61,17 +61,17 @@ def test_a_completion_depends_on_its_prompt_and_key_only(lm):
     assert completion_key(7, 0, 0) != completion_key(7, 1, 0) != completion_key(8, 0, 0)
 
 
-def test_keyed_gumbel_noise_draws_from_the_softmax():
-    """The noise of 20,000 keys over 5 tokens: argmax(scores + noise) lands on each token as often as softmax(scores)
-    says (within 1.5 points), the same key and step give the same noise, another step other noise."""
-    from rapidlite.generation.sampling import keyed_gumbel
+def test_keyed_draws_follow_the_softmax():
+    """20,000 keys over 5 tokens (one filtered out): each token is drawn as often as softmax(scores) says (within
+    1.5 points), never the filtered one; the same key and step draw the same token, another step draws anew."""
+    from rapidlite.generation.sampling import draw, keyed_uniform
 
-    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")]).expand(20000, 5)
     keys = torch.tensor([completion_key(3, 0, i) & ((1 << 63) - 1) for i in range(20000)])
-    noise = keyed_gumbel(keys, step=5, vocab=5)
-    drawn = (scores + noise).argmax(-1)
+    drawn = draw(scores, keys, step=5)
     frequencies = torch.bincount(drawn, minlength=5).double() / len(keys)
-    torch.testing.assert_close(frequencies, torch.softmax(scores.double(), -1), atol=0.015, rtol=0)
-    assert torch.equal(noise, keyed_gumbel(keys, step=5, vocab=5))
-    assert not torch.equal(noise, keyed_gumbel(keys, step=6, vocab=5))
-    assert torch.isfinite(noise).all()
+    torch.testing.assert_close(frequencies, torch.softmax(scores[0].double(), -1), atol=0.015, rtol=0)
+    assert torch.equal(drawn, draw(scores, keys, step=5)) and not torch.equal(drawn, draw(scores, keys, step=6))
+    assert torch.equal(draw(scores[:7], keys[:7], step=5), drawn[:7])  # a row's draw is its own, in any batch
+    uniform = keyed_uniform(keys, 5)
+    assert 0 < float(uniform.min()) and float(uniform.max()) < 1

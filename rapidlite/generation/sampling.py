@@ -4,10 +4,10 @@
 left-padded into batches of ``settings.batch_size``, run once through the model to fill the cache, then extended
 one token a step until every row has ended (EOS) or reached ``max_completion_length``. Each step's logits go
 through Hugging Face's own logits processors in ``generate``'s order (repetition penalty, then temperature, top-k,
-top-p, min-p: ``transformers.generation.logits_process``), and each row draws its token by the Gumbel-max trick
-from noise that is a hash of (its key, the step, the token) (``keyed_gumbel``, one vectorised op for the whole
-batch, no per-row generator): a completion depends on its prompt and its key (``completion_key``) only, never on
-which rank, batch or row it was sampled in, so a run on N ranks samples what one process samples.
+top-p, min-p: ``transformers.generation.logits_process``), and each row draws its token at a uniform number that
+is a hash of (its key, the step) (``draw``: one vectorised op for the whole batch, no per-row generator): a
+completion depends on its prompt and its key (``completion_key``) only, never on which rank, batch or row it was
+sampled in, so a run on N ranks samples what one process samples.
 
 The model is any causal LM whose forward takes a key/value cache (``cache``, or ``past_key_values`` before
 transformers 5.2x: Hugging Face's, LoRA-wrapped or not); under tensor parallelism every rank of the group runs the
@@ -98,19 +98,25 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def keyed_gumbel(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """Gumbel noise ``[rows, vocab]`` (float32) that is a function of (each row's key, ``step``, the token) only:
-    splitmix64 of the three, its top 24 bits a uniform in (0, 1). ``argmax(scores + noise)`` draws a token from
-    ``softmax(scores)`` (the Gumbel-max trick), the same for a key in any batch."""
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.long)
+def keyed_uniform(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform number in (0, 1) per row (float64), a function of (the row's key, ``step``) only: splitmix64 of
+    the two, its top 53 bits."""
     step_term = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 in Python
-    z = keys[:, None] * _MIX2 + step_term + tokens[None, :] * _MIX1
+    z = keys * _MIX2 + step_term
     z = z + _GOLDEN
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
-    uniform = (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
+    return (_shift_right(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def draw(scores: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
+    """A token per row from ``softmax(scores)`` (``[rows, vocab]``; -inf: filtered out), by inverting each row's
+    cumulative distribution at its ``keyed_uniform``: what ``torch.multinomial`` does, with the randomness a
+    function of (key, step) and no per-row generator, so a row draws the same token in any batch."""
+    cdf = torch.softmax(scores.double(), dim=-1).cumsum(-1)
+    target = keyed_uniform(keys, step) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
 
 
 def _last_logits(out) -> torch.Tensor:
@@ -177,9 +183,10 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
     # (a token it has anyway), so that a row's penalty never depends on the longest prompt of its batch.
     first = input_ids.gather(1, (mask == 0).sum(-1, keepdim=True).clamp(max=width - 1))
     for step in range(settings.max_completion_length):
-        seen = torch.where(mask.bool(), sequences, first)
+        # Only the repetition penalty reads the tokens seen.
+        seen = torch.where(mask.bool(), sequences, first) if settings.repetition_penalty != 1.0 else sequences
         scores = processors(seen, _last_logits(out))
-        drawn = (scores + keyed_gumbel(row_keys, step, scores.shape[-1])).argmax(-1)
+        drawn = draw(scores, row_keys, step)
         drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
         new_tokens.append(drawn)
         finished |= torch.isin(drawn, eos)
