@@ -58,13 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora_workload import LORA_SEED, QUICK, L, LoraWorkload, build_model, dataset, peft_config  # noqa: E402
 from speed import (
     TURN_FDS,
-    Running,
     Turns,
-    child_env,
     lr_lambda,
     max_relative_difference,
     process_groups,
-    start_contender,
+    spawn,
     take_turns_grouped,
 )  # noqa: E402
 
@@ -280,19 +278,10 @@ def contender_main(keys: list[str], result: str, quick: bool) -> None:
 # ---------------------------------------------------------------------- the coordinator
 
 
-def spawn(group: list[Contender], tmp: Path, quick: bool, threads: int) -> Running:
-    """A process running the contenders of ``group`` one after another (``speed.process_groups``)."""
-    name = "+".join(c.key for c in group)
-    log, result = tmp / f"{name}.log", tmp / f"{name}.json"
-    argv = [sys.executable, __file__, "--contender", ",".join(c.key for c in group), "--result", str(result)]
-    process = Contender(name, " + ".join(c.label for c in group), "group")
-    return start_contender(process, argv + (["--quick"] if quick else []), log, result, child_env(threads))
-
-
 def run_interleaved(contenders: list[Contender], w: LoraWorkload, quick: bool, threads: int, tmp: Path) -> dict:
     """Step 1 (start-up, building and quantising the model) side by side; then every process in turn."""
     groups = process_groups(contenders, quick, together=lambda c: c.kind == "rapidlite")
-    running = [spawn(group, tmp, quick, threads) for group in groups]
+    running = [spawn(group, tmp, quick, threads, __file__) for group in groups]
     return take_turns_grouped(running, [[c.key for c in group] for group in groups], w.steps)
 
 

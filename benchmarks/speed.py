@@ -320,11 +320,12 @@ def start_contender(c: Contender, argv: list[str], log: Path, result: Path, env:
     return Running(c, proc, go, done, log, result, time.perf_counter())
 
 
-def spawn(group: list[Contender], tmp: Path, quick: bool, threads: int) -> Running:
-    """A process running the contenders of ``group`` one after another (see ``process_groups``)."""
+def spawn(group: list[Contender], tmp: Path, quick: bool, threads: int, script: str = __file__) -> Running:
+    """A process of ``script`` (this one, or a benchmark built on it) running the contenders of ``group`` one
+    after another (see ``process_groups``)."""
     name = "+".join(c.key for c in group)
     log, result = tmp / f"{name}.log", tmp / f"{name}.json"
-    argv = [sys.executable, __file__, "--contender", ",".join(c.key for c in group), "--result", str(result)]
+    argv = [sys.executable, script, "--contender", ",".join(c.key for c in group), "--result", str(result)]
     process = Contender(name, " + ".join(c.label for c in group), "group")
     return start_contender(process, argv + (["--quick"] if quick else []), log, result, child_env(threads))
 
