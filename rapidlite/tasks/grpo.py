@@ -245,8 +245,11 @@ class GRPOFinetuner(DPOFinetuner):
             for p, t in zip(prompts, texts, strict=True)
         ]
 
-    def rewards(self, prompts: Sequence[Prompt], ids: Sequence[Sequence[int]], logged: MeanMetrics) -> torch.Tensor:
-        """This rank's completions' rewards ``[n, functions]`` (NaN: no reward from that function)."""
+    def rewards(
+        self, prompts: Sequence[Prompt], ids: Sequence[Sequence[int]], logged: MeanMetrics
+    ) -> tuple[torch.Tensor, list[Any]]:
+        """This rank's completions' rewards ``[n, functions]`` (NaN: no reward from that function), and the
+        completions as the functions received them."""
         completions = self.completion_texts(prompts, ids)
         columns: dict[str, list[Any]] = {}
         for p in prompts:
@@ -259,12 +262,7 @@ class GRPOFinetuner(DPOFinetuner):
             self.reward_functions, [p.prompt for p in prompts], completions, [list(i) for i in ids], columns, state,
             lambda name, value: logged.add(name, float(value), 1.0),
         )  # fmt: skip
-        self._last_texts = completions
-        return torch.tensor(table, dtype=torch.float32).reshape(len(prompts), len(self.reward_functions))
-
-    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` of every data-parallel rank, in rank order (the whole batch's)."""
-        return self.engine.dist.all_gather(rows)
+        return torch.tensor(table, dtype=torch.float32).reshape(len(prompts), len(self.reward_functions)), completions
 
     def make_rollout(self, index: int) -> Rollout:
         """Sample, reward and score rollout ``index`` (see the module's docstring)."""
@@ -275,15 +273,16 @@ class GRPOFinetuner(DPOFinetuner):
         keys = [completion_key(self.settings.training.seed, index, i) for i in share]
         ids, truncated = self.generate(prompts, keys)
         logged = MeanMetrics()
-        rewards = self.gather_rows(self.rewards(prompts, ids, logged).to(self.engine.device)).cpu()
-        self.write_completions(index, share, prompts, ids, rewards)
+        local, texts = self.rewards(prompts, ids, logged)
+        rewards = self.engine.dist.all_gather(local.to(self.engine.device)).cpu()
+        self.write_completions(index, share, prompts, texts, ids, rewards)
         width = max(o.max_completion_length, max((len(i) for i in ids), default=0))
         completion_ids = gather_ids(self.engine, ids, width)
         rollout = Rollout(index, [p.ids for p in everything], completion_ids, torch.zeros(0))
         lengths = torch.tensor([len(c) for c in completion_ids])
-        cut = self.gather_rows(torch.tensor(truncated, dtype=torch.bool).to(self.engine.device)).cpu()
+        cut = self.engine.dist.all_gather(torch.tensor(truncated, dtype=torch.bool).to(self.engine.device)).cpu()
         rollout.metrics = completion_metrics(lengths, cut)
-        self.score_rollout(rollout, rewards)
+        self.score_rollout(rollout)
         advantages = self.advantages(rollout, rewards)
         rollout.advantages = advantages.advantages
         rollout.metrics.update(advantages.metrics([f.name for f in self.reward_functions]))
@@ -296,7 +295,7 @@ class GRPOFinetuner(DPOFinetuner):
     def nll_weight(self) -> float:
         return 0.0  # no NLL term (DPO's RPO and ORPO have one)
 
-    def score_rollout(self, rollout: Rollout, rewards: torch.Tensor) -> None:
+    def score_rollout(self, rollout: Rollout) -> None:
         """The rollout policy's log-probabilities (when the policy moves before the rollout's last step) and the
         reference's (at ``--beta`` > 0) of every completion token, each rank scoring its share; gathered."""
         wanted = {"old_logps": self.needs_old_logps(), "ref_logps": self.settings.task_options.beta != 0.0}
@@ -323,7 +322,7 @@ class GRPOFinetuner(DPOFinetuner):
                         parts.append(logps.float())
                     local = torch.cat(parts)
                     local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
-                    setattr(rollout, name, self.gather_rows(local).cpu())
+                    setattr(rollout, name, self.engine.dist.all_gather(local).cpu())
         finally:
             module.train(was_training)
 
@@ -445,10 +444,10 @@ class GRPOFinetuner(DPOFinetuner):
         mine = [everything[i] for i in rows]
         ids, truncated = self.generate(mine, keys)
         logged = MeanMetrics()
-        rewards = self.gather_rows(self.rewards(mine, ids, logged).to(self.engine.device)).cpu()[:n]
+        rewards = self.engine.dist.all_gather(self.rewards(mine, ids, logged)[0].to(self.engine.device)).cpu()[:n]
         logged_means = reduced_metrics(self.engine, logged)
-        lengths = self.gather_rows(torch.tensor([len(i) for i in ids]).to(self.engine.device)).cpu()[:n]
-        cut = self.gather_rows(torch.tensor(truncated).to(self.engine.device)).cpu()[:n]
+        lengths = self.engine.dist.all_gather(torch.tensor([len(i) for i in ids]).to(self.engine.device)).cpu()[:n]
+        cut = self.engine.dist.all_gather(torch.tensor(truncated).to(self.engine.device)).cpu()[:n]
         advantages = group_advantages(rewards, self.weights, o.num_generations, "group")
         metrics = advantages.metrics([f.name for f in self.reward_functions])
         metrics.update(completion_metrics(lengths, cut))
@@ -457,7 +456,7 @@ class GRPOFinetuner(DPOFinetuner):
         return self.log_evaluation(split, metrics, epoch=round(self.iteration / max(self.steps_per_epoch, 1), 4))
 
     # ------------------------------------------------------------------ completions.jsonl
-    def write_completions(self, rollout: int, share: range, prompts: Sequence[Prompt], ids, rewards) -> None:
+    def write_completions(self, rollout: int, share: range, prompts: Sequence[Prompt], texts, ids, rewards) -> None:
         """At each log interval, the global batch's first completions with their rewards (``rewards``: the whole
         batch's): ``completions.jsonl`` and the trackers' table (``rollout_state.write_completions``)."""
         step = self.iteration + 1
@@ -466,7 +465,7 @@ class GRPOFinetuner(DPOFinetuner):
         names = [f.name for f in self.reward_functions]
         mine = [i for i in share if i < COMPLETIONS_LOGGED]
         rows = [
-            completion_row(step, rollout, prompts[i - share.start], self._last_texts[i - share.start],
+            completion_row(step, rollout, prompts[i - share.start], texts[i - share.start],
                            len(ids[i - share.start]), rewards[i], self.weights, names)
             for i in mine
         ]  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rapidlite.config.fields import flag
 from rapidlite.config.sections import float_list, text_list
@@ -178,19 +178,27 @@ def generation(settings: Sections) -> tuple[int, int]:
     return rows, seq_length(settings)
 
 
-TASK = TaskSpec(
+def online_rl_task(**own: Any) -> TaskSpec:
+    """A ``TaskSpec`` with what every online-RL task declares alike (``grpo``, ``rloo``): its name, summary,
+    trainer, options, check and demo are ``own``."""
+    return TaskSpec(
+        required=("--pretrained-model-name-or-path", "--data-path", "--reward-funcs"),
+        defaults={"seq_length": seq_length},
+        load_model_dir=True,
+        auto_class="AutoModelForCausalLM",
+        reference=online_reference,
+        generation=generation,
+        ignored=IGNORED,
+        chunked_loss="tokens",
+        **own,
+    )
+
+
+TASK = online_rl_task(
     name="grpo",
     summary="online RL of AutoModelForCausalLM on prompts with reward functions (GRPO, DAPO, Dr. GRPO, GSPO)",
     trainer="rapidlite.tasks.grpo:trainer_for",
-    required=("--pretrained-model-name-or-path", "--data-path", "--reward-funcs"),
     options=GrpoOptions,
     demo="rapidlite.tasks.grpo_demo:demo",
-    defaults={"seq_length": seq_length},
-    load_model_dir=True,
     check=check,
-    auto_class="AutoModelForCausalLM",
-    reference=online_reference,
-    generation=generation,
-    ignored=IGNORED,
-    chunked_loss="tokens",
 )

@@ -9,16 +9,8 @@ from typing import TYPE_CHECKING
 
 from rapidlite.config.fields import flag
 from rapidlite.config.sections import float_list
-from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError
-from rapidlite.tasks.grpo_spec import (
-    IGNORED,
-    RolloutOptions,
-    check_rollout,
-    generation,
-    online_reference,
-    seq_length,
-)
+from rapidlite.tasks.grpo_spec import RolloutOptions, check_rollout, online_rl_task
 
 if TYPE_CHECKING:
     from rapidlite.config.settings import Sections
@@ -43,18 +35,10 @@ def check(settings: Sections) -> None:
         raise ConfigError(f"--reward-clip-range {','.join(map(str, clip))}: give LOW,HIGH with LOW <= HIGH")
 
 
-TASK = TaskSpec(
+TASK = online_rl_task(
     name="rloo",
     summary="online RL of AutoModelForCausalLM on prompts with reward functions (REINFORCE Leave-One-Out)",
     trainer="rapidlite.tasks.rloo:trainer_for",
-    required=("--pretrained-model-name-or-path", "--data-path", "--reward-funcs"),
     options=RlooOptions,
-    defaults={"seq_length": seq_length},
-    load_model_dir=True,
     check=check,
-    auto_class="AutoModelForCausalLM",
-    reference=online_reference,
-    generation=generation,
-    ignored=IGNORED,
-    chunked_loss="tokens",
 )
