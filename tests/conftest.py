@@ -14,6 +14,9 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["RAPIDLITE_NO_PROGRESS"] = "1"
+# No curves.png at the end of the suite's --save runs (half a second of CPU each, most of it importing
+# matplotlib); the tests of the picture lift it with the ``curves`` fixture.
+os.environ["RAPIDLITE_NO_CURVES"] = "1"
 # One torch thread in this process and in the runs it starts, unless OMP_NUM_THREADS says otherwise (set before
 # torch is imported). The test models are tiny: a second thread gains little, and on a loaded 2-core machine it
 # waits at OpenMP barriers for a core (a LoRA step of the tests took 0.7 s on one thread, 5-10 s on two).
@@ -39,6 +42,12 @@ def log_lines():
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
+
+
+@pytest.fixture
+def curves(monkeypatch):
+    """The suite's RAPIDLITE_NO_CURVES lifted: runs draw curves.png at their end, as they do for users."""
+    monkeypatch.delenv("RAPIDLITE_NO_CURVES", raising=False)
 
 
 OPT_IN = ("soak", "slurm", "docker", "exclusive")

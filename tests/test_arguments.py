@@ -21,7 +21,7 @@ FLAGS = """
 --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction
 --lr-warmup-iters --make-vocab-size-divisible-by --mask-prob --master-addr --master-port --max-position-embeddings
 --max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --mmap-warmup --nnodes
---no-binary-head --no-load-optim --no-load-rng --no-progress --no-save-optim --node-rank --normalization
+--no-binary-head --no-curves --no-load-optim --no-load-rng --no-progress --no-save-optim --node-rank --normalization
 --nproc-per-node
 --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-workers --onnx-runtime-training
 --optimizer --peak-flops --per-rank-logs --pipeline-model-parallel-size --pipeline-schedule --pipeline-split

@@ -48,7 +48,7 @@ def jsonl(records: list[dict], key: str, split: str | None = None) -> dict[int, 
     return {r["iteration"]: float(r[key]) for r in records if r.get("split") == split and key in r}
 
 
-def test_every_record_and_the_settings_reach_an_mlflow_run(tmp_path, store):
+def test_every_record_and_the_settings_reach_an_mlflow_run(curves, tmp_path, store):
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
     from rapidlite.observe.trackers.mlflow import params

@@ -127,7 +127,7 @@ def test_rapidlite_plot_mistakes_are_one_line(tmp_path, capsys, setup, message):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_without_matplotlib(tmp_path, monkeypatch, capsys, log_lines):
+def test_without_matplotlib(curves, tmp_path, monkeypatch, capsys, log_lines):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed, also after earlier tests imported it
     missing = "drawing curves needs matplotlib, which is not installed: pip install matplotlib (a rapidlite dependency"
@@ -142,7 +142,7 @@ def test_without_matplotlib(tmp_path, monkeypatch, capsys, log_lines):
     assert not (save / CURVES_FILE).exists() and (save / "latest").exists()
 
 
-def test_a_plot_that_fails_never_fails_the_run(tmp_path, monkeypatch, log_lines):
+def test_a_plot_that_fails_never_fails_the_run(curves, tmp_path, monkeypatch, log_lines):
     def broken(*args, **kwargs):
         raise RuntimeError("the renderer fell over\nsecond line")
 
@@ -155,7 +155,7 @@ def test_a_plot_that_fails_never_fails_the_run(tmp_path, monkeypatch, log_lines)
     assert (save / "latest").exists()
 
 
-def test_end_of_run_curves_follow_a_resumed_run(tmp_path, log_lines):
+def test_end_of_run_curves_follow_a_resumed_run(curves, tmp_path, log_lines):
     save = tmp_path / "run"
     flags = ["--micro-batch-size", "8", "--log-interval", "2", "--save", str(save)]
     ToyFinetuner(engine(*flags, "--epochs", "1")).train()
@@ -201,3 +201,16 @@ def test_matplotlib_is_installed_with_rapidlite():
     }
     assert any(r.startswith("matplotlib") for r in kwargs["install_requires"])
     assert any(r.startswith("matplotlib") for r in kwargs["extras_require"]["plot"])
+
+
+@pytest.mark.parametrize("switch", [("--no-curves",), ("RAPIDLITE_NO_CURVES", "1")], ids=["flag", "environment"])
+def test_no_curves_leaves_the_picture_to_rapidlite_plot(curves, tmp_path, monkeypatch, log_lines, switch):
+    save = tmp_path / "run"
+    flags = ["--micro-batch-size", "16", "--epochs", "1", "--save", str(save)]
+    if len(switch) == 2:
+        monkeypatch.setenv(*switch)
+    else:
+        flags += switch
+    ToyFinetuner(engine(*flags)).train()
+    assert not (save / CURVES_FILE).exists() and not [line for line in log_lines if CURVES_FILE in line]
+    assert main(["plot", str(save)]) == 0 and png_size(save / CURVES_FILE) == (800, 900)

@@ -91,7 +91,7 @@ def test_a_tracker_failing_to_log_is_one_warning_and_the_run_goes_on(tmp_path, m
     assert [r["iteration"] for r in read_metrics(tmp_path / "run") if "split" not in r] == [2, 4, 6, 8]
 
 
-def test_tensorboard_under_save_continues_on_resume_and_keeps_the_curves(tmp_path):
+def test_tensorboard_under_save_continues_on_resume_and_keeps_the_curves(curves, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     save = tmp_path / "run"

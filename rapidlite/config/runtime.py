@@ -142,6 +142,11 @@ class LoggingConfig:
     no_progress: bool = flag(
         False, "no progress bars (drawn only on an interactive terminal; also RAPIDLITE_NO_PROGRESS=1)"
     )
+    no_curves: bool = flag(
+        False,
+        "no --save DIR/curves.png at the end of the run ('rapidlite plot DIR' draws it from metrics.jsonl later; "
+        "also RAPIDLITE_NO_CURVES=1)",
+    )
     report_to: str | None = flag(
         None,
         "trackers that also get every metrics record and the run's settings (rank 0), comma-separated: "

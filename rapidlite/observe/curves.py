@@ -8,7 +8,8 @@ the run as it stands. Records are told apart as ``observe.logging.MetricsWriter`
 have no ``split``; evaluations have ``split: "validation"`` or ``"test"``; ``split: "model_state"`` (written
 once per attempt, after its first step) marks where an attempt starts. ``--eval-only`` records are evaluations
 that start no attempt. NaN and infinity are written as null and drawn as gaps. matplotlib (a dependency)
-draws with its Agg backend, off-screen; without it nothing is drawn.
+draws with its Agg backend, off-screen; without it nothing is drawn. ``--no-curves`` (or ``RAPIDLITE_NO_CURVES=1``)
+skips the end-of-run picture, about half a second of CPU (most of it importing matplotlib).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rapidlite.errors import ConfigError, DataError, RapidliteError, first_line
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 INSTALL_HINT = "pip install matplotlib (a rapidlite dependency: it was removed)"
+NO_CURVES_ENV = "RAPIDLITE_NO_CURVES"  # as --no-curves: a batch of runs whose pictures nobody looks at
 
 
 class PlotUnavailable(RapidliteError):

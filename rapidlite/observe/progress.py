@@ -10,21 +10,21 @@ instead of tearing it.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from tqdm import tqdm
 
+from rapidlite.runtime.environ import env_switch
+
 ENV_VAR = "RAPIDLITE_NO_PROGRESS"
-_OFF_VALUES = ("", "0", "false", "no")
 
 
 def progress_allowed(enabled: bool = True) -> bool:
     """Whether bars may be drawn: ``enabled`` (main process, no ``--no-progress``), no ``RAPIDLITE_NO_PROGRESS``
     and standard error on a terminal."""
-    if not enabled or os.environ.get(ENV_VAR, "").strip().lower() not in _OFF_VALUES:
+    if not enabled or env_switch(ENV_VAR):
         return False
     isatty = getattr(sys.stderr, "isatty", None)
     try:

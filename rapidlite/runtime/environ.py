@@ -21,6 +21,11 @@ def env_int(name: str, default: int) -> int:
     return _as_int(name, os.environ.get(name), default)
 
 
+def env_switch(name: str) -> bool:
+    """A switch set in the environment (``RAPIDLITE_NO_PROGRESS=1``): on unless unset, empty, 0, false or no."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def launch_value(name: str) -> str | None:
     """``MASTER_ADDR``, ``MASTER_PORT``, ``NNODES`` or ``NODE_RANK``: the environment's value, else the one an
     ``srun`` task implies (``rapidlite.runtime.slurm``), else None."""

@@ -22,10 +22,11 @@ from rapidlite.engine import RapidliteEngine
 from rapidlite.errors import CheckpointError, RapidliteError, first_line
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.graph import compiled_graphs
-from rapidlite.observe.curves import PlotUnavailable, write_curves
+from rapidlite.observe.curves import NO_CURVES_ENV, PlotUnavailable, write_curves
 from rapidlite.observe.logging import MetricsWriter, format_record, peak_memory_bytes
 from rapidlite.observe.progress import Bar
 from rapidlite.observe.trackers import TRACKERS, Trackers, build_trackers
+from rapidlite.runtime.environ import env_switch
 
 
 class Monitor:
@@ -106,8 +107,10 @@ class Monitor:
 
     def plot_curves(self) -> None:
         """``--save DIR/curves.png`` from ``DIR/metrics.jsonl`` (rank 0, at the end of a run). A finished run
-        never fails here: without matplotlib, or when drawing fails, one line says so."""
+        never fails here: without matplotlib, or when drawing fails, one line says so. None with --no-curves."""
         if self.settings.checkpoint.save is None or not self.engine.is_main_process:
+            return
+        if self.settings.logging.no_curves or env_switch(NO_CURVES_ENV):
             return
         try:
             path = write_curves(self.settings.checkpoint.save)
