@@ -50,6 +50,32 @@ def curves(monkeypatch):
     monkeypatch.delenv("RAPIDLITE_NO_CURVES", raising=False)
 
 
+@pytest.fixture
+def wandb_dir(tmp_path, monkeypatch):
+    """W&B offline, quiet and local: runs under tmp_path/wandb, nothing read from or written to the home directory."""
+    wandb = pytest.importorskip("wandb", reason="the [wandb] extra is not installed")
+    root = tmp_path / "wandb-home"
+    root.mkdir()
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(root),
+        "WANDB_CONFIG_DIR": str(root / "config"),
+        "WANDB_CACHE_DIR": str(root / "cache"),
+        "WANDB_DATA_DIR": str(root / "data"),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB__DISABLE_STATS": "true",
+        "WANDB__DISABLE_META": "true",
+        "WANDB__SAVE_REQUIREMENTS": "false",
+    }.items():
+        monkeypatch.setenv(name, value)
+    wandb.teardown()  # W&B reads its settings once per process: each test's start afresh
+    yield root
+    wandb.teardown()
+
+
 OPT_IN = ("soak", "slurm", "docker", "exclusive")
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_wandb import read_offline_run
 
 from helpers import (
     REPO,
@@ -328,3 +329,22 @@ def test_use_vllm_dispatches_to_the_engine_and_syncs_the_weights_before_each_rol
     assert any(not torch.equal(engine.loaded[0][n], engine.loaded[-1][n]) for n in exported)  # the policy moved
     logged = list(map(json.loads, open(save / "completions.jsonl")))
     assert [row["tokens"] for row in logged[:8]] == [min(seed % 6 + 1, 6) for seed in engine.seeds[:8]]
+
+
+def test_completions_reach_a_wandb_table(assets, tmp_path, wandb_dir):
+    """With --wandb-project, the rows completions.jsonl gets each log interval are also a W&B table at that
+    iteration: the same columns and values (nested ones as JSON text), read back from the offline run's files."""
+    save = tmp_path / "run"
+    argv = ["--train-iters", "2", "--micro-batch-size", "8", "--save", str(save), "--wandb-project", "grpo-test"]
+    proc = rapidlite_captured(*grpo_args(assets, *argv))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (wandb_dir / "wandb").glob("offline-run-*")
+    tables = [row for row in read_offline_run(run_dir)["history"] if "completions/path" in row]
+    assert [row["iteration"] for row in tables] == [1, 2]
+    written = [json.loads(line) for line in open(save / "completions.jsonl")]
+    for row in tables:
+        table = json.loads((run_dir / "files" / row["completions/path"]).read_text())
+        expected = [r for r in written if r["iteration"] == row["iteration"]]
+        assert table["columns"] == list(expected[0]) and len(table["data"]) == len(expected) == 8
+        for got, want in zip(table["data"], expected, strict=True):
+            assert got == [v if isinstance(v, int | float | str) else json.dumps(v) for v in want.values()]
