@@ -61,6 +61,34 @@ def test_a_completion_depends_on_its_prompt_and_key_only(lm):
     assert completion_key(7, 0, 0) != completion_key(7, 1, 0) != completion_key(8, 0, 0)
 
 
+def test_a_prompt_runs_once_and_ended_rows_leave_the_batch(lm):
+    """GRPO's batches: four completions of each of two prompts. The prompt pass runs the two distinct prompts;
+    each step runs the rows still going (when a quarter of the batch has ended, those rows leave it). The
+    completions are the ones each (prompt, key) gives alone. The untrained model never says EOS: two tokens it
+    samples stand in for it, so that rows end at different steps."""
+    model, tokenizer, prompts = lm
+    settings = SamplingSettings(max_completion_length=12, batch_size=8)
+    group = [prompts[0]] * 4 + [prompts[2]] * 4
+    keys = [completion_key(3, 0, i) for i in range(8)]
+    unended = sample(model, group, keys, settings, tokenizer.eos_token_id, tokenizer.pad_token_id).ids
+    eos = [unended[0][2], unended[5][6]]
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        out = sample(model, group, keys, settings, eos, tokenizer.pad_token_id)
+    finally:
+        hook.remove()
+    lengths = sorted(len(ids) for ids in out.ids)
+    assert rows[0] == (2, len(prompts[2])) and all(shape[1] == 1 for shape in rows[1:])
+    steps = [shape[0] for shape in rows[1:]]
+    assert steps == sorted(steps, reverse=True) and steps[0] == 8 and len(rows) == lengths[-1]
+    assert lengths[0] <= 3 and steps[-1] < 8  # rows ended early and left the batch
+    alone = [
+        sample(model, [p], [k], settings, eos, tokenizer.pad_token_id).ids[0] for p, k in zip(group, keys, strict=True)
+    ]
+    assert out.ids == alone and all(u[: len(o)] == o for u, o in zip(unended, out.ids, strict=True))
+
+
 def test_keyed_draws_follow_the_softmax():
     """20,000 keys over 5 tokens (one filtered out): each token is drawn as often as softmax(scores) says (within
     1.5 points), never the filtered one; the same key and step draw the same token, another step draws anew."""

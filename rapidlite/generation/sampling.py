@@ -156,45 +156,106 @@ def sample(
     return Completions(ids, truncated)
 
 
-def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, all_finished) -> Completions:
+def _rollout_cache(capacity: int):
+    """A Hugging Face ``DynamicCache`` whose layers write each step's keys and values into buffers of the batch's
+    whole length (``capacity``: the longest prompt plus ``--max-completion-length``) and hand out views of the
+    filled part, where ``DynamicLayer`` concatenates, copying the whole cache at every token. Selecting rows
+    (``batch_select_indices``: a prompt's pass copied to its completions, ended rows dropped) indexes the buffers."""
     from transformers import DynamicCache
+    from transformers.cache_utils import Cache, DynamicLayer
 
-    device = next(model.parameters()).device
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
-    width = max(len(p) for p in prompts)
+    class GrowingLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            rows, heads = key_states.shape[:2]
+            self.buffers = (
+                key_states.new_empty((rows, heads, capacity, key_states.shape[-1])),
+                value_states.new_empty((rows, heads, capacity, value_states.shape[-1])),
+            )
+            self.length = 0
+            self._view()
+
+        def _view(self) -> None:
+            self.keys, self.values = (b[:, :, : self.length] for b in self.buffers)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self.buffers[0][:, :, self.length : end] = key_states
+            self.buffers[1][:, :, self.length : end] = value_states
+            self.length = end
+            self._view()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.buffers = tuple(b[indices] for b in self.buffers)
+                self._view()
+
+    cache = DynamicCache()
+    Cache.__init__(cache, layer_class_to_replicate=GrowingLayer)
+    return cache
+
+
+def _left_padded(prompts, width: int, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(input_ids)
     for row, prompt in enumerate(prompts):
         if prompt:
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
             mask[row, width - len(prompt) :] = 1
-    row_keys = torch.tensor([k & MASK63 for k in keys], dtype=torch.long, device=device)
-    processors = _processors(settings)
-    cache = DynamicCache()
+    return input_ids, mask
+
+
+def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, all_finished) -> Completions:
+    """One batch: the distinct prompts run once through the model (GRPO's completions of a prompt share its
+    pass: their cache rows are copies), then a token a step for every row. When a quarter of the rows still in
+    the batch have ended, they leave it (their cache rows dropped): the steps that follow run on the rows still
+    going. A row's tokens do not depend on the batch it is in (see ``draw``)."""
+    device = next(model.parameters()).device
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    width = max(len(p) for p in prompts)
+    distinct: dict[tuple[int, ...], int] = {}
+    owner = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+    input_ids, mask = _left_padded(list(distinct), width, pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    processors = _processors(settings)
+    cache = _rollout_cache(width + settings.max_completion_length)
     name, last_only = _forward_arguments(model)
     out = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache}, **last_only
     )  # fmt: skip
-    sequences = input_ids
+    logits = _last_logits(out)[owner]
+    cache.batch_select_indices(owner)
+    sequences, mask, positions = input_ids[owner], mask[owner], positions[owner, -1:]
+    row_keys = torch.tensor([k & MASK63 for k in keys], dtype=torch.long, device=device)
+    rows = torch.arange(len(prompts), device=device)  # each batch row's place in ``prompts``
+    tokens = torch.full((len(prompts), settings.max_completion_length), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    new_tokens = []
     # What the repetition penalty sees of a row: its own tokens. Its left padding is replaced by its first token
     # (a token it has anyway), so that a row's penalty never depends on the longest prompt of its batch.
-    first = input_ids.gather(1, (mask == 0).sum(-1, keepdim=True).clamp(max=width - 1))
+    first = sequences.gather(1, (mask == 0).sum(-1, keepdim=True).clamp(max=width - 1))
+    steps = 0
     for step in range(settings.max_completion_length):
         # Only the repetition penalty reads the tokens seen.
         seen = torch.where(mask.bool(), sequences, first) if settings.repetition_penalty != 1.0 else sequences
-        scores = processors(seen, _last_logits(out))
-        drawn = draw(scores, row_keys, step)
+        drawn = draw(processors(seen, logits), row_keys, step)
         drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
-        new_tokens.append(drawn)
+        tokens[rows, step] = drawn
         finished |= torch.isin(drawn, eos)
-        if all_finished(bool(finished.all())):
+        steps = step + 1
+        if all_finished(bool(finished.all())) or steps == settings.max_completion_length:
             break
+        ended = int(finished.sum())
+        if 4 * ended >= len(finished) and ended < len(finished):  # the ended rows leave the batch
+            going = (~finished).nonzero().squeeze(1)
+            cache.batch_select_indices(going)
+            rows, row_keys, finished, drawn = rows[going], row_keys[going], finished[going], drawn[going]
+            sequences, mask, positions, first = sequences[going], mask[going], positions[going], first[going]
         sequences = torch.cat([sequences, drawn[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(drawn)[:, None]], dim=1)
-        positions = positions[:, -1:] + 1
+        positions = positions + 1
         out = model(
             input_ids=drawn[:, None],
             attention_mask=mask,
@@ -202,10 +263,10 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
             use_cache=True,
             **{name: cache},
         )  # the cache object is updated in place
-    generated = torch.stack(new_tokens, dim=1).tolist()
+        logits = _last_logits(out)
     ids, truncated = [], []
     eos_ids = set(eos.tolist())
-    for row in generated:
+    for row in tokens[:, :steps].tolist():
         end = next((i for i, t in enumerate(row) if t in eos_ids), None)
         ids.append(row[: end + 1] if end is not None else row)
         truncated.append(end is None)
