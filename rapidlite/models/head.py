@@ -6,7 +6,7 @@ output layer's forward is replaced for that call: it receives the hidden states 
 forward, so DDP, FSDP2, DeepSpeed ZeRO-3 and tensor parallelism see an ordinary forward and gather, shard
 and reduce as they always do) and returns the log-probabilities in place of the logits, which the model
 passes out as its ``logits``. Elsewhere the logits are computed whole and the log-probabilities taken from
-them, as before (per token: only the scored positions' logits made fp32, ``LOGITS_CHUNK_TOKENS`` at a time).
+them, as before (per token: only the scored positions' logits made fp32, ``LOGITS_CHUNK_BYTES`` at a time).
 With ``stats`` the same forward also gives each scored position's entropy and mean logit (KTO's metrics):
 from the hidden states a chunk at a time in the chunked path, from the logits elsewhere.
 
@@ -33,7 +33,7 @@ from rapidlite.models.losses import maybe_loss_parallel
 MIN_VOCAB = 8192
 # The whole logits' path (``logits_logps``): rows of logits made fp32 at a time, so their float copy is bounded by
 # this, not by the batch.
-LOGITS_CHUNK_TOKENS = 4096
+LOGITS_CHUNK_BYTES = 32 * 2**20  # the whole-logits path's fp32 working set: a few of these at a time
 # Model types whose forward returns the output layer's result as the logits, tested in tests/test_chunked_loss.py.
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta", "t5", "mt5"})
 
@@ -284,34 +284,41 @@ def _cross_entropy_logps(logits: torch.Tensor, labels: torch.Tensor, shift: bool
     return F.pad(logps, (0, 1)) if shift else logps
 
 
+def _scored_chunks(logits: torch.Tensor, mask: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The logits of the positions ``mask`` keeps, in order, in fp32, ``LOGITS_CHUNK_BYTES`` of them at a time:
+    ``(their slice among the kept positions, their logits)``; the kept positions' logits are never copied whole."""
+    flat, keep = logits.reshape(-1, logits.shape[-1]), mask.reshape(-1)
+    rows, done = max(LOGITS_CHUNK_BYTES // (4 * flat.shape[1]), 1), 0
+    for start in range(0, flat.shape[0], rows):
+        picked = keep[start : start + rows].nonzero().squeeze(1)
+        if picked.numel():
+            yield slice(done, done + picked.numel()), flat[start : start + rows].index_select(0, picked).float()
+            done += picked.numel()
+
+
 def logits_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per position ``[B, T]``, the log-probability of ``targets`` (aligned with the positions; 0 at ``IGNORE``)
-    under the whole ``logits``: only the targeted positions' logits become fp32, ``LOGITS_CHUNK_TOKENS`` at a
-    time."""
+    under the whole ``logits``: only the targeted positions' logits become fp32, a chunk at a time."""
     mask = targets != IGNORE
-    picked, wanted = logits[mask], targets[mask]  # [targeted positions, vocab]
-    values = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, picked.shape[0], LOGITS_CHUNK_TOKENS):
-        chunk = picked[start : start + LOGITS_CHUNK_TOKENS].float()
-        idx = wanted[start : start + LOGITS_CHUNK_TOKENS]
-        values[start : start + chunk.shape[0]] = chunk.gather(1, idx[:, None]).squeeze(1) - chunk.logsumexp(-1)
+    wanted = targets[mask]
+    values = torch.empty(wanted.shape[0], dtype=torch.float32, device=logits.device)
+    for part, chunk in _scored_chunks(logits, mask):
+        values[part] = chunk.gather(1, wanted[part, None]).squeeze(1) - chunk.logsumexp(-1)
     return values.new_zeros(targets.shape).masked_scatter(mask, values)
 
 
 @torch.no_grad()
 def logits_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``output_logps``' ``(entropy, mean_logit)`` from the whole logits (gathered, under tensor parallelism), the
-    targeted positions' in fp32 ``LOGITS_CHUNK_TOKENS`` at a time."""
+    targeted positions' in fp32 a chunk at a time."""
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
     mask = targets != IGNORE
-    picked = logits[mask]
-    entropy = torch.empty(picked.shape[0], dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(int(mask.sum()), dtype=torch.float32, device=logits.device)
     mean_logit = torch.empty_like(entropy)
-    for start in range(0, picked.shape[0], LOGITS_CHUNK_TOKENS):
-        chunk = picked[start : start + LOGITS_CHUNK_TOKENS].float()
+    for part, chunk in _scored_chunks(logits, mask):
         logp = chunk.log_softmax(-1)
-        entropy[start : start + chunk.shape[0]] = -(logp.exp() * logp).sum(-1)
-        mean_logit[start : start + chunk.shape[0]] = chunk.mean(-1)
+        entropy[part] = -(logp.exp() * logp).sum(-1)
+        mean_logit[part] = chunk.mean(-1)
     zeros = entropy.new_zeros(targets.shape)
     return zeros.masked_scatter(mask, entropy), zeros.masked_scatter(mask, mean_logit)
