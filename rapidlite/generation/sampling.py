@@ -17,6 +17,7 @@ whole rollout by the caller (the strategy's ``gathered_for_generation``), not on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from collections.abc import Callable, Sequence
@@ -156,21 +157,27 @@ def sample(
     return Completions(ids, truncated)
 
 
-def _rollout_cache(capacity: int):
-    """A Hugging Face ``DynamicCache`` whose layers write each step's keys and values into buffers of the batch's
-    whole length (``capacity``: the longest prompt plus ``--max-completion-length``) and hand out views of the
-    filled part, where ``DynamicLayer`` concatenates, copying the whole cache at every token. Selecting rows
-    (``batch_select_indices``: a prompt's pass copied to its completions, ended rows dropped) indexes the buffers."""
+@functools.cache
+def _rollout_cache_class() -> type:
+    """``RolloutCache(capacity)``: a Hugging Face ``DynamicCache`` whose layers write each step's keys and values
+    into buffers of the batch's whole length (``capacity``: the longest prompt plus ``--max-completion-length``)
+    and hand out views of the filled part, where ``DynamicLayer`` concatenates, copying the whole cache at every
+    token. Selecting rows (``batch_select_indices``: a prompt's pass copied to its completions, ended rows dropped)
+    indexes the buffers. Built on first use: transformers is imported only by a run that samples."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache, DynamicLayer
 
     class GrowingLayer(DynamicLayer):
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             rows, heads = key_states.shape[:2]
             self.buffers = (
-                key_states.new_empty((rows, heads, capacity, key_states.shape[-1])),
-                value_states.new_empty((rows, heads, capacity, value_states.shape[-1])),
+                key_states.new_empty((rows, heads, self.capacity, key_states.shape[-1])),
+                value_states.new_empty((rows, heads, self.capacity, value_states.shape[-1])),
             )
             self.length = 0
             self._view()
@@ -193,9 +200,11 @@ def _rollout_cache(capacity: int):
                 self.buffers = tuple(b[indices] for b in self.buffers)
                 self._view()
 
-    cache = DynamicCache()
-    Cache.__init__(cache, layer_class_to_replicate=GrowingLayer)
-    return cache
+    class RolloutCache(DynamicCache):
+        def __init__(self, capacity: int) -> None:
+            Cache.__init__(self, layer_class_to_replicate=functools.partial(GrowingLayer, capacity))
+
+    return RolloutCache
 
 
 def _left_padded(prompts, width: int, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +230,7 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
     input_ids, mask = _left_padded(list(distinct), width, pad_token_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     processors = _processors(settings)
-    cache = _rollout_cache(width + settings.max_completion_length)
+    cache = _rollout_cache_class()(width + settings.max_completion_length)
     name, last_only = _forward_arguments(model)
     out = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache}, **last_only
@@ -244,10 +253,9 @@ def _sample_batch(model, prompts, keys, settings, eos_token_id, pad_token_id, al
         drawn = torch.where(finished, torch.full_like(drawn, pad_token_id), drawn)
         tokens[rows, step] = drawn
         finished |= torch.isin(drawn, eos)
-        steps = step + 1
-        if all_finished(bool(finished.all())) or steps == settings.max_completion_length:
+        steps, ended = step + 1, int(finished.sum())  # one read of the device a token
+        if all_finished(ended == len(finished)) or steps == settings.max_completion_length:
             break
-        ended = int(finished.sum())
         if 4 * ended >= len(finished) and ended < len(finished):  # the ended rows leave the batch
             going = (~finished).nonzero().squeeze(1)
             cache.batch_select_indices(going)
