@@ -31,9 +31,9 @@ from rapidlite.models.chunked_loss import IGNORE, token_logps, token_stats
 from rapidlite.models.losses import maybe_loss_parallel
 
 MIN_VOCAB = 8192
-# The whole logits' path (``logits_logps``): rows of logits made fp32 at a time, so their float copy is bounded by
-# this, not by the batch.
-LOGITS_CHUNK_BYTES = 32 * 2**20  # the whole-logits path's fp32 working set: a few of these at a time
+# The whole logits' path (``logits_logps``, ``logits_stats``): the scored positions' logits are read in fp32 chunks
+# of this size, so their copies and temporaries are bounded by it, not by the batch.
+LOGITS_CHUNK_BYTES = 32 * 2**20
 # Model types whose forward returns the output layer's result as the logits, tested in tests/test_chunked_loss.py.
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "roberta", "t5", "mt5"})
 
