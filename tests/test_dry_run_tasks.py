@@ -110,13 +110,14 @@ def _rows(task, rng, n):
         elif task in ("dpo", "reward_model"):
             rows.append({"prompt": _text(rng, 100), "chosen": _text(rng, 150), "rejected": _text(rng, 150)})
         elif task in ("grpo", "rloo"):
-            rows.append({"prompt": _text(rng, 100)})
+            rows.append({"prompt": _text(rng, 200)})
         elif task == "kto":
             rows.append({"prompt": _text(rng, 100), "completion": _text(rng, 150), "label": i % 2 == 0})
     return rows
 
 
-ONLINE_RL = ["--max-prompt-length", "100", "--max-completion-length", str(SEQ - 100)]
+# Long prompts, short completions: a sequence of SEQ tokens for 56 decoding steps (not 156: the sampling's time).
+ONLINE_RL = ["--max-prompt-length", "200", "--max-completion-length", str(SEQ - 200)]
 REWARD = "def reward(prompts, completions, completion_ids, **kwargs):\n    return [len(c) % 7 for c in completions]\n"
 
 # task: (model family, extra flags)
@@ -130,11 +131,12 @@ TASKS = {
     "dpo": ("llama", ["--micro-batch-size", "1"]),
     "kto": ("llama", []),
     "reward_model": ("llama", []),
-    # Untrained, the model samples every completion to its full length: 100 prompt + 156 completion tokens = SEQ.
+    # Untrained, the model samples every completion to its full length: 200 prompt + 56 completion tokens = SEQ.
     "grpo": ("llama", [*ONLINE_RL, "--num-generations", "2", "--global-batch-size", "2"]),
     "rloo": ("llama", [*ONLINE_RL, "--num-generations", "2", "--global-batch-size", "2", "--beta", "0.1"]),
     # Last: the plans share one process, and its plan imports ROUGE's libraries (TaskSpec.libraries).
-    "seq2seq": ("t5", ["--max-target-length", str(SEQ)]),
+    # Targets of 64 tokens: the evaluation generates that many (a target of SEQ took 4 times the run's time).
+    "seq2seq": ("t5", ["--max-target-length", "64"]),
 }
 
 
