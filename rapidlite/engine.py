@@ -29,7 +29,7 @@ from rapidlite import strategies
 from rapidlite.config.parser import ExtraArgsProvider
 from rapidlite.data.loader import DeviceDataLoader, GatherTrim, build_data_loader
 from rapidlite.errors import ConfigError, RapidliteError
-from rapidlite.models import lora
+from rapidlite.models import lora, moe
 from rapidlite.models.flops import ModelFlops, device_peak_flops
 from rapidlite.models.hf import disable_kv_cache
 from rapidlite.observe.logging import Timers, setup_logger
@@ -192,6 +192,7 @@ class RapidliteEngine:
         model = lora.prepare(model, self.lora, self.precision.dtype, self.device, self._main_logger)
         self._count_flops(model)  # the whole model, before any split
         disable_kv_cache(lora.unwrap(model))
+        self.strategy.router_loss = moe.router_loss(model, self.settings.moe, self.settings.given, self._main_logger)
         composed, wrapped = self.strategy.setup(model, optimizer, dynamic_shapes)
         self._composed.update((given, model))
         self._optimizer = wrapped

@@ -31,7 +31,7 @@ def export_hf(
 
     A LoRA (peft) model is written as its adapter in peft's format in ``out_dir/adapter``, and with
     ``merge_adapters`` also as the base model with the adapters merged in, in ``out_dir`` itself."""
-    from rapidlite.models import lora
+    from rapidlite.models import lora, lora_export
     from rapidlite.models.spec import spec_of
 
     adapters = lora.is_peft_model(model)
@@ -59,11 +59,11 @@ def export_hf(
     out_dir = Path(out_dir)
     tmp = staging_dir(out_dir)
     if adapters:
-        lora.save_adapter(model, full, tmp / "adapter")
+        lora_export.save_adapter(model, full, tmp / "adapter")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "adapter")
     if not adapters or merge_adapters:
-        weights = lora.merged_state_dict(model, full) if adapters else full
+        weights = lora_export.merged_state_dict(model, full) if adapters else full
         _save_full_model(base, weights, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -99,7 +99,7 @@ def _save_full_model(model: torch.nn.Module, weights: dict[str, Any], directory:
         else:
             target = unquantized(model)
             if target is not model:
-                from rapidlite.models.lora import restore_conv1d_layout
+                from rapidlite.models.lora_export import restore_conv1d_layout
 
                 restore_conv1d_layout(model, target, weights)
             target.save_pretrained(directory, state_dict=weights, safe_serialization=True)

@@ -34,6 +34,7 @@ GROUPS: dict[str, str | None] = {
     sections.DEEPSPEED: None,
     sections.LORA: None,
     sections.PREFERENCE: None,
+    sections.MOE: None,
     sections.DATA: None,
     sections.CHECKPOINTS_AND_LOGGING: None,
     sections.DISTRIBUTED: None,

@@ -12,6 +12,7 @@ from rapidlite.config.sections import (
     DataConfig,
     LoraConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     PreferenceConfig,
     TaskConfig,
@@ -32,6 +33,7 @@ SECTIONS: tuple[type, ...] = (
     LoggingConfig,
     LoraConfig,
     PreferenceConfig,
+    MoEConfig,
 )
 
 
@@ -47,6 +49,7 @@ SECTION_NAMES = (
     "logging",
     "lora",
     "preference",
+    "moe",
 )
 
 
@@ -65,6 +68,7 @@ class Sections:
     logging: LoggingConfig
     lora: LoraConfig
     preference: PreferenceConfig
+    moe: MoEConfig
     # The running task's own options (its TaskSpec.options, e.g. QuestionAnsweringOptions); None for a task
     # without options of its own, or a user script.
     task_options: Any = None

@@ -5,7 +5,8 @@ Training FLOPs per token (forward + backward, as in Megatron-LM and PaLM's appen
     6 N + 12 L d T
 
 - ``N``: the weights that take part in matrix multiplies: every parameter except embedding tables (a lookup
-  costs no FLOPs), but an embedding table that is also the output layer (tied, GPT-2/BERT) counts once.
+  costs no FLOPs), but an embedding table that is also the output layer (tied, GPT-2/BERT) counts once. In a
+  mixture of experts, the active ones: each expert tensor counts top-k / experts of its size.
   Each weight costs 2 FLOPs per token forward and 4 backward.
 - ``12 L d T``: attention scores and weighted values (``L`` layers, hidden size ``d``, ``T`` tokens per
   sequence); not halved for a causal mask, as Megatron and PaLM count it.
@@ -65,7 +66,8 @@ class ModelFlops:
     @classmethod
     def of(cls, model: nn.Module) -> ModelFlops:
         layers, hidden = spec_of(model).layers_and_hidden(getattr(model, "config", None))
-        return cls(matmul_parameters(model), layers, hidden, matmul_parameters(model, frozen=True))
+        share = active_shares(model)
+        return cls(matmul_parameters(model, share=share), layers, hidden, matmul_parameters(model, True, share))
 
     def per_token(self, seq_length: float) -> float:
         """Training FLOPs per token for sequences of ``seq_length`` tokens."""
@@ -89,17 +91,29 @@ def _numel(param: torch.Tensor) -> int:
     return math.prod(shape) if shape is not None else param.numel()
 
 
-def matmul_parameters(model: nn.Module, frozen: bool = False) -> int:
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """A mixture of experts' expert tensors (by ``id``) and the share of them a token goes through: its top-k
+    over the expert count (6 N counts the active parameters)."""
+    layout = spec_of(model).moe
+    if layout is None:
+        return {}
+    config = getattr(model, "config", None)
+    share = layout.top_k(config) / layout.num_experts(config)
+    return {id(p): share for n, p in model.named_parameters() if f".{layout.experts}." in f".{n}"}
+
+
+def matmul_parameters(model: nn.Module, frozen: bool = False, share: dict[int, float] | None = None) -> int:
     """Parameters used in matrix multiplies: all but embedding tables; a tied output layer counts once.
-    Sharded parameters (DTensor) count whole; ``frozen``: only those that do not train."""
-    in_matmul: dict[int, int] = {}
+    Sharded parameters (DTensor) count whole; ``frozen``: only those that do not train; ``share``: the part of
+    a parameter a token uses (``active_shares``), where it is not 1."""
+    in_matmul: dict[int, float] = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         for param in module.parameters(recurse=False):
             if not frozen or not param.requires_grad:
-                in_matmul[id(param)] = _numel(param)
-    return sum(in_matmul.values())
+                in_matmul[id(param)] = _numel(param) * (share or {}).get(id(param), 1.0)
+    return round(sum(in_matmul.values()))
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype | None, tf32: bool | None = False) -> float | None:

@@ -15,8 +15,7 @@ bitsandbytes.
    dtype the frozen base was loaded in, so fp16/bf16 autocast updates fp32 weights.
 
 Checkpoints of a peft model hold its trainable tensors only (``trainable_only``); the export writes the
-adapter in peft's own format (``save_adapter``) and, with ``--merge-lora``, the merged model
-(``merged_state_dict``).
+adapter in peft's own format and, with ``--merge-lora``, the merged model (``rapidlite.models.lora_export``).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from torch import nn
 
 from rapidlite.config.sections import LoraConfig
 from rapidlite.errors import ConfigError
+from rapidlite.models.spec import EXPERTS
 
 # bitsandbytes logs a warning on import on AVX-512 BF16 CPUs when an optional hub-fetched kernel for its packed
 # inference path is missing; rapidlite keeps the training kernel in evaluation (keep_training_kernel) and never
@@ -263,6 +263,10 @@ def target_modules(model: nn.Module, settings: LoraConfig) -> list[str]:
         defaulted = True
     else:
         defaulted = False
+    if spec_of(model).moe is not None:  # the experts are parameters (expert_parameters), not layers
+        requested = tuple(r for r in requested if r != EXPERTS)
+        if not requested:
+            return []
     if ALL_LINEAR in requested:
         return [n for n in linears if n not in heads]
     chosen = [n for n in linears if n.rsplit(".", 1)[-1] in requested or n in requested]
@@ -275,6 +279,27 @@ def target_modules(model: nn.Module, settings: LoraConfig) -> list[str]:
     if not chosen:  # a family default that this model (a variant) does not have
         return [n for n in linears if n not in heads]
     return chosen
+
+
+def expert_parameters(model: nn.Module, settings: LoraConfig) -> list[str]:
+    """peft's ``target_parameters`` of the experts' 3-D tensors (``mlp.experts.gate_up_proj``, ...) when the
+    targets (the flags', else the family's default) name ``experts`` in a mixture-of-experts model; else none.
+    peft adapts such a tensor without dropout or DoRA: those are one line."""
+    from rapidlite.models.spec import spec_of
+
+    spec = spec_of(model)
+    requested = split_names(settings.lora_target_modules) or spec.lora_targets
+    if spec.moe is None or EXPERTS not in requested:
+        return []
+    for on, flag in ((settings.lora_dropout > 0, "--lora-dropout"), (settings.use_dora, "--use-dora")):
+        if on:
+            raise ConfigError(
+                f"{flag}: peft adapts the experts' 3-D tensors without it; drop {flag}, or leave the experts out "
+                "(--lora-target-modules with the attention and MLP layers only)"
+            )
+    tensors = spec.moe.expert_parameters
+    names = {f"{spec.moe.experts}.{t}" for n, p in model.named_parameters() for t in tensors if n.endswith(f".{t}")}
+    return sorted(names)
 
 
 def _check_modules_to_save(model: nn.Module, names: tuple[str, ...]) -> None:
@@ -320,12 +345,19 @@ def prepare(
     keep_training_kernel(model)
     modules_to_save = split_names(settings.lora_modules_to_save)
     _check_modules_to_save(model, modules_to_save)
-    targets = target_modules(model, settings)
+    targets, experts = target_modules(model, settings), expert_parameters(model, settings)
+    if experts and settings.quantized:
+        raise ConfigError(
+            f"{settings.quant_flag}: bitsandbytes quantises linear layers only, and a mixture of experts keeps its "
+            "experts (most of its weights) as 3-D tensors it cannot hold in 4 or 8 bits; drop the flag (LoRA on "
+            "the experts trains without it)"
+        )
     config = PeftLoraConfig(
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha if settings.lora_alpha is not None else 2 * settings.lora_rank,
         lora_dropout=settings.lora_dropout,
         target_modules=targets,
+        target_parameters=experts or None,
         modules_to_save=list(modules_to_save) or None,
         task_type=_task_type(model),
         use_dora=settings.use_dora,
@@ -349,10 +381,20 @@ def prepare(
         logger.info(
             f"LoRA{' (' + ', '.join(variants) + ')' if variants else ''}: rank {config.r}, alpha "
             f"{config.lora_alpha:g}, dropout {config.lora_dropout:g} on "
-            f"{len(targets)} layers ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}){what}; "
-            f"{trainable_summary(peft_model)}"
+            f"{len(targets)} layers ({', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))})"
+            f"{_experts_line(peft_model, experts)}{what}; {trainable_summary(peft_model)}"
         )
     return peft_model
+
+
+def _experts_line(model: nn.Module, experts: list[str]) -> str:
+    """What the adapters on the experts add to the LoRA line: the tensors and the trainable split."""
+    if not experts:
+        return ""
+    on_experts = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
+    others = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad) - on_experts
+    names = ", ".join(e.rsplit(".", 1)[-1] for e in experts)
+    return f" and the experts' {names} (trainable: {others:,d} outside the experts, {on_experts:,d} on them)"
 
 
 def _keep_trainable_fp32(model: nn.Module) -> None:
@@ -408,93 +450,3 @@ def load_adapter(base: nn.Module, directory: Path) -> nn.Module:
 def trainable_only(model: nn.Module) -> bool:
     """Checkpoints of this model hold its trainable tensors only (the adapters; the base is loaded again)."""
     return is_peft_model(model)
-
-
-def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
-    """The adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``):
-    ``PeftModel.from_pretrained(base, directory)`` loads it. ``state_dict``: the model's full trainable
-    tensors, gathered. Adapters started from the weights' decomposition (``--lora-init pissa|olora``, whose base
-    holds the residual) are saved as peft converts them, a plain LoRA of twice the rank on the original base."""
-    model.save_pretrained(str(directory), state_dict=state_dict, safe_serialization=True)
-    initial = getattr(model, "rapidlite_initial_adapter", None)
-    if initial is not None:
-        _as_plain_lora(directory, initial)
-
-
-def _as_plain_lora(directory: Path, initial: dict[str, torch.Tensor]) -> None:
-    """A PiSSA/OLoRA adapter (``B A`` on the residual ``W - B0 A0``) as a plain LoRA on the original weights:
-    ``W + [B | -B0] [A ; A0]``, rank and alpha doubled (rsLoRA: alpha times sqrt 2), as peft converts them."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    weights = directory / "adapter_model.safetensors"
-    trained = load_file(str(weights))
-    for key, value in trained.items():
-        if "lora_A" in key:
-            trained[key] = torch.cat([value, initial[key].to(value.dtype)], dim=0)
-        elif "lora_B" in key:
-            trained[key] = torch.cat([value, -initial[key].to(value.dtype)], dim=1)
-    save_file(trained, str(weights), metadata={"format": "pt"})
-    config_file = directory / "adapter_config.json"
-    config = json.loads(config_file.read_text())
-    config["r"], config["init_lora_weights"] = 2 * config["r"], True
-    config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
-
-
-def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's weights with every adapter merged in (``W + scaling * B @ A``), keyed as the base
-    model's own state dict, from ``state_dict`` (the peft model's full tensors, gathered). Quantised base
-    layers are dequantised first (they are whole on every rank: quantised runs do not shard the model)."""
-    from peft.tuners.lora import LoraLayer
-
-    prefix = "base_model.model."
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad), None)
-    out: dict[str, torch.Tensor] = {}
-    skip: list[str] = []
-    for name, layer in layers.items():
-        base = layer.get_base_layer()
-        if ADAPTER_NAME not in layer.lora_A:
-            continue
-        a = state_dict[f"{name}.lora_A.{ADAPTER_NAME}.weight"].float()
-        b = state_dict[f"{name}.lora_B.{ADAPTER_NAME}.weight"].float()
-        delta = (b @ a) * layer.scaling[ADAPTER_NAME]
-        weight_key = f"{name}.base_layer.weight"
-        weight = _dequantized_weight(base) if _is_bnb_linear(base) else state_dict[weight_key].float()
-        flip = getattr(layer, "fan_in_fan_out", False)  # Conv1D: the weight is [in, out]
-        merged = (weight.T if flip else weight) + delta  # [out, in]
-        magnitude = state_dict.get(f"{name}.lora_magnitude_vector.{ADAPTER_NAME}.weight")
-        if magnitude is not None:  # DoRA: the trained magnitude times each output row's direction
-            merged = merged * (magnitude.float() / torch.linalg.norm(merged, dim=1))[:, None]
-        dtype = state_dict[weight_key].dtype if state_dict[weight_key].is_floating_point() else float_dtype
-        out[_base_key(name[len(prefix) :] + ".weight")] = (merged.T if flip else merged).to(dtype or torch.float32)
-        skip.append(weight_key + ".")  # bitsandbytes' quantisation state
-    for key, value in state_dict.items():
-        if ".lora_" in key or ".original_module." in key or any(key.startswith(s) for s in skip):
-            continue
-        if key.endswith((".SCB", ".weight_format")):
-            continue
-        short = _base_key(key[len(prefix) :] if key.startswith(prefix) else key)
-        out.setdefault(short, value)
-    return out
-
-
-def restore_conv1d_layout(model: nn.Module, target: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """transformers quantises GPT-2-style ``Conv1D`` layers (weight ``[in, out]``) into bitsandbytes linear layers
-    (``[out, in]``): the merged weights of those layers are turned back for ``target``, the unquantised model
-    they are saved as."""
-    from transformers.pytorch_utils import Conv1D
-
-    for name, module in target.named_modules():
-        if not isinstance(module, Conv1D) or f"{name}.weight" not in weights:
-            continue
-        source = model.get_submodule(name)
-        source = source.get_base_layer() if hasattr(source, "get_base_layer") else source
-        if _is_bnb_linear(source):
-            weights[f"{name}.weight"] = weights[f"{name}.weight"].T.contiguous()
-
-
-def _base_key(key: str) -> str:
-    return key.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER_NAME}.", ".")

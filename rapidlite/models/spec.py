@@ -78,6 +78,41 @@ def blocks_at(*names: str) -> Callable[[nn.Module], Sequence[nn.Module] | None]:
     return blocks
 
 
+# --lora-target-modules' name of a mixture of experts' 3-D expert tensors (peft's target_parameters)
+EXPERTS = "experts"
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """Where a mixture-of-experts family keeps its routed parts, inside each block's ``mlp`` (a block without
+    them, DeepSeek-V3's first dense layers, is dense): the ``router`` (its output is ``(logits [tokens, experts],
+    weights, chosen experts)``), the ``experts`` module and its 3-D ``expert_parameters`` (``[experts, ., .]``),
+    and the ``shared`` experts every token goes through. ``default_aux_coeff``: the load-balancing weight when
+    the config names none (DeepSeek-V3 balances by its routers' bias instead)."""
+
+    router: str = "gate"
+    experts: str = "experts"
+    expert_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    shared: tuple[str, ...] = ()
+    default_aux_coeff: float = 0.0
+
+    @staticmethod
+    def num_experts(config: Any) -> int:
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        raise ValueError(f"{type(config).__name__} names no expert count")
+
+    @staticmethod
+    def top_k(config: Any) -> int:
+        return int(config.num_experts_per_tok)
+
+    def aux_coeff(self, config: Any) -> float:
+        value = getattr(config, "router_aux_loss_coef", None)
+        return float(value) if value is not None else self.default_aux_coeff
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family.
@@ -92,6 +127,7 @@ class ModelSpec:
     - ``lora_targets``: default LoRA target modules; empty: every linear layer.
     - ``save``: writes the model's full weights as a Hugging Face model directory, for the export
       (``save(model, state_dict, directory)``); None: the model's own ``save_pretrained`` does.
+    - ``moe``: where a mixture-of-experts family keeps its router and experts (None: a dense family).
     """
 
     family: str
@@ -106,6 +142,7 @@ class ModelSpec:
     flops_dims: Callable[[Any], tuple[int | None, int | None]] | None = None
     lora_targets: tuple[str, ...] = ()
     save: Callable[[nn.Module, dict[str, Any], str], None] | None = None
+    moe: MoELayout | None = None
 
     def layers_and_hidden(self, config: Any) -> tuple[int | None, int | None]:
         """(layers, hidden size) of the FLOPs formula's attention term, from a model's config (None where the

@@ -66,6 +66,11 @@ class FusedAttention(TorchFunctionMode):
         return fused(q, k, v, dropout, a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])[0]
 
 
+# The experts' matmul of a mixture of experts (transformers' grouped_mm path): tokens [S, in] x experts
+# [E, in, out] -> [S, out], whatever the routing.
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
 def profile_activations(
     model: torch.nn.Module,
     micro_batch: int,
@@ -104,7 +109,10 @@ def profile_activations(
 
     class Producers(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            if func is _GROUPED_MM and args[0].device.type == "meta":  # its meta function takes bf16 only
+                out = args[0].new_empty((args[0].shape[0], args[1].shape[-1]))
+            else:
+                out = func(*args, **(kwargs or {}))
             if func in _SAVE_OPS:
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(t, torch.Tensor):

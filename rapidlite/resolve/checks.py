@@ -22,34 +22,18 @@ def section_of(args: argparse.Namespace, name: str) -> Any:
     return getattr(Sections.of(vars(args)), name)
 
 
+# Flags whose values must be positive integers, and those that must not be negative.
+POSITIVE_INTS = """
+micro_batch_size global_batch_size epochs train_iters num_layers hidden_size num_attention_heads
+ffn_hidden_size seq_length max_position_embeddings log_interval eval_interval eval_iters save_interval
+keep_last tensor_model_parallel_size pipeline_model_parallel_size loss_scale_window hysteresis
+recompute_num_layers make_vocab_size_divisible_by vocab_size nproc_per_node nnodes max_prompt_length
+""".split()
+NOT_NEGATIVE = "num_workers max_restarts node_rank eval_generate max_skipped_steps moe_aux_loss_coeff".split()
+
+
 def check_ranges(args: argparse.Namespace) -> None:
-    for name in (
-        "micro_batch_size",
-        "global_batch_size",
-        "epochs",
-        "train_iters",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "seq_length",
-        "max_position_embeddings",
-        "log_interval",
-        "eval_interval",
-        "eval_iters",
-        "save_interval",
-        "keep_last",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "loss_scale_window",
-        "hysteresis",
-        "recompute_num_layers",
-        "make_vocab_size_divisible_by",
-        "vocab_size",
-        "nproc_per_node",
-        "nnodes",
-        "max_prompt_length",
-    ):
+    for name in POSITIVE_INTS:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
@@ -57,7 +41,7 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value:g}: must be a positive number of minutes")
-    for name in ("num_workers", "max_restarts", "node_rank", "eval_generate", "max_skipped_steps"):
+    for name in NOT_NEGATIVE:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= 0")
@@ -65,7 +49,7 @@ def check_ranges(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be positive")
-    for name in ("min_lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
+    for name in ("min_lr", "weight_decay", "clip_grad", "adam_eps", "sgd_momentum", "moe_z_loss_coeff"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):

@@ -87,6 +87,9 @@ class Strategy:
     # The pipeline runner under pipeline parallelism (the trainer then hands forward steps as record/replay
     # pairs); None for every other backend.
     pipeline: Any = None
+    # A mixture-of-experts model's router loss (``models.moe.RouterLoss``, set by compose): added to each
+    # micro-batch's loss before its backward. None for a dense model.
+    router_loss: Any = None
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -176,7 +179,8 @@ class Strategy:
                 if mode is not None and step_mode != mode:
                     raise inconsistent_losses()
                 mode = step_mode
-                optimizer.backward(loss)
+                penalty = self.router_loss.penalty(items) if self.router_loss is not None else None
+                optimizer.backward(loss if penalty is None else loss + penalty)
             losses.append(loss.detach().float())
             num_items += items or 0
         if self.offload is not None and not self._offload_reported:

@@ -215,6 +215,8 @@ class BaseTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         strategy = self.engine.strategy
         loss_total, divisor = strategy.forward_backward(self.model, self.optimizer, list(micro_steps), items=items)
+        if strategy.router_loss is not None:
+            strategy.router_loss.report(self.monitor.step_metrics.add)
         nonfinite_before = self.optimizer.nonfinite_steps
         applied = self.optimizer.step(grad_divisor=divisor, loss=loss_total)
         if applied and self.lr_scheduler is not None:

@@ -17,7 +17,7 @@ _MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 SPEC = register(
     ModelSpec(
         family="llama",
-        model_types=("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"),
+        model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"),
         blocks=blocks_at("model", "layers"),
         hidden_dropout_keys=("hidden_dropout", "dropout"),
         attention_dropout_keys=("attention_dropout",),

@@ -1,0 +1,189 @@
+"""A mixture-of-experts model's router in training: its load-balancing loss, its z-loss, and the load it puts on
+each expert.
+
+``router_loss(model, settings)`` hooks every router of a model whose family declares a ``MoELayout``: each
+training forward (gradients on, the model in training mode: sampling, evaluation and a frozen reference add
+nothing) leaves its router logits there. After the forward, the strategy adds ``penalty(items)`` to the
+micro-batch's loss before its backward, so the router loss reaches the gradients on every layout and task.
+
+- **Load-balancing loss** (``moe_aux_loss``), as transformers computes its ``aux_loss`` for these families: over
+  the tokens of every routed layer together (padding left out by the attention mask), the number of experts
+  times the sum over experts of (the share of top-k choices it got) x (its mean routing probability).
+  transformers adds it only where labels reach the model, which rapidlite's chunked loss never passes; here it is
+  added on every path and logged apart from the language-model loss.
+- **z-loss** (``moe_z_loss``, ST-MoE): the mean squared log-sum-exp of the router logits, over the same tokens.
+- Each micro-batch's penalty is ``coefficient x loss``, times the micro-batch's item count where the forward
+  step returns ``(loss_sum, num_items)``: the gradients then hold the router loss averaged over the global batch
+  as the language-model loss is (by micro-batch for a mean loss, by item for a summed one), whatever the
+  accumulation and the data-parallel size. The logged values are averaged the same way.
+- **Load**: per routed layer, the tokens each expert received (the router's own choice), as
+  ``moe/layer_{i}/load_max_over_mean`` (1 is perfectly even; the expert count means one expert got every
+  token) and their mean over layers, ``moe/load_max_over_mean``. The families here drop no token, so there is
+  no ``moe/dropped_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rapidlite.config.sections import MoEConfig
+from rapidlite.errors import ConfigError
+from rapidlite.models.spec import MoELayout, spec_of
+
+FLAGS = {"moe_aux_loss_coeff": "--moe-aux-loss-coeff", "moe_z_loss_coeff": "--moe-z-loss-coeff"}
+FLAGS["freeze_router"] = "--freeze-router"
+
+
+def layout_of(model: nn.Module) -> MoELayout | None:
+    return spec_of(model).moe
+
+
+def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(block index, router)`` of each routed block, in order."""
+    layout = layout_of(model)
+    blocks = spec_of(model).blocks(model) or []
+    found = []
+    for index, block in enumerate(blocks):
+        router = getattr(getattr(block, "mlp", None), layout.router, None) if layout is not None else None
+        if isinstance(router, nn.Module):
+            found.append((index, router))
+    return found
+
+
+def config_of(model: nn.Module) -> Any:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.config
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """transformers' ``aux_loss`` of the router logits ``[tokens, experts]`` of each layer: the expert count
+    times the sum over experts of the share of the top-k choices it got and its mean routing probability, over
+    the tokens of every layer together (``mask``: 1 for the tokens that count, flat)."""
+    experts = logits[0].shape[-1]
+    chosen = torch.zeros(experts, dtype=torch.float32, device=logits[0].device)
+    probs = torch.zeros_like(chosen)
+    tokens = torch.zeros((), dtype=torch.float32, device=logits[0].device)
+    for layer in logits:
+        p = layer.float().softmax(-1)
+        picks = torch.nn.functional.one_hot(p.topk(top_k, dim=-1).indices, experts).sum(1).float()  # [tokens, E]
+        weight = mask if mask is not None else torch.ones_like(p[:, 0])
+        chosen = chosen + (picks * weight[:, None]).sum(0)
+        probs = probs + (p * weight[:, None]).sum(0)
+        tokens = tokens + weight.sum()
+    return experts * ((chosen / tokens) * (probs / tokens)).sum()
+
+
+def z_loss(logits: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean over layers and tokens of the squared log-sum-exp of the router logits."""
+    total, count = 0.0, 0.0
+    for layer in logits:
+        z = layer.float().logsumexp(-1) ** 2
+        weight = mask if mask is not None else torch.ones_like(z)
+        total, count = total + (z * weight).sum(), count + weight.sum()
+    return total / count
+
+
+class RouterLoss:
+    """The hooks on a model's routers and what they kept of the current forward (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, settings: MoEConfig, top_k: int, aux_coeff: float) -> None:
+        self.top_k, self.aux_coeff, self.z_coeff = top_k, aux_coeff, settings.moe_z_loss_coeff
+        self.layers = [index for index, _ in routers(model)]
+        self._logits: list[torch.Tensor] = []
+        self._chosen: list[torch.Tensor] = []
+        self._mask: torch.Tensor | None = None
+        self._sums: dict[str, tuple[torch.Tensor, float]] = {}
+        self._handles = [router.register_forward_hook(self._keep) for _, router in routers(model)]
+        self._handles.append(model.register_forward_pre_hook(self._keep_mask, with_kwargs=True))
+
+    @staticmethod
+    def _training(module: nn.Module) -> bool:
+        return module.training and torch.is_grad_enabled()
+
+    def _keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._training(module):
+            self._mask = kwargs.get("attention_mask")
+
+    def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._training(module):
+            self._logits.append(output[0])
+            self._chosen.append(output[2].detach())
+
+    def _flat_mask(self) -> torch.Tensor | None:
+        """The attention mask as one weight per token, where it is a ``[batch, sequence]`` mask of the routed
+        tokens (a packed batch has none: every token counts)."""
+        mask, tokens = self._mask, self._logits[0].shape[0]
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.numel() != tokens:
+            return None
+        return mask.reshape(-1).to(self._logits[0].device, torch.float32)
+
+    def penalty(self, items: int | None) -> torch.Tensor | None:
+        """The router loss of the forward just run, to add to its loss (``items``: the micro-batch's item count
+        when its loss is a sum, else None); None when no router ran in training."""
+        if not self._logits:
+            return None
+        mask, weight = self._flat_mask(), float(items) if items is not None else 1.0
+        aux = load_balancing_loss(self._logits, self.top_k, mask)
+        total = self.aux_coeff * aux
+        self._add("moe_aux_loss", aux.detach() * weight, weight)
+        if self.z_coeff:
+            z = z_loss(self._logits, mask)
+            total = total + self.z_coeff * z
+            self._add("moe_z_loss", z.detach() * weight, weight)
+        experts = self._logits[0].shape[-1]
+        balance = []
+        for layer, chosen in zip(self.layers, self._chosen, strict=False):
+            picks = chosen if mask is None else chosen[mask.bool()]
+            load = torch.bincount(picks.reshape(-1), minlength=experts).float()
+            balance.append(load.max() / load.mean().clamp_min(1e-9))
+            self._add(f"moe/layer_{layer}/load_max_over_mean", balance[-1], 1.0)
+        self._add("moe/load_max_over_mean", torch.stack(balance).mean(), 1.0)
+        self._logits, self._chosen, self._mask = [], [], None
+        return total * weight
+
+    def _add(self, name: str, value: torch.Tensor, count: float) -> None:
+        old, n = self._sums.get(name, (0.0, 0.0))
+        self._sums[name] = (old + value.detach().double(), n + count)
+
+    def report(self, add: Callable[[str, Any, float], None]) -> None:
+        """Hand the values kept since the last report to ``add(name, sum, count)`` (the step metrics)."""
+        for name, (total, count) in self._sums.items():
+            add(name, total, count)
+        self._sums.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def router_loss(model: nn.Module, settings: MoEConfig, given: Callable[[str], bool], logger: Any) -> RouterLoss | None:
+    """The router loss of ``model`` (its routers frozen under ``--freeze-router``), or None for a dense model;
+    a dense model given a ``--moe-*`` flag is one line. ``given(dest)``: whether the command line set a flag."""
+    found = routers(model)
+    if not found:
+        named = [flag for dest, flag in FLAGS.items() if given(dest) and getattr(settings, dest) not in (None, 0.0)]
+        if named:
+            raise ConfigError(
+                f"{named[0]}: {type(config_of(model)).__name__.removesuffix('Config') or 'the model'} is not a "
+                "mixture of experts (no router in its blocks): drop the flag"
+            )
+        return None
+    layout, config = layout_of(model), config_of(model)
+    top_k, experts = layout.top_k(config), layout.num_experts(config)
+    coeff = settings.moe_aux_loss_coeff if settings.moe_aux_loss_coeff is not None else layout.aux_coeff(config)
+    if settings.freeze_router:
+        for _, router in found:
+            router.requires_grad_(False)
+    if logger is not None:
+        source = "--moe-aux-loss-coeff" if settings.moe_aux_loss_coeff is not None else "the model config's"
+        logger.info(
+            f"mixture of experts: {experts} experts, top {top_k}, routed in {len(found)} of "
+            f"{len(spec_of(model).blocks(model) or [])} blocks | load-balancing loss x{coeff:g} ({source}) | "
+            f"z-loss {f'x{settings.moe_z_loss_coeff:g}' if settings.moe_z_loss_coeff else 'off'} | router "
+            f"{'frozen' if not any(p.requires_grad for _, r in found for p in r.parameters()) else 'trained'}"
+        )
+    return RouterLoss(model, settings, top_k, coeff)
