@@ -209,3 +209,76 @@ def test_freeze_router_keeps_the_router_and_the_z_loss_is_logged(assets, tmp_pat
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     gate, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.down_proj"
     assert torch.equal(before[gate], after[gate]) and not torch.equal(before[experts], after[experts])
+
+
+@pytest.fixture(scope="module")
+def plain(assets, tmp_path_factory):
+    """One process, accumulation 4 of micro-batches holding different token counts, router loss weight 0.1."""
+    save = tmp_path_factory.mktemp("plain")
+    proc = rapidlite_captured(*args(assets, "qwen3_moe", "--moe-aux-loss-coeff", "0.1", "--save", str(save)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return save
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra", [["--checkpoint-activations"], ["--deepspeed", "--zero-2-memory-optimization"]], ids=["recompute", "ds"]
+)
+def test_one_process_layouts_weigh_the_router_loss_alike(assets, plain, tmp_path, extra):
+    """Activation checkpointing recomputes the routers in the backward pass (counted once), and DeepSpeed divides
+    the losses itself (the router loss is scaled with the summed loss): both train as the plain run."""
+    proc = rapidlite(*args(assets, "qwen3_moe", *extra, "--moe-aux-loss-coeff", "0.1", "--save", str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_metrics(tmp_path, plain, ["loss", "grad_norm", "moe_aux_loss"], rel=1e-5, at_least=3)
+
+
+def one_step_args(assets, family, lr):
+    """One SGD step over every training row (64: one global batch), no router loss (peft's step has none)."""
+    return [
+        "--task", "causal_lm", "--pretrained-model-name-or-path", assets[family], "--data-path", assets["data"],
+        "--seq-length", "64", "--micro-batch-size", "8", "--global-batch-size", "64", "--train-iters", "1",
+        "--lora-rank", "4", "--lora-alpha", "8", "--optimizer", "sgd", "--sgd-momentum", "0", "--lr", lr,
+        "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0", "--moe-aux-loss-coeff", "0",
+        "--log-interval", "1", "--merge-lora", "--no-progress",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_lora_step_equals_peft_target_parameters_by_hand(assets, family, tmp_path):
+    """The adapters rapidlite starts from (a step of learning rate 1e-30), then one step written with peft
+    (target_modules for attention, target_parameters for the experts) on the same rows: its adapter and its
+    logits equal rapidlite's exported adapter and merged model."""
+    from peft import LoraConfig, PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rapidlite import RapidliteEngine
+    from rapidlite.resolve import parse_args
+    from rapidlite.tasks.causal_lm import CausalLMFinetuner
+
+    for name, lr in (("start", "1e-30"), ("step", "0.5")):
+        proc = rapidlite_captured(*one_step_args(assets, family, lr), "--save", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(assets[family]),
+        str(tmp_path / "start" / "hf" / "adapter"),
+        is_trainable=True,
+    )
+    config = model.peft_config["default"]
+    assert set(config.target_parameters) == {"experts.gate_up_proj", "experts.down_proj"}
+    assert isinstance(config, LoraConfig)
+    assert {t.rsplit(".", 1)[-1] for t in config.target_modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    trainer = CausalLMFinetuner(RapidliteEngine(args=parse_args(one_step_args(assets, family, "0.5"))))
+    train, _, _, collate = trainer.train_valid_test_datasets_provider()
+    loss_sum, count = trainer.run_forward_step(collate([train[i] for i in range(len(train))]), model.train())
+    (loss_sum / count).backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    got = load_file(str(tmp_path / "step" / "hf" / "adapter" / "adapter_model.safetensors"))
+    want = get_peft_model_state_dict(model)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    probe = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "step" / "hf").eval()(probe).logits
+        torch.testing.assert_close(merged, model.eval()(probe).logits, rtol=1e-4, atol=1e-4)

@@ -3,8 +3,9 @@ each expert.
 
 ``router_loss(model, settings)`` hooks every router of a model whose family declares a ``MoELayout``: each
 training forward (gradients on, the model in training mode: sampling, evaluation and a frozen reference add
-nothing) leaves its router logits there. After the forward, the strategy adds ``penalty(items)`` to the
-micro-batch's loss before its backward, so the router loss reaches the gradients on every layout and task.
+nothing, nor does activation checkpointing's recomputation) leaves its router logits there. After the forward,
+the strategy adds ``penalty(items)`` to the micro-batch's loss before its backward, so the router loss reaches
+the gradients on every layout and task.
 
 - **Load-balancing loss** (``moe_aux_loss``), as transformers computes its ``aux_loss`` for these families: over
   the tokens of every routed layer together (padding left out by the attention mask), the number of experts
@@ -102,7 +103,9 @@ class RouterLoss:
 
     @staticmethod
     def _training(module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled()
+        """A training forward: gradients on, in training mode, and not activation checkpointing's recomputation
+        inside the backward pass (its router logits were counted in the forward)."""
+        return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
     def _keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._training(module):

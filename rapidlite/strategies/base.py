@@ -179,7 +179,7 @@ class Strategy:
                 if mode is not None and step_mode != mode:
                     raise inconsistent_losses()
                 mode = step_mode
-                penalty = self.router_loss.penalty(items) if self.router_loss is not None else None
+                penalty = self.router_loss.penalty(self._router_weight(items)) if self.router_loss else None
                 optimizer.backward(loss if penalty is None else loss + penalty)
             losses.append(loss.detach().float())
             num_items += items or 0
@@ -200,6 +200,11 @@ class Strategy:
 
     def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
         return unpack_loss(result)
+
+    def _router_weight(self, items: int | None) -> float | None:
+        """What the router loss of a micro-batch is multiplied by to be weighted as its loss (``_micro_loss``'s
+        result): its item count for a summed loss, None (1) for a mean."""
+        return items
 
     def grad_divisor(self, summed: bool, num_items: float, micro_batches: int) -> float:
         """What the summed gradients are divided by: the micro-batch count for mean losses; for

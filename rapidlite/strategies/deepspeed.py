@@ -30,6 +30,7 @@ class DeepSpeed(Strategy):
         self._resume_weights: dict[str, torch.Tensor] | None = None
         self._resume_from: tuple[int, Path] | None = None  # the checkpoint prepare_resume verified
         self._per_micro_mean_warned = False
+        self._scaled_items: float | None = None  # the last micro-batch's items x its scale, where counted
         self._counted: tuple[list[int], float] | None = None  # this step's item counts and loss scale
         self._weights_loaded = False  # the resume's weights went in before deepspeed.initialize
 
@@ -121,6 +122,7 @@ class DeepSpeed(Strategy):
 
     def _micro_loss(self, result: Any) -> tuple[torch.Tensor, int | None]:
         loss, items = super()._micro_loss(result)
+        self._scaled_items = None
         if items is None:
             return loss, None
         if self._counted is not None:
@@ -131,6 +133,7 @@ class DeepSpeed(Strategy):
                     f"count_items said {expected} items for a micro-batch whose run_forward_step returned {items}: "
                     "make the two count alike"
                 )
+            self._scaled_items = items * scale  # the router loss is scaled as the summed loss
             return loss * scale, None
         # Not counted up front: a summed loss becomes its micro-batch mean (exact when micro-batches hold equal
         # item counts).
@@ -142,6 +145,9 @@ class DeepSpeed(Strategy):
                 "hold the same number of items"
             )
         return loss / max(items, 1), None
+
+    def _router_weight(self, items: int | None) -> float | None:
+        return self._scaled_items
 
     def module(self, model: Any) -> torch.nn.Module:
         return model.module
