@@ -176,7 +176,11 @@ BAD = {
     ),
     "4-bit experts": ("qwen3_moe", ["--lora-rank", "4", "--load-in-4bit"], "--load-in-4bit: bitsandbytes quantises"),
     "dropout on experts": ("qwen3_moe", ["--lora-rank", "4", "--lora-dropout", "0.1"], "--lora-dropout: peft adapts"),
-    "tensor parallel": ("qwen3_moe", ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"], "tensor"),
+    "tensor parallel": (
+        "qwen3_moe",
+        ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+        "--tensor-model-parallel-size: there is no tensor-parallel plan for Qwen3MoeForCausalLM",
+    ),
     "a negative coefficient": ("qwen3_moe", ["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1.0: must be >= 0"),
 }
 
