@@ -286,3 +286,36 @@ def test_a_lora_step_equals_peft_target_parameters_by_hand(assets, family, tmp_p
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "step" / "hf").eval()(probe).logits
         torch.testing.assert_close(merged, model.eval()(probe).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("task", ["dpo", "grpo"])
+def test_preference_and_online_rl_add_the_router_loss(assets, task, tmp_path):
+    """The router loss rides on each task's own forward (DPO's chosen and rejected, GRPO's scored completions);
+    sampling adds nothing to it."""
+    from helpers import write_jsonl
+
+    words = "red blue green fox cat dog".split()
+    rows = [
+        {"prompt": " ".join(words[i % 6 :] + words[: i % 6]), "chosen": "red fox", "rejected": "cat"} for i in range(8)
+    ]
+    write_jsonl(tmp_path / "data", "train", rows)
+    (tmp_path / "reward.py").write_text(
+        "def reward(prompts, completions, **kw):\n    return [float('red' in c) for c in completions]\n"
+    )
+    extra = [
+        "--reward-funcs",
+        f"{tmp_path / 'reward.py'}:reward",
+        "--num-generations",
+        "2",
+        "--max-completion-length",
+        "6",
+    ]
+    argv = [
+        "--task", task, "--pretrained-model-name-or-path", assets["qwen3_moe"], "--data-path", str(tmp_path / "data"),
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1",
+        "--no-progress", "--save", str(tmp_path / "run"), *(extra if task == "grpo" else []),
+    ]  # fmt: skip
+    proc = rapidlite_captured(*argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [r for r in read_metrics(tmp_path / "run") if "split" not in r and "loss" in r]
+    assert len(records) == 2 and all(1.0 <= r["moe_aux_loss"] < 4.0 for r in records), records
