@@ -5,7 +5,7 @@ tensors and exports them, two ranks train as one process, and what is not built 
 import pytest
 import torch
 
-from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics
+from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics, write_jsonl
 from helpers import engine as make_engine
 from rapidlite.config.sections import MoEConfig
 from rapidlite.models import moe
@@ -292,8 +292,6 @@ def test_a_lora_step_equals_peft_target_parameters_by_hand(assets, family, tmp_p
 def test_preference_and_online_rl_add_the_router_loss(assets, task, tmp_path):
     """The router loss rides on each task's own forward (DPO's chosen and rejected, GRPO's scored completions);
     sampling adds nothing to it."""
-    from helpers import write_jsonl
-
     words = "red blue green fox cat dog".split()
     rows = [
         {"prompt": " ".join(words[i % 6 :] + words[: i % 6]), "chosen": "red fox", "rejected": "cat"} for i in range(8)

@@ -25,6 +25,7 @@ the gradients on every layout and task.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +35,6 @@ from torch import nn
 from rapidlite.config.sections import MoEConfig
 from rapidlite.errors import ConfigError
 from rapidlite.models.spec import MoELayout, spec_of
-
-FLAGS = {"moe_aux_loss_coeff": "--moe-aux-loss-coeff", "moe_z_loss_coeff": "--moe-z-loss-coeff"}
-FLAGS["freeze_router"] = "--freeze-router"
 
 
 def layout_of(model: nn.Module) -> MoELayout | None:
@@ -91,14 +89,16 @@ def z_loss(logits: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tenso
 class RouterLoss:
     """The hooks on a model's routers and what they kept of the current forward (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, settings: MoEConfig, top_k: int, aux_coeff: float) -> None:
-        self.top_k, self.aux_coeff, self.z_coeff = top_k, aux_coeff, settings.moe_z_loss_coeff
-        self.layers = [index for index, _ in routers(model)]
+    def __init__(
+        self, model: nn.Module, found: list[tuple[int, nn.Module]], top_k: int, aux_coeff: float, z_coeff: float
+    ) -> None:
+        self.top_k, self.aux_coeff, self.z_coeff = top_k, aux_coeff, z_coeff
+        self.layers = [index for index, _ in found]
         self._logits: list[torch.Tensor] = []
         self._chosen: list[torch.Tensor] = []
         self._mask: torch.Tensor | None = None
         self._sums: dict[str, tuple[torch.Tensor, float]] = {}
-        self._handles = [router.register_forward_hook(self._keep) for _, router in routers(model)]
+        self._handles = [router.register_forward_hook(self._keep) for _, router in found]
         self._handles.append(model.register_forward_pre_hook(self._keep_mask, with_kwargs=True))
 
     @staticmethod
@@ -168,10 +168,12 @@ def router_loss(model: nn.Module, settings: MoEConfig, given: Callable[[str], bo
     a dense model given a ``--moe-*`` flag is one line. ``given(dest)``: whether the command line set a flag."""
     found = routers(model)
     if not found:
-        named = [flag for dest, flag in FLAGS.items() if given(dest) and getattr(settings, dest) not in (None, 0.0)]
+        # A flag that does something (a weight of 0 or no --freeze-router does nothing on any model).
+        named = [f.name for f in dataclasses.fields(MoEConfig) if given(f.name) and getattr(settings, f.name)]
         if named:
+            model_name = type(config_of(model)).__name__.removesuffix("Config") or "the model"
             raise ConfigError(
-                f"{named[0]}: {type(config_of(model)).__name__.removesuffix('Config') or 'the model'} is not a "
+                f"--{named[0].replace('_', '-')}: {model_name} is not a "
                 "mixture of experts (no router in its blocks): drop the flag"
             )
         return None
@@ -189,4 +191,4 @@ def router_loss(model: nn.Module, settings: MoEConfig, given: Callable[[str], bo
             f"z-loss {f'x{settings.moe_z_loss_coeff:g}' if settings.moe_z_loss_coeff else 'off'} | router "
             f"{'frozen' if not any(p.requires_grad for _, r in found for p in r.parameters()) else 'trained'}"
         )
-    return RouterLoss(model, settings, top_k, coeff)
+    return RouterLoss(model, found, top_k, coeff, settings.moe_z_loss_coeff)
