@@ -297,9 +297,8 @@ def expert_parameters(model: nn.Module, settings: LoraConfig) -> list[str]:
                 f"{flag}: peft adapts the experts' 3-D tensors without it; drop {flag}, or leave the experts out "
                 "(--lora-target-modules with the attention and MLP layers only)"
             )
-    tensors = spec.moe.expert_parameters
-    names = {f"{spec.moe.experts}.{t}" for n, p in model.named_parameters() for t in tensors if n.endswith(f".{t}")}
-    return sorted(names)
+    wanted = [f"{spec.moe.experts}.{t}" for t in spec.moe.expert_parameters]
+    return sorted({w for n, _ in model.named_parameters() for w in wanted if n.endswith(f".{w}")})
 
 
 def _check_modules_to_save(model: nn.Module, names: tuple[str, ...]) -> None:
@@ -391,7 +390,8 @@ def _experts_line(model: nn.Module, experts: list[str]) -> str:
     """What the adapters on the experts add to the LoRA line: the tensors and the trainable split."""
     if not experts:
         return ""
-    on_experts = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
+    module = f".{experts[0].rsplit('.', 1)[0]}."  # the experts' module, as the family names it
+    on_experts = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and module in n)
     others = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad) - on_experts
     names = ", ".join(e.rsplit(".", 1)[-1] for e in experts)
     return f" and the experts' {names} (trainable: {others:,d} outside the experts, {on_experts:,d} on them)"
