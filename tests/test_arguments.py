@@ -35,7 +35,9 @@ FLAGS = """
 --prompt-key --response-key --prompt-template --chat-template --train-on-prompt --packing --eval-generate
 --lora-rank --lora-alpha --lora-dropout --lora-target-modules --lora-modules-to-save --merge-lora --load-in-4bit
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
---moe-aux-loss-coeff --moe-z-loss-coeff --freeze-router
+--moe-aux-loss-coeff --moe-z-loss-coeff --freeze-router --num-experts --moe-router-topk --moe-ffn-hidden-size
+--moe-shared-expert-intermediate-size --moe-router-load-balancing-type --moe-router-enable-expert-bias
+--moe-router-bias-update-rate --moe-grouped-gemm --moe-token-dispatcher-type
 --eval-only --overwrite --max-skipped-steps
 --keep-last --streaming
 --dry-run --memory-budget

@@ -41,8 +41,8 @@ def test_families_and_their_blocks():
         assert list(find_blocks(model)) == list(stack)
         names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         # The default LoRA targets exist in the model, but for the ones only some family members have (Phi-3's fused
-        # qkv_proj and gate_up_proj).
-        assert set(spec.lora_targets) - {"gate_proj", "qkv_proj", "gate_up_proj"} <= names
+        # qkv_proj and gate_up_proj, the built-in GPT's experts with --num-experts).
+        assert set(spec.lora_targets) - {"gate_proj", "qkv_proj", "gate_up_proj", "experts"} <= names
     assert spec_for_config(gpt2.config).size_keys["num_layers"] == ("n_layer",)
     assert spec_for_config(bert.config).hidden_dropout_keys == ("hidden_dropout_prob",)
 

@@ -7,7 +7,7 @@ import torch
 
 from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics, write_jsonl
 from helpers import engine as make_engine
-from rapidlite.config.sections import MoEConfig
+from rapidlite.config.moe import MoEConfig
 from rapidlite.models import moe
 from rapidlite.models.flops import ModelFlops
 
@@ -59,7 +59,7 @@ def test_the_router_loss_equals_transformers_aux_loss(family):
     mask = torch.ones_like(ids)
     mask[1, 5:] = mask[2, 2:] = 0
     out, penalty, metrics = penalty_and_metrics(model, input_ids=ids, attention_mask=mask, output_router_logits=True)
-    layout, config = moe.layout_of(model), model.config
+    layout, config = moe.moe_layout(model), model.config
     expected = out.aux_loss
     if expected is None:
         logits = tuple(r for r in out.router_logits if r is not None)

@@ -456,26 +456,3 @@ class PreferenceConfig:
         "dpo, kto: score the data with the reference once before training (cached beside the data), then train with "
         "no reference model in memory",
     )
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """The router of a mixture-of-experts model (``rapidlite.models.moe``): the losses added for it and whether
-    it trains. A dense model refuses these flags."""
-
-    GROUP: ClassVar[str] = MOE
-
-    moe_aux_loss_coeff: float | None = flag(
-        None,
-        "weight of the router's load-balancing loss in the training loss (default: the model config's "
-        "router_aux_loss_coef; 0 turns it off)",
-    )
-    moe_z_loss_coeff: float = flag(
-        0.0,
-        "weight of the router z-loss (the squared log-sum-exp of the router logits, as ST-MoE) in the training loss",
-    )
-    freeze_router: bool = flag(
-        False,
-        "keep the router weights fixed in full fine-tuning (under LoRA the router is frozen unless "
-        "--lora-target-modules names it)",
-    )

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rapidlite.config.moe import MoEConfig
 from rapidlite.config.runtime import CheckpointConfig, LoggingConfig, ParallelConfig, PrecisionConfig
 from rapidlite.config.sections import (
     DataConfig,
     LoraConfig,
     ModelConfig,
-    MoEConfig,
     OptimizerConfig,
     PreferenceConfig,
     TaskConfig,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rapidlite.models.spec import spec_of
+from rapidlite.models.spec import moe_layout, spec_of
 
 # Dense (no sparsity) datasheet peaks in FLOP/s: (16-bit tensor cores, fp32). Matched against
 # torch.cuda.get_device_name(), most specific name first ("A100" before "A10", "L40S" before "L4").
@@ -94,7 +94,7 @@ def _numel(param: torch.Tensor) -> int:
 def active_shares(model: nn.Module) -> dict[int, float]:
     """A mixture of experts' expert tensors (by ``id``) and the share of them a token goes through: its top-k
     over the expert count (6 N counts the active parameters)."""
-    layout = spec_of(model).moe
+    layout = moe_layout(model)
     if layout is None:
         return {}
     config = getattr(model, "config", None)

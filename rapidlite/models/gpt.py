@@ -20,6 +20,8 @@ Megatron semantics kept: the vocabulary is padded up to a multiple of ``make_voc
 output projections (attention ``out_proj``, MLP ``down_proj``) from normal(0, std / sqrt(2 * num_layers));
 biases start at zero and norms at one. The MLP is GELU with ``ffn_hidden_size`` 4h by default, or SwiGLU
 with int(8h/3) rounded up to a multiple of 64 (LLaMA's rule, keeping the parameter count near the GELU MLP).
+With ``--num-experts`` it is a mixture of such MLPs (``rapidlite.models.gpt_moe``); the architecture is
+``GPTConfig`` (``rapidlite.models.gpt_config``).
 
 LayerNorm is NVIDIA Apex's ``FusedLayerNorm`` when the model is built on CUDA with Apex installed; built on the
 CPU, as rapidlite builds it before moving it, it is torch's (see ``_apex_layer_norm``).
@@ -36,138 +38,22 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidlite.config.settings import Sections
 from rapidlite.errors import CheckpointError, ConfigError
 from rapidlite.models.apex import nvidia_apex
+from rapidlite.models.gpt_config import GPTConfig
+from rapidlite.models.gpt_moe import MoELayer
 from rapidlite.models.head import chunked_head_loss, chunks_loss, kept_tokens
 from rapidlite.models.losses import maybe_loss_parallel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "rapidlite-gpt"
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-@dataclass
-class GPTConfig:
-    """Architecture of a ``GPTModel``; field names are Megatron's flags (``num_layers`` is ``--num-layers``)."""
-
-    vocab_size: int  # the tokenizer's; the embedding has padded_vocab_size rows
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # None: 4 * hidden, or with SwiGLU int(8 * hidden / 3) rounded up to 64
-    seq_length: int = 1024
-    max_position_embeddings: int | None = None  # None: seq_length
-    make_vocab_size_divisible_by: int = 128
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
-    untie_embeddings_and_output_weights: bool = False
-    bias: bool = True  # biases in linear layers and LayerNorm (LLaMA-style models have none)
-
-    def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            if self.swiglu:
-                self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 64) * 64
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ``ConfigError`` (one line naming the flag) for an inconsistent configuration."""
-        positive = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
-        positive += ("seq_length", "max_position_embeddings", "make_vocab_size_divisible_by")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be a positive integer")
-        for name in ("init_method_std", "layernorm_epsilon", "rotary_base"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be positive")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be in [0, 1)")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}"
-            )
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ConfigError(f"--normalization {self.normalization}: choose LayerNorm or RMSNorm")
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ConfigError(
-                f"--position-embedding-type {self.position_embedding_type}: choose learned_absolute or rope"
-            )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ConfigError(
-                f"--position-embedding-type rope needs an even head size; --hidden-size {self.hidden_size} / "
-                f"--num-attention-heads {self.num_attention_heads} = {self.head_dim}"
-            )
-        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
-            raise ConfigError(
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by`` (Megatron)."""
-        multiple = self.make_vocab_size_divisible_by
-        return -(-self.vocab_size // multiple) * multiple
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, settings: Sections, vocab_size: int) -> GPTConfig:
-        """The architecture the flags describe (``--num-layers``, ``--hidden-size``, ...), with rapidlite's
-        defaults for what they leave open."""
-        m, seq_length = settings.model, settings.data.seq_length
-        hidden = m.hidden_size or 256
-        return cls(
-            vocab_size=vocab_size,
-            num_layers=m.num_layers or 4,
-            hidden_size=hidden,
-            num_attention_heads=m.num_attention_heads or max(1, hidden // 64),
-            ffn_hidden_size=m.ffn_hidden_size,
-            seq_length=seq_length,
-            max_position_embeddings=m.max_position_embeddings or seq_length,
-            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-            init_method_std=m.init_method_std,
-            hidden_dropout=0.1 if m.hidden_dropout is None else m.hidden_dropout,
-            attention_dropout=0.1 if m.attention_dropout is None else m.attention_dropout,
-            normalization=m.normalization,
-            swiglu=m.swiglu,
-            position_embedding_type=m.position_embedding_type,
-            untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-            rotary_base=m.rotary_base or 10000.0,
-            bias=not m.disable_bias_linear,
-        )
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        """Build from ``to_dict`` output; unknown keys (such as ``model_type``) are ignored."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
 
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -284,7 +170,7 @@ class TransformerBlock(nn.Module):
         self.input_norm = _norm(config)
         self.attention = Attention(config)
         self.mlp_norm = _norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoELayer(config) if config.num_experts else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -357,7 +243,10 @@ class GPTModel(nn.Module):
         residual_std = std / math.sqrt(2.0 * self.config.num_layers)
         for layer in self.layers:
             nn.init.normal_(layer.attention.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(layer.mlp.down_proj.weight, mean=0.0, std=residual_std)
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.reset_parameters(std, residual_std)
+            else:
+                nn.init.normal_(layer.mlp.down_proj.weight, mean=0.0, std=residual_std)
 
     def forward(
         self,

@@ -2,9 +2,11 @@
 
 A ``GPTModel`` whose blocks are GPT-2's (LayerNorm with biases, GELU MLP, learned absolute positions) is
 written as ``GPT2LMHeadModel``; one whose blocks are LLaMA's (RMSNorm, SwiGLU, rotary positions; linear
-biases or none) as ``LlamaForCausalLM``. Both compute what the built-in model computes: the same weights
-(q/k/v fused and transposed into GPT-2's ``Conv1D`` layout), exact GELU, the same rotary angles (channel
-pairs ``(i, i + d/2)``, LLaMA's ``rotate_half``), the padded vocabulary kept (its rows get logits in both).
+biases or none) as ``LlamaForCausalLM``, and as ``MixtralForCausalLM`` with experts (``--num-experts``, no
+biases, no shared expert, no expert bias: the router and the experts' 3-D tensors keep their layout). Each
+computes what the built-in model computes: the same weights (q/k/v fused and transposed into GPT-2's
+``Conv1D`` layout), exact GELU, the same rotary angles (channel pairs ``(i, i + d/2)``, LLaMA's
+``rotate_half``), the padded vocabulary kept (its rows get logits in all).
 Other combinations have no Hugging Face counterpart: ``hf_layout`` says which, and ``hf_model`` refuses them
 in one line.
 """
@@ -20,21 +22,36 @@ import torch
 from rapidlite.errors import ConfigError
 from rapidlite.observe.logging import LOGGER_NAME
 
-GPT2, LLAMA = "gpt2", "llama"
-HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+GPT2, LLAMA, MIXTRAL = "gpt2", "llama", "mixtral"
+HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
 
 
 def hf_layout(config: Any) -> str | None:
-    """``"gpt2"``, ``"llama"`` or None: the Hugging Face architecture that computes what ``config`` builds."""
+    """``"gpt2"``, ``"llama"``, ``"mixtral"`` or None: the Hugging Face architecture that computes what
+    ``config`` builds."""
     learned = config.position_embedding_type == "learned_absolute"
+    llama = config.normalization == "RMSNorm" and config.swiglu and not learned
+    if config.num_experts:
+        return MIXTRAL if llama and not config.bias and _plain_experts(config) else None
     if config.normalization == "LayerNorm" and not config.swiglu and learned and config.bias:
         return GPT2
-    if config.normalization == "RMSNorm" and config.swiglu and not learned:
-        return LLAMA
-    return None
+    return LLAMA if llama else None
+
+
+def _plain_experts(config: Any) -> bool:
+    """Experts Mixtral has: routed only, chosen by their probabilities alone."""
+    return not config.moe_shared_expert_intermediate_size and not config.moe_router_enable_expert_bias
 
 
 def _why_not(config: Any) -> str:
+    if config.num_experts:
+        if not _plain_experts(config):
+            extra = "a shared expert" if config.moe_shared_expert_intermediate_size else "an expert bias"
+            return f"the built-in mixture of experts with {extra} has no Hugging Face layout (Mixtral's has neither)"
+        return (
+            "the built-in mixture of experts has Mixtral's Hugging Face layout with --normalization RMSNorm, "
+            "--swiglu, --position-embedding-type rope and --disable-bias-linear only"
+        )
     return (
         f"the built-in GPT with --normalization {config.normalization}, "
         f"{'--swiglu' if config.swiglu else 'a GELU MLP'}, --position-embedding-type "
@@ -45,7 +62,7 @@ def _why_not(config: Any) -> str:
 
 def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
     """The ``transformers`` config of the matching architecture (see ``hf_layout``)."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     layout = hf_layout(config)
     # GPT2Config's defaults name GPT-2's own <|endoftext|> (50256): the tokenizer's ids or none.
@@ -64,6 +81,25 @@ def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
             embd_pdrop=config.hidden_dropout,
             attn_pdrop=config.attention_dropout,
             layer_norm_epsilon=config.layernorm_epsilon,
+            initializer_range=config.init_method_std,
+            tie_word_embeddings=tied,
+            **tokens,
+        )
+    if layout == MIXTRAL:
+        return MixtralConfig(
+            vocab_size=config.padded_vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_ffn_hidden_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_attention_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.layernorm_epsilon,
+            rope_theta=config.rotary_base,
+            attention_dropout=config.attention_dropout,
+            num_local_experts=config.num_experts,
+            num_experts_per_tok=config.moe_router_topk,
+            hidden_act="silu",
             initializer_range=config.init_method_std,
             tie_word_embeddings=tied,
             **tokens,
@@ -113,11 +149,18 @@ def _renamed(config: Any) -> list[tuple[str, str, bool]]:
         pairs += [("embedding.word_embeddings.weight", "model.embed_tokens.weight", False)]
         linear = [(f"attention.{p}_proj", f"self_attn.{p}_proj") for p in "qkv"]
         linear += [("attention.out_proj", "self_attn.o_proj")]
-        linear += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
+        if layout == MIXTRAL:  # the router and the experts' 3-D tensors, under the same layout
+            linear += [("mlp.router", "mlp.gate")]
+        else:
+            linear += [(f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
         kinds = ("weight", "bias") if config.bias else ("weight",)
         for i in range(config.num_layers):
             src, dst = f"layers.{i}.", f"model.layers.{i}."
             pairs += [(f"{src}{m}.{k}", f"{dst}{t}.{k}", False) for m, t in linear for k in kinds]
+            if layout == MIXTRAL:
+                pairs += [
+                    (f"{src}mlp.experts.{t}", f"{dst}mlp.experts.{t}", False) for t in ("gate_up_proj", "down_proj")
+                ]
             pairs += [(f"{src}input_norm.weight", f"{dst}input_layernorm.weight", False)]
             pairs += [(f"{src}mlp_norm.weight", f"{dst}post_attention_layernorm.weight", False)]
         pairs += [("final_norm.weight", "model.norm.weight", False)]

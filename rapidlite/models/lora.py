@@ -285,11 +285,11 @@ def expert_parameters(model: nn.Module, settings: LoraConfig) -> list[str]:
     """peft's ``target_parameters`` of the experts' 3-D tensors (``mlp.experts.gate_up_proj``, ...) when the
     targets (the flags', else the family's default) name ``experts`` in a mixture-of-experts model; else none.
     peft adapts such a tensor without dropout or DoRA: those are one line."""
-    from rapidlite.models.spec import spec_of
+    from rapidlite.models.spec import moe_layout, spec_of
 
-    spec = spec_of(model)
+    spec, layout = spec_of(model), moe_layout(model)
     requested = split_names(settings.lora_target_modules) or spec.lora_targets
-    if spec.moe is None or EXPERTS not in requested:
+    if layout is None or EXPERTS not in requested:
         return []
     for on, flag in ((settings.lora_dropout > 0, "--lora-dropout"), (settings.use_dora, "--use-dora")):
         if on:
@@ -297,7 +297,7 @@ def expert_parameters(model: nn.Module, settings: LoraConfig) -> list[str]:
                 f"{flag}: peft adapts the experts' 3-D tensors without it; drop {flag}, or leave the experts out "
                 "(--lora-target-modules with the attention and MLP layers only)"
             )
-    wanted = [f"{spec.moe.experts}.{t}" for t in spec.moe.expert_parameters]
+    wanted = [f"{layout.experts}.{t}" for t in layout.expert_parameters]
     return sorted({w for n, _ in model.named_parameters() for w in wanted if n.endswith(f".{w}")})
 
 

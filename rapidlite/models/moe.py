@@ -17,6 +17,12 @@ the gradients on every layout and task.
   step returns ``(loss_sum, num_items)``: the gradients then hold the router loss averaged over the global batch
   as the language-model loss is (by micro-batch for a mean loss, by item for a summed one), whatever the
   accumulation and the data-parallel size. The logged values are averaged the same way.
+- **The built-in GPT** (``MoELayout.per_layer``) takes Megatron's losses instead: each routed layer's
+  load-balancing loss (the expert count over the top-k, times the sum over experts of the share of tokens that
+  chose it and its mean probability; per sequence and averaged for ``--moe-router-load-balancing-type
+  seq_aux_loss``; none for ``none``) and its z-loss, summed over the layers. With
+  ``--moe-router-enable-expert-bias`` its routers' bias is moved after every optimizer step
+  (``update_expert_bias``) towards the experts that got fewer tokens.
 - **Load**: per routed layer, the tokens each expert received (the router's own choice), as
   ``moe/layer_{i}/load_max_over_mean`` (1 is perfectly even; the expert count means one expert got every
   token) and their mean over layers, ``moe/load_max_over_mean``. The families here drop no token, so there is
@@ -32,18 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rapidlite.config.sections import MoEConfig
+from rapidlite.config.moe import MoEConfig
 from rapidlite.errors import ConfigError
-from rapidlite.models.spec import MoELayout, spec_of
-
-
-def layout_of(model: nn.Module) -> MoELayout | None:
-    return spec_of(model).moe
+from rapidlite.models.spec import MoELayout, moe_layout, spec_of
 
 
 def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """``(block index, router)`` of each routed block, in order."""
-    layout = layout_of(model)
+    layout = moe_layout(model)
     blocks = spec_of(model).blocks(model) or []
     found = []
     for index, block in enumerate(blocks):
@@ -76,6 +78,17 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tens
     return experts * ((chosen / tokens) * (probs / tokens)).sum()
 
 
+def layer_balancing_loss(logits: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
+    """Megatron's load-balancing loss of one layer (``switch_load_balancing_loss_func``; per sequence, then
+    averaged, for ``seq_aux_loss``: give ``sequences``, 1 for the layer's tokens together): the expert count
+    over the top-k, times the sum over experts of the share of tokens that chose it and its mean probability.
+    ``chosen``: the experts the router picked (with an expert bias, not the probabilities' own top-k)."""
+    experts, k = logits.shape[-1], chosen.shape[-1]
+    p = logits.float().softmax(-1).view(sequences, -1, experts)
+    picks = torch.nn.functional.one_hot(chosen, experts).sum(-2).float().view(sequences, -1, experts)
+    return (experts / k) * (picks.mean(1) * p.mean(1)).sum(-1).mean()
+
+
 def z_loss(logits: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
     """The mean over layers and tokens of the squared log-sum-exp of the router logits."""
     total, count = 0.0, 0.0
@@ -90,16 +103,33 @@ class RouterLoss:
     """The hooks on a model's routers and what they kept of the current forward (see the module docstring)."""
 
     def __init__(
-        self, model: nn.Module, found: list[tuple[int, nn.Module]], top_k: int, aux_coeff: float, z_coeff: float
+        self,
+        model: nn.Module,
+        found: list[tuple[int, nn.Module]],
+        layout: MoELayout,
+        aux_coeff: float,
+        z_coeff: float,
+        bias_rate: float = 0.0,
     ) -> None:
-        self.top_k, self.aux_coeff, self.z_coeff = top_k, aux_coeff, z_coeff
+        config = config_of(model)
+        self.top_k, self.aux_coeff, self.z_coeff = layout.top_k(config), aux_coeff, z_coeff
+        self.per_layer, self.balancing = layout.per_layer, layout.balancing(config)
         self.layers = [index for index, _ in found]
+        # Routers balanced by their bias (the built-in GPT's --moe-router-enable-expert-bias): moved after a step.
+        self._biased = [r for _, r in found if getattr(r, "expert_bias", None) is not None]
+        self.bias_rate = bias_rate
+        self._step_load: torch.Tensor | None = None
         self._logits: list[torch.Tensor] = []
         self._chosen: list[torch.Tensor] = []
+        self._sequences: list[int] = []
         self._mask: torch.Tensor | None = None
         self._sums: dict[str, tuple[torch.Tensor, float]] = {}
         self._handles = [router.register_forward_hook(self._keep) for _, router in found]
         self._handles.append(model.register_forward_pre_hook(self._keep_mask, with_kwargs=True))
+
+    @property
+    def biased(self) -> bool:
+        return bool(self._biased)
 
     @staticmethod
     def _training(module: nn.Module) -> bool:
@@ -115,6 +145,7 @@ class RouterLoss:
         if self._training(module):
             self._logits.append(output[0])
             self._chosen.append(output[2].detach())
+            self._sequences.append(args[0].shape[0] if args[0].dim() == 3 else 1)  # [batch, seq, hidden]
 
     def _flat_mask(self) -> torch.Tensor | None:
         """The attention mask as one weight per token, where it is a ``[batch, sequence]`` mask of the routed
@@ -124,29 +155,64 @@ class RouterLoss:
             return None
         return mask.reshape(-1).to(self._logits[0].device, torch.float32)
 
+    def _losses(self, mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(load-balancing loss, z-loss) of the forward kept: transformers' or Megatron's (``per_layer``)."""
+        aux = z = None
+        if not self.per_layer:
+            aux = load_balancing_loss(self._logits, self.top_k, mask)
+            z = z_loss(self._logits, mask) if self.z_coeff else None
+            return aux, z
+        if self.balancing != "none":
+            per_sequence = self.balancing == "seq_aux_loss"
+            layers = zip(self._logits, self._chosen, self._sequences, strict=True)
+            aux = sum(layer_balancing_loss(lg, ch, n if per_sequence else 1) for lg, ch, n in layers)
+        if self.z_coeff:
+            z = sum(z_loss([layer], None) for layer in self._logits)
+        return aux, z
+
     def penalty(self, items: int | None) -> torch.Tensor | None:
         """The router loss of the forward just run, to add to its loss (``items``: the micro-batch's item count
         when its loss is a sum, else None); None when no router ran in training."""
         if not self._logits:
             return None
         mask, weight = self._flat_mask(), float(items) if items is not None else 1.0
-        aux = load_balancing_loss(self._logits, self.top_k, mask)
-        total = self.aux_coeff * aux
-        self._add("moe_aux_loss", aux.detach() * weight, weight)
-        if self.z_coeff:
-            z = z_loss(self._logits, mask)
+        aux, z = self._losses(mask)
+        total = torch.zeros((), device=self._logits[0].device)
+        if aux is not None:
+            total = total + self.aux_coeff * aux
+            self._add("moe_aux_loss", aux.detach() * weight, weight)
+        if z is not None:
             total = total + self.z_coeff * z
             self._add("moe_z_loss", z.detach() * weight, weight)
         experts = self._logits[0].shape[-1]
-        balance = []
+        loads, balance = [], []
         for layer, chosen in zip(self.layers, self._chosen, strict=False):
             picks = chosen if mask is None else chosen[mask.bool()]
-            load = torch.bincount(picks.reshape(-1), minlength=experts).float()
-            balance.append(load.max() / load.mean().clamp_min(1e-9))
+            loads.append(torch.bincount(picks.reshape(-1), minlength=experts).float())
+            balance.append(loads[-1].max() / loads[-1].mean().clamp_min(1e-9))
             self._add(f"moe/layer_{layer}/load_max_over_mean", balance[-1], 1.0)
         self._add("moe/load_max_over_mean", torch.stack(balance).mean(), 1.0)
-        self._logits, self._chosen, self._mask = [], [], None
+        if self._biased:
+            load = torch.stack(loads)
+            self._step_load = load if self._step_load is None else self._step_load + load
+        self._logits, self._chosen, self._sequences, self._mask = [], [], [], None
         return total * weight
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """After an optimizer step, with ``--moe-router-enable-expert-bias``: each router's bias moves by the
+        rate towards the experts that got fewer tokens than the mean over the step (summed over the
+        data-parallel ranks, so every rank moves its bias the same), as DeepSeek-V3 and Megatron do."""
+        load, self._step_load = self._step_load, None
+        if load is None or not self._biased:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(load)
+        step = self.bias_rate * torch.sign(load.mean(-1, keepdim=True) - load)
+        for router, delta in zip(self._biased, step, strict=True):
+            router.expert_bias.add_(delta.to(router.expert_bias.device))
 
     def _add(self, name: str, value: torch.Tensor, count: float) -> None:
         old, n = self._sums.get(name, (0.0, 0.0))
@@ -177,18 +243,26 @@ def router_loss(model: nn.Module, settings: MoEConfig, given: Callable[[str], bo
                 "mixture of experts (no router in its blocks): drop the flag"
             )
         return None
-    layout, config = layout_of(model), config_of(model)
+    layout, config = moe_layout(model), config_of(model)
     top_k, experts = layout.top_k(config), layout.num_experts(config)
     coeff = settings.moe_aux_loss_coeff if settings.moe_aux_loss_coeff is not None else layout.aux_coeff(config)
     if settings.freeze_router:
         for _, router in found:
             router.requires_grad_(False)
+    hooks = RouterLoss(model, found, layout, coeff, settings.moe_z_loss_coeff, settings.moe_router_bias_update_rate)
     if logger is not None:
-        source = "--moe-aux-loss-coeff" if settings.moe_aux_loss_coeff is not None else "the model config's"
+        source = "--moe-aux-loss-coeff" if settings.moe_aux_loss_coeff is not None else "the default"
+        if settings.moe_aux_loss_coeff is None and getattr(config, "router_aux_loss_coef", None) is not None:
+            source = "the model config's"
+        balance = f"load-balancing loss x{coeff:g} ({source})"
+        if layout.per_layer:
+            balance = "no load-balancing loss" if hooks.balancing == "none" else f"{hooks.balancing} x{coeff:g}"
+        if hooks.biased:
+            balance += f" | expert bias, rate {hooks.bias_rate:g}"
         logger.info(
             f"mixture of experts: {experts} experts, top {top_k}, routed in {len(found)} of "
-            f"{len(spec_of(model).blocks(model) or [])} blocks | load-balancing loss x{coeff:g} ({source}) | "
+            f"{len(spec_of(model).blocks(model) or [])} blocks | {balance} | "
             f"z-loss {f'x{settings.moe_z_loss_coeff:g}' if settings.moe_z_loss_coeff else 'off'} | router "
             f"{'frozen' if not any(p.requires_grad for _, r in found for p in r.parameters()) else 'trained'}"
         )
-    return RouterLoss(model, found, top_k, coeff, settings.moe_z_loss_coeff)
+    return hooks

@@ -88,13 +88,16 @@ class MoELayout:
     them, DeepSeek-V3's first dense layers, is dense): the ``router`` (its output is ``(logits [tokens, experts],
     weights, chosen experts)``), the ``experts`` module and its 3-D ``expert_parameters`` (``[experts, ., .]``),
     and the ``shared`` experts every token goes through. ``default_aux_coeff``: the load-balancing weight when
-    the config names none (DeepSeek-V3 balances by its routers' bias instead)."""
+    the config names none (DeepSeek-V3 balances by its routers' bias instead). ``per_layer``: the losses are
+    Megatron's (each routed layer's, its token shares over the top-k, summed over layers; the config's
+    ``moe_router_load_balancing_type``), not transformers' (one over the tokens of every layer together)."""
 
     router: str = "gate"
     experts: str = "experts"
     expert_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
     shared: tuple[str, ...] = ()
     default_aux_coeff: float = 0.0
+    per_layer: bool = False
 
     @staticmethod
     def num_experts(config: Any) -> int:
@@ -111,6 +114,18 @@ class MoELayout:
     def aux_coeff(self, config: Any) -> float:
         value = getattr(config, "router_aux_loss_coef", None)
         return float(value) if value is not None else self.default_aux_coeff
+
+    @staticmethod
+    def balancing(config: Any) -> str:
+        """``aux_loss``, ``seq_aux_loss`` or ``none`` (the built-in GPT's flag; transformers' families: aux_loss)."""
+        return getattr(config, "moe_router_load_balancing_type", "aux_loss")
+
+    def routes(self, config: Any) -> bool:
+        """Whether a model of the family with this config has experts (the built-in GPT may be dense)."""
+        try:
+            return self.num_experts(config) > 0
+        except ValueError:
+            return False
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,13 @@ def spec_of(model: nn.Module) -> ModelSpec:
         if spec.matches is not None and spec.matches(model):
             return spec
     return spec_for_config(getattr(model, "config", None))
+
+
+def moe_layout(model: nn.Module) -> MoELayout | None:
+    """The mixture-of-experts layout of ``model`` (None: a dense model, of a dense family or not)."""
+    layout = spec_of(model).moe
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return layout if layout is not None and layout.routes(getattr(base, "config", None)) else None
 
 
 def find_blocks(model: nn.Module) -> Sequence[nn.Module] | None:

@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import Any
 
+from rapidlite.config import moe as moe_flags
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
@@ -59,6 +60,9 @@ def check_ranges(args: argparse.Namespace) -> None:
 
 
 def check_rest(args: argparse.Namespace) -> None:
+    pretrained = args.pretrained_model_name_or_path
+    tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
+    moe_flags.check(section_of(args, "moe"), args.explicit_flags or frozenset(), pretrained, tp, pp)
     for name in ("mask_prob", "short_seq_prob"):
         if not 0 <= getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")

@@ -219,6 +219,8 @@ class BaseTrainer:
             strategy.router_loss.report(self.monitor.step_metrics.add)
         nonfinite_before = self.optimizer.nonfinite_steps
         applied = self.optimizer.step(grad_divisor=divisor, loss=loss_total)
+        if applied and strategy.router_loss is not None:
+            strategy.router_loss.update_expert_bias()
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.iteration += 1

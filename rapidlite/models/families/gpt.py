@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from rapidlite.config.moe import BUILT_IN_AUX_COEFF
 from rapidlite.errors import ConfigError
 from rapidlite.models.gpt import GPTModel, rope_angles
 from rapidlite.models.gpt_hf import save_for_transformers
 from rapidlite.models.head import chunked_head_loss, chunks_loss, kept_tokens
 from rapidlite.models.sharding import check_divisible, stack_blocks
-from rapidlite.models.spec import ModelSpec, blocks_at, register
+from rapidlite.models.spec import EXPERTS, ModelSpec, MoELayout, blocks_at, register
 from rapidlite.models.staging import Call, Holder, bind_call
 
 
@@ -30,6 +31,11 @@ def gpt_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
     )
 
     c, tp = model.config, tp_mesh.size()
+    if c.num_experts:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}: the built-in GPT's experts (--num-experts) are not split that way; "
+            "train it with data parallelism and ZeRO"
+        )
     sizes = (
         ("--num-attention-heads", c.num_attention_heads),
         ("--hidden-size", c.hidden_size),
@@ -96,6 +102,8 @@ class GPTSplit:
     name = "built-in GPT"
 
     def unsupported(self, model: nn.Module) -> str | None:
+        if model.config.num_experts:
+            return "its experts (--num-experts) are not split into stages; train it with data parallelism and ZeRO"
         return None
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -182,7 +190,15 @@ SPEC = register(
         attention_dropout_keys=("attention_dropout",),
         tensor_parallel=gpt_plan,
         pipeline=GPTSplit(),
-        lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "up_proj", "gate_proj", "down_proj"),
-        save=save_for_transformers,  # GPT-2's or LLaMA's layout, which transformers loads
+        lora_targets=("q_proj", "k_proj", "v_proj", "out_proj", "up_proj", "gate_proj", "down_proj", EXPERTS),
+        save=save_for_transformers,  # GPT-2's, LLaMA's or Mixtral's layout, which transformers loads
+        # With --num-experts (rapidlite.models.gpt_moe); Megatron's losses and default weight.
+        moe=MoELayout(
+            router="router",
+            expert_parameters=("gate_up_proj", "up_proj", "down_proj"),
+            shared=("shared_experts",),
+            default_aux_coeff=BUILT_IN_AUX_COEFF,
+            per_layer=True,
+        ),
     )
 )
