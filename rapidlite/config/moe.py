@@ -65,6 +65,23 @@ class MoEConfig:
     )
 
 
+def check_expert_parallel(ep: int, tp: int, pp: int, zero_stage: int, deepspeed: bool) -> None:
+    """One line for a layout expert parallelism does not compose with (yet)."""
+    if ep <= 1:
+        return
+    flag = f"--expert-model-parallel-size {ep}"
+    if deepspeed:
+        raise ConfigError(f"{flag}: DeepSpeed's engine does not split rapidlite's experts; drop --deepspeed")
+    if tp > 1 or pp > 1:
+        other = "--tensor-model-parallel-size" if tp > 1 else "--pipeline-model-parallel-size"
+        raise ConfigError(f"{flag} with {other}: not built; split the experts over data-parallel ranks only")
+    if zero_stage == 1:
+        raise ConfigError(
+            f"{flag} with --zero-1-memory-optimization: the sharded optimizer would broadcast one rank's experts "
+            "over another's; use --zero-2-memory-optimization or --zero-3-memory-optimization (FSDP2), or none"
+        )
+
+
 # The built-in GPT's architecture flags: a Hugging Face model's experts come from its config.json.
 ARCHITECTURE = (
     "num_experts",

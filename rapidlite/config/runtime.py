@@ -60,6 +60,11 @@ class ParallelConfig:
         False, "with tensor parallelism: also split norms, dropout and the residual stream along the sequence"
     )
     pipeline_model_parallel_size: int = flag(1)
+    expert_model_parallel_size: int = flag(
+        1,
+        "mixture of experts: split each layer's experts over this many data-parallel ranks, the tokens sent to "
+        "their experts by all-to-all",
+    )
     pipeline_schedule: str | None = flag(
         None,
         "pipeline schedule (default 1f1b; interleaved-1f1b with virtual stages)",

@@ -32,7 +32,7 @@ class Topology:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallelism: 1 until it lands
-    ep: int = 1  # expert parallelism, borrowed from dp x cp: 1 until it lands
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp x cp ranks
     zero_stage: int = 0
     cpu_offload: bool = False
     backend: str = "torch"
@@ -47,7 +47,10 @@ class Topology:
                 f"x context x tensor parallel size {self.pp} x {self.dp} x {self.cp} x {self.tp}"
             )
         if (self.dp * self.cp) % self.ep:
-            raise ConfigError(f"expert parallel size {self.ep} must divide data x context parallel {self.dp * self.cp}")
+            raise ConfigError(
+                f"--expert-model-parallel-size {self.ep} does not divide the {self.dp * self.cp} data-parallel ranks "
+                "whose experts it splits: give a divisor of them"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage {self.zero_stage}: must be 0, 1, 2 or 3")
         if self.backend not in BACKENDS:

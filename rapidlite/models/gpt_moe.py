@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,11 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def _local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an expert-parallel weight (a DTensor), else the weight."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
     """``torch._grouped_mm``'s rule: every row of every operand starts on a 16-byte boundary."""
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
@@ -72,7 +78,11 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 class Experts(nn.Module):
     """``num_experts`` MLPs in 3-D tensors (see the module docstring). ``forward(rows, counts)``: ``rows``
-    sorted by expert, ``counts[e]`` of them for expert ``e``."""
+    sorted by expert, ``counts[e]`` of them for expert ``e``. Under expert parallelism the tensors hold this
+    rank's experts (DTensor shards) and ``dispatch`` (``parallel.expert_parallel.Dispatch``) sends the rows to
+    their experts' ranks and back."""
+
+    dispatch: Any = None
 
     def __init__(self, hidden: int, ffn: int, experts: int, swiglu: bool, grouped: bool) -> None:
         super().__init__()
@@ -96,20 +106,27 @@ class Experts(nn.Module):
         return F.gelu(h)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if (self.grouped or rows.device.type == "meta") and self._grouped_runs(rows):
+        if self.dispatch is not None:
+            return self.dispatch(rows, counts, self._local)
+        return self._local(rows, counts)
+
+    def _local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's experts (all of them without expert parallelism), grouped by expert."""
+        first, down = (_local_tensor(w) for w in (self.first, self.down_proj))
+        if (self.grouped or rows.device.type == "meta") and self._grouped_runs(rows, first, down):
             offsets = counts.cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(rows, self.first.transpose(1, 2), offs=offsets)
-            return torch._grouped_mm(self._activation(h), self.down_proj.transpose(1, 2), offs=offsets)
+            h = torch._grouped_mm(rows, first.transpose(1, 2), offs=offsets)
+            return torch._grouped_mm(self._activation(h), down.transpose(1, 2), offs=offsets)
         out = []
         for e, part in enumerate(rows.split(counts.tolist())):
-            out.append(F.linear(self._activation(F.linear(part, self.first[e])), self.down_proj[e]))
-        return torch.cat(out)
+            out.append(F.linear(self._activation(F.linear(part, first[e])), down[e]))
+        return torch.cat(out) if out else rows.new_empty(0, down.shape[1])
 
-    def _grouped_runs(self, rows: torch.Tensor) -> bool:
+    def _grouped_runs(self, rows: torch.Tensor, first: torch.Tensor, down: torch.Tensor) -> bool:
         if rows.device.type == "meta":  # the planner's forward: the sizes are the loop's, and no count is read
             return True
         runs = grouped_mm_runs(rows.device.type, rows.dtype)
-        if runs and _aligned(rows, self.first, self.down_proj):
+        if runs and _aligned(rows, first, down):
             return True
         if not self._said:
             self._said = True

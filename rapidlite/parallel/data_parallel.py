@@ -38,8 +38,10 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     cpu_offload: bool,
+    edp_mesh: Any = None,
 ) -> torch.nn.Module:
-    """``fully_shard`` each transformer block, then the root (which takes the remaining parameters)."""
+    """``fully_shard`` each transformer block, then the root (which takes the remaining parameters); with expert
+    parallelism (``edp_mesh``) each experts module first, over the ranks that hold the same experts."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Gradients are reduced in fp32 whatever the compute dtype, so the sum over ranks loses nothing.
@@ -47,6 +49,10 @@ def apply_fsdp(
     # Pinned host memory makes the copies to a GPU asynchronous; without an accelerator it cannot be had.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
+    if edp_mesh is not None:
+        from rapidlite.parallel.expert_parallel import shard_experts
+
+        shard_experts(model, edp_mesh, {**kwargs, "offload_policy": offload})
     blocks = find_blocks(model)
     for block in blocks or ():
         fully_shard(block, offload_policy=offload, **kwargs)
@@ -54,22 +60,28 @@ def apply_fsdp(
     return model
 
 
-def apply_ddp(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+def apply_ddp(model: torch.nn.Module, mesh: Any, ignored: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+    """DDP over ``mesh``, but for the ``ignored`` modules (expert-parallel experts, averaged in the step)."""
     from torch.distributed._composable.replicate import replicate
 
     device = mesh.device_type
     device_ids = [torch.cuda.current_device()] if device == "cuda" else None
     # Gradients as views into the all-reduce buckets: one copy of the gradients, not two.
-    replicate(model, device_mesh=mesh, device_ids=device_ids, gradient_as_bucket_view=True)
+    replicate(model, ignored_modules=ignored, device_mesh=mesh, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
 
 
 def apply_data_parallel(
-    model: torch.nn.Module, mesh: Any, topology: Topology, param_dtype: torch.dtype | None
+    model: torch.nn.Module, mesh: Any, topology: Topology, param_dtype: torch.dtype | None, edp_mesh: Any = None
 ) -> torch.nn.Module:
-    """DDP, or FSDP2 for ZeRO-2/3, over ``mesh`` (the data-parallel one), as ``topology``'s stage asks."""
+    """DDP, or FSDP2 for ZeRO-2/3, over ``mesh`` (the data-parallel one), as ``topology``'s stage asks; with
+    expert parallelism (``edp_mesh``) the experts apart (``rapidlite.parallel.expert_parallel``)."""
     if topology.fully_sharded:
-        return apply_fsdp(model, mesh, topology.zero_stage == 3, param_dtype, topology.cpu_offload)
+        return apply_fsdp(model, mesh, topology.zero_stage == 3, param_dtype, topology.cpu_offload, edp_mesh)
+    if edp_mesh is not None:
+        from rapidlite.parallel.expert_parallel import expert_modules
+
+        return apply_ddp(model, mesh, expert_modules(model))
     return apply_ddp(model, mesh)
 
 

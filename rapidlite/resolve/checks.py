@@ -14,6 +14,7 @@ from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, check_options, get_task, task_names
 from rapidlite.config.topology import Batching, Topology
 from rapidlite.errors import ConfigError
+from rapidlite.resolve.topology import zero_stage
 from rapidlite.runtime.environ import env_int, launch_value
 from rapidlite.runtime.world import num_nodes
 
@@ -27,8 +28,8 @@ def section_of(args: argparse.Namespace, name: str) -> Any:
 POSITIVE_INTS = """
 micro_batch_size global_batch_size epochs train_iters num_layers hidden_size num_attention_heads
 ffn_hidden_size seq_length max_position_embeddings log_interval eval_interval eval_iters save_interval
-keep_last tensor_model_parallel_size pipeline_model_parallel_size loss_scale_window hysteresis
-recompute_num_layers make_vocab_size_divisible_by vocab_size nproc_per_node nnodes max_prompt_length
+keep_last tensor_model_parallel_size pipeline_model_parallel_size expert_model_parallel_size loss_scale_window
+hysteresis recompute_num_layers make_vocab_size_divisible_by vocab_size nproc_per_node nnodes max_prompt_length
 """.split()
 NOT_NEGATIVE = "num_workers max_restarts node_rank eval_generate max_skipped_steps moe_aux_loss_coeff".split()
 
@@ -63,6 +64,8 @@ def check_rest(args: argparse.Namespace) -> None:
     pretrained = args.pretrained_model_name_or_path
     tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
     moe_flags.check(section_of(args, "moe"), args.explicit_flags or frozenset(), pretrained, tp, pp)
+    ep = args.expert_model_parallel_size
+    moe_flags.check_expert_parallel(ep, tp, pp, zero_stage(args), args.deepspeed)
     for name in ("mask_prob", "short_seq_prob"):
         if not 0 <= getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")

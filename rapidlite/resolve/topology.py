@@ -154,6 +154,7 @@ def topology_of(args: argparse.Namespace, world_size: int) -> Topology:
         world_size,
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
         zero_stage=zero_stage(args),
         cpu_offload=args.cpu_offload,
         backend="deepspeed" if args.deepspeed else "torch",

@@ -61,6 +61,9 @@ class DistributedContext:
     topology: Topology = Topology()
     device: torch.device = torch.device("cpu")
     mesh: Any = None  # DeviceMesh with dimension "dp" ("pp" before it, "cp" and "tp" after it when used)
+    # With expert parallelism: the data-parallel ranks as ("edp", "ep"), each "ep" row holding one copy of every
+    # layer's experts split among its ranks, "edp" the ranks that hold the same experts (their data parallelism).
+    expert_mesh: Any = None
 
     @property
     def initialized(self) -> bool:
@@ -100,6 +103,14 @@ class DistributedContext:
     @property
     def tp_mesh(self) -> Any:
         return self.mesh["tp"] if self.mesh is not None and self.topology.tp > 1 else None
+
+    @property
+    def ep_mesh(self) -> Any:
+        return self.expert_mesh["ep"] if self.expert_mesh is not None else None
+
+    @property
+    def edp_mesh(self) -> Any:
+        return self.expert_mesh["edp"] if self.expert_mesh is not None else None
 
     # ---------------------------------------------------------------- collectives (no-ops on one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -214,6 +225,11 @@ def init_distributed(
         global _COLLECTIVE_TIMEOUT
         _COLLECTIVE_TIMEOUT = timeout
     ctx.mesh = device_mesh(device.type, topology)
+    if topology.ep > 1:  # the data-parallel ranks only (tensor and pipeline parallelism are refused with it)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (topology.dp * topology.cp // topology.ep, topology.ep)
+        ctx.expert_mesh = init_device_mesh(device.type, shape, mesh_dim_names=("edp", "ep"))
     return ctx
 
 

@@ -90,6 +90,8 @@ class Strategy:
     # A mixture-of-experts model's router loss (``models.moe.RouterLoss``, set by compose): added to each
     # micro-batch's loss before its backward. None for a dense model.
     router_loss: Any = None
+    # The experts modules split by expert parallelism (``parallel.expert_parallel``); empty without it.
+    expert_modules: list = []
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -115,11 +117,15 @@ class Strategy:
 
     def _prepare_module(self, model: torch.nn.Module, dynamic_shapes: bool | None, split: Callable | None) -> None:
         """What every backend applies to the plain module, in torchtitan's order: dropout, this rank's pipeline
-        stages (``split``), tensor parallelism, activation checkpointing, compile."""
+        stages (``split``), expert and tensor parallelism, activation checkpointing, compile."""
         cfg = self.config.model
         set_dropout(model, cfg.hidden_dropout, cfg.attention_dropout)
         if split is not None:
             split(model)
+        if self.dist.ep_mesh is not None:
+            from rapidlite.parallel.expert_parallel import apply_expert_parallel
+
+            self.expert_modules = apply_expert_parallel(model, self.dist.ep_mesh)
         if self.dist.tp_mesh is not None:
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 

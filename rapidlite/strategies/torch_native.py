@@ -30,8 +30,12 @@ class DataParallel(Strategy):
     def name(self) -> str:
         if not self.dist.initialized:
             return "single process"
-        tp = self.topology.tp
-        return self.topology.name + (f" x tensor parallel {tp}" if tp > 1 else "")
+        tp, ep = self.topology.tp, self.topology.ep
+        return (
+            self.topology.name
+            + (f" x tensor parallel {tp}" if tp > 1 else "")
+            + (f" x expert parallel {ep}" if ep > 1 else "")
+        )
 
     @property
     def model_parallel(self) -> bool:
@@ -74,7 +78,7 @@ class DataParallel(Strategy):
         """Precision and data parallelism over the prepared model."""
         self.precision.apply(model)
         if self.dist.initialized and (self.topology.zero_stage > 0 or self.dist.tp_mesh is None):
-            apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype)
+            apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype, self.dist.edp_mesh)
 
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
         zero1_group = self.dist.dp_group if self.dist.initialized and self.topology.zero_stage == 1 else None
@@ -99,9 +103,15 @@ class DataParallel(Strategy):
         )
 
     def _replica_averager(self) -> Any:
-        """The gradient average over data-parallel replicas where no wrapper does it (model parallelism)."""
+        """The gradient average over data-parallel replicas where no wrapper does it (model parallelism, and the
+        experts under DDP with expert parallelism)."""
         if self.model_parallel and not self.topology.fully_sharded and self.dist.dp_size > 1:
             return gradient_averager(self.dist.dp_group, self.dist.dp_size)
+        if self.expert_modules:
+            from rapidlite.parallel.expert_parallel import expert_gradient_averager
+
+            group = None if self.topology.fully_sharded else self.dist.edp_mesh.get_group()
+            return expert_gradient_averager(self.expert_modules, group, self.topology.ep, self.dist.dp_size)
         return None
 
     def model_state_bytes(self, model: Any, optimizer: Any) -> dict[str, int]:
@@ -113,7 +123,7 @@ class FullySharded(DataParallel):
     dtype is FSDP's mixed-precision policy, as in torchtitan, not autocast."""
 
     def _wrap(self, model: torch.nn.Module) -> None:
-        apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype)
+        apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype, self.dist.edp_mesh)
 
     def step_hooks(self) -> StepHooks:
         hooks = super().step_hooks()
