@@ -1,0 +1,107 @@
+"""Expert parallelism (``--expert-model-parallel-size``, ``rapidlite.parallel.expert_parallel``) on the built-in MoE
+GPT: EP2 on 2 ranks, EP2 with ZeRO-3 and EP2 x DP2 on 4 ranks train as one process (losses, gradient norms,
+router losses, loads), a checkpoint of EP2 resumes on one process and on EP2 x DP2 continuing the same curve,
+the export gathers the experts, and what is not built is one line."""
+
+import pytest
+import torch
+from test_moe_gpt import FLAGS
+
+from helpers import assert_same_metrics, layout_runs, rapidlite, rapidlite_captured, stopped_copy, write_tiny_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+# A router loss weight of 0.1 (its share of the gradients shows), a sample per micro-batch (the router loss is each
+# micro-batch's: one process and N ranks then see the same micro-batches) and the expert bias on (moved by the
+# load summed over the ranks).
+RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--eval-interval", "2", "--moe-aux-loss-coeff", "0.1"]
+RUN += ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+EP2 = ["--nproc-per-node", "2", "--expert-model-parallel-size", "2"]
+LAYOUTS = {
+    "single": [],
+    "ep2": EP2,
+    "ep2_zero3": [*EP2, "--zero-3-memory-optimization", "--moe-grouped-gemm"],
+    "ep2_dp2_zero2": ["--nproc-per-node", "4", "--expert-model-parallel-size", "2", "--zero-2-memory-optimization"],
+}
+KEYS = ["loss", "grad_norm", "moe_aux_loss", "moe/load_max_over_mean"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("corpus") / "tiny"
+    write_tiny_corpus(prefix)
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    return layout_runs(tmp_path_factory.mktemp("runs"), [*FLAGS, "--data-path", corpus, *RUN], LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep2_zero3", "ep2_dp2_zero2"])
+def test_expert_parallel_trains_as_one_process(runs, layout):
+    assert_same_metrics(runs(layout), runs("single"), KEYS, rel=1e-5, at_least=20)
+
+
+def test_the_experts_are_split_and_the_export_gathers_them(runs):
+    from safetensors import safe_open
+
+    from rapidlite.models.gpt import GPTModel
+
+    whole = runs("single") / "iter_0000006"
+    split = runs("ep2") / "iter_0000006"
+    assert sorted(p.name for p in split.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (split / "__0_0.distcp").stat().st_size < 0.9 * (whole / "__0_0.distcp").stat().st_size
+    # With the expert bias the export is rapidlite's format (Mixtral has none; test_moe_gpt checks Mixtral's).
+    with safe_open(str(runs("ep2") / "hf" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.mlp.experts.gate_up_proj").shape[0] == 4  # every expert
+    ids = torch.randint(0, 96, (2, 24))
+    with torch.no_grad():
+        ours = GPTModel.from_pretrained(runs("ep2") / "hf").eval()(ids)
+        reference = GPTModel.from_pretrained(runs("single") / "hf").eval()(ids)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("then", ["single", "ep2_dp2_zero2"])
+def test_a_checkpoint_of_ep2_resumes_on_another_layout(runs, corpus, tmp_path, then):
+    """EP2's checkpoint of iteration 3 resumed on one process and on EP2 x DP2 (ZeRO-2): iterations 4-6 are
+    those of the uninterrupted run."""
+    save = stopped_copy(runs("ep2"), tmp_path / "resumed", 3)
+    argv = [*FLAGS, "--data-path", corpus, *RUN, *LAYOUTS[then], "--train-iters", "6", "--save-interval", "3"]
+    run = rapidlite if LAYOUTS[then] else rapidlite_captured
+    proc = run(*argv, "--load", str(save), "--save", str(save))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert_same_metrics(save, runs("ep2"), KEYS, rel=1e-5, at_least=20)
+
+
+BAD = {
+    "experts not divisible": (
+        ["--nproc-per-node", "4", "--expert-model-parallel-size", "4", "--num-experts", "6"],
+        "--expert-model-parallel-size 4 does not divide the 6 experts of each layer",
+    ),
+    "ep not dividing dp": (
+        ["--nproc-per-node", "3", "--expert-model-parallel-size", "2", "--global-batch-size", "6"],
+        "--expert-model-parallel-size 2 does not divide the 3 data-parallel ranks",
+    ),
+    "DeepSpeed": ([*EP2, "--deepspeed"], "--expert-model-parallel-size 2: DeepSpeed's engine does not split"),
+    "ZeRO-1": ([*EP2, "--zero-1-memory-optimization"], "--expert-model-parallel-size 2 with --zero-1-memory"),
+    "a dense model": (
+        [*EP2, "--num-experts", None, "--moe-ffn-hidden-size", None],
+        "--expert-model-parallel-size 2: GPTModel has no experts to split (not a mixture of experts)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_what_is_not_built_is_one_line(corpus, case):
+    extra, message = BAD[case]
+    argv = [*FLAGS, "--data-path", corpus, "--train-iters", "1", "--micro-batch-size", "1"]
+    for drop in [extra[i - 1] for i, a in enumerate(extra) if a is None]:  # a flag followed by None: left out
+        i = argv.index(drop)
+        argv, extra = argv[:i] + argv[i + 2 :], [a for a in extra if a not in (drop, None)]
+    # The layout checks come before any process starts; the model's, in the workers.
+    run = rapidlite if case in ("experts not divisible", "a dense model") else rapidlite_captured
+    proc = run(*argv, *extra)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
