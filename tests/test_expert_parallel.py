@@ -1,10 +1,12 @@
-"""Expert parallelism (``--expert-model-parallel-size``, ``rapidlite.parallel.expert_parallel``) on the built-in MoE
-GPT: EP2 on 2 ranks, EP2 with ZeRO-3 and EP2 x DP2 on 4 ranks train as one process (losses, gradient norms,
+"""Expert parallelism (``--expert-model-parallel-size``, ``rapidlite.parallel.expert_parallel``): on the built-in
+MoE GPT, EP2 on 2 ranks, EP2 with ZeRO-3 and EP2 x DP2 on 4 ranks train as one process (losses, gradient norms,
 router losses, loads), a checkpoint of EP2 resumes on one process and on EP2 x DP2 continuing the same curve,
-the export gathers the experts, and what is not built is one line."""
+and the export gathers the experts; Qwen3-MoE's EP2 and EP2 x DP2 with ZeRO-3 train as one process; what is
+not built is one line."""
 
 import pytest
 import torch
+from test_moe import args, build_assets
 from test_moe_gpt import FLAGS
 
 from helpers import assert_same_metrics, layout_runs, rapidlite, rapidlite_captured, stopped_copy, write_tiny_corpus
@@ -105,3 +107,35 @@ def test_what_is_not_built_is_one_line(corpus, case):
     proc = run(*argv, *extra)
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------ a Hugging Face family
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build_assets(tmp_path_factory.mktemp("moe"))
+
+
+HF_RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--moe-aux-loss-coeff", "0.1", "--train-iters", "3"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [EP2, ["--nproc-per-node", "4", "--expert-model-parallel-size", "2", "--zero-3-memory-optimization"]],
+    ids=["ep2", "ep2_dp2_zero3"],
+)
+def test_a_hugging_face_moe_trains_as_one_process(assets, tmp_path, layout):
+    """Qwen3-MoE's experts split over 2 ranks (its experts module's forward routed through the all-to-all)."""
+    one = tmp_path / "one"
+    proc = rapidlite_captured(*args(assets, "qwen3_moe", *HF_RUN, "--save", str(one)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    split = tmp_path / "split"
+    proc = rapidlite(*args(assets, "qwen3_moe", *HF_RUN, *layout, "--save", str(split)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "expert parallel 2" in proc.stdout
+    assert_same_metrics(split, one, ["loss", "grad_norm", "moe_aux_loss", "moe/load_max_over_mean"], 1e-5, 4)
+
+
+def test_lora_on_split_experts_is_one_line(assets):
+    proc = rapidlite(*args(assets, "qwen3_moe", *HF_RUN, *EP2, "--lora-rank", "4"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--expert-model-parallel-size 2 with LoRA on the experts: not built" in proc.stderr

@@ -101,12 +101,15 @@ def test_flops_count_the_active_experts():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
+    return build_assets(tmp_path_factory.mktemp("moe"))
+
+
+def build_assets(root):
     """The causal-LM demo's tokenizer and data, with a tiny Qwen3-MoE and Mixtral of its vocabulary."""
     from transformers import AutoTokenizer
 
     from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
-    root = tmp_path_factory.mktemp("moe")
     model_dir, data_dir = write_demo_assets(root / "demo", seed=7, num_train=64, num_validation=8)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}

@@ -90,7 +90,10 @@ class MoELayout:
     and the ``shared`` experts every token goes through. ``default_aux_coeff``: the load-balancing weight when
     the config names none (DeepSeek-V3 balances by its routers' bias instead). ``per_layer``: the losses are
     Megatron's (each routed layer's, its token shares over the top-k, summed over layers; the config's
-    ``moe_router_load_balancing_type``), not transformers' (one over the tokens of every layer together)."""
+    ``moe_router_load_balancing_type``), not transformers' (one over the tokens of every layer together).
+    ``gated_experts``: each expert is ``act(gate) * up`` then ``down`` on ``gate_up_proj`` (gate rows first)
+    and ``down_proj``, without biases, ``act`` its ``act_fn`` (all of transformers' families but GPT-OSS), which
+    is how expert parallelism computes a Hugging Face model's experts."""
 
     router: str = "gate"
     experts: str = "experts"
@@ -98,6 +101,7 @@ class MoELayout:
     shared: tuple[str, ...] = ()
     default_aux_coeff: float = 0.0
     per_layer: bool = False
+    gated_experts: bool = True
 
     @staticmethod
     def num_experts(config: Any) -> int:

@@ -1,5 +1,6 @@
 """Expert parallelism (``--expert-model-parallel-size N``): each mixture-of-experts layer's experts split over N
-of the data-parallel ranks, the tokens sent to their experts' ranks and back by all-to-all.
+of the data-parallel ranks, the tokens sent to their experts' ranks and back by all-to-all. The built-in GPT's
+experts (``--num-experts``) and transformers' families' (all but GPT-OSS: ``MoELayout.gated_experts``) split.
 
 The data-parallel ranks form a mesh ``("edp", "ep")`` (``DistributedContext.expert_mesh``): each row of N ``ep``
 ranks holds one copy of every layer's experts, ``num_experts / N`` on each, and the ``edp`` ranks hold the same
@@ -8,7 +9,8 @@ experts (their data parallelism). Everything else stays data-parallel over all t
 - **Weights.** Each expert tensor becomes a DTensor sharded on its expert dimension over ``ep`` (torchtitan's
   layout): DCP saves it by expert, so a checkpoint resumes on another expert-parallel size or on one process,
   and the export gathers the whole tensor.
-- **Tokens.** A layer sorts its (token, choice) rows by expert (``gpt_moe.MoELayer``); ``dispatch`` sends each
+- **Tokens.** A layer sorts its (token, choice) rows by expert (``gpt_moe.MoELayer``, or for a transformers
+  model the experts module's forward, replaced by ``_routed_forward``); ``dispatch`` sends each
   rank its experts' rows (the counts first, then the rows: one ``all_to_all_single`` each), the received rows
   are regrouped by local expert and computed, and their outputs go back the same way. Both all-to-alls are
   differentiable, so the backward pass returns the gradients to the tokens' ranks.
@@ -84,11 +86,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
             f"--expert-model-parallel-size {ep}: {type(model).__name__} has no experts to split (not a mixture of "
             "experts); drop the flag"
         )
+    layout = moe_layout(model)
     for experts in modules:
-        if not hasattr(experts, "dispatch"):
+        if type(experts).__module__.startswith("peft."):
             raise ConfigError(
-                f"--expert-model-parallel-size {ep}: the {spec_of(model).family} family's experts are not split "
-                "yet (the built-in GPT's are: --num-experts)"
+                f"--expert-model-parallel-size {ep} with LoRA on the experts: not built; leave them out "
+                "(--lora-target-modules with the attention and MLP layers only)"
+            )
+        built_in = hasattr(experts, "dispatch")
+        if not built_in and not layout.gated_experts:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep}: the {spec_of(model).family} family's experts (biased, clamped) "
+                "are not split yet; drop the flag"
             )
         if experts.num_experts % ep:
             raise ConfigError(
@@ -97,8 +106,45 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]), param.requires_grad)
             experts.register_parameter(name, sharded)
-        experts.dispatch = Dispatch(ep_mesh.get_group(), ep, experts.num_experts // ep)
+        dispatch = Dispatch(ep_mesh.get_group(), ep, experts.num_experts // ep)
+        if built_in:
+            experts.dispatch = dispatch
+        else:  # transformers' (hidden_states, top_k_index, top_k_weights) forward, routed through the dispatch
+            experts.forward = _routed_forward(experts, dispatch)
     return modules
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def _routed_forward(experts: nn.Module, dispatch: Dispatch) -> Callable:
+    """A transformers experts module's forward under expert parallelism: its (token, choice) rows sorted by
+    expert, sent through ``dispatch`` to this rank's gated experts (``MoELayout.gated_experts``), weighted by
+    the router and summed per token, as the module's own forward sums them. A choice of index ``num_experts``
+    or more (a token no expert takes) adds nothing, as there."""
+    import torch.nn.functional as F
+
+    def local(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+        out = []
+        for e, part in enumerate(rows.split(counts.tolist())):
+            gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+            out.append(F.linear(experts.act_fn(gate) * up, down[e]))
+        return torch.cat(out)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k, flat = top_k_index.shape[-1], top_k_index.reshape(-1)
+        kept = (flat < experts.num_experts).nonzero().squeeze(-1)
+        order = kept[flat[kept].argsort(stable=True)]
+        chosen = flat[order]
+        counts = chosen.new_zeros(experts.num_experts).scatter_add_(0, chosen, torch.ones_like(chosen))
+        token = order // k
+        out = dispatch(hidden_states[token], counts, local)
+        out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+
+    return forward
 
 
 def shard_experts(model: nn.Module, edp_mesh: Any, fsdp_kwargs: dict[str, Any]) -> None:

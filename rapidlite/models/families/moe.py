@@ -36,4 +36,4 @@ QWEN2_MOE = _family("qwen2_moe", ("qwen2_moe",), MoELayout(shared=("shared_exper
 QWEN3_MOE = _family("qwen3_moe", ("qwen3_moe",), MoELayout())
 OLMOE = _family("olmoe", ("olmoe",), MoELayout())
 DEEPSEEK_V3 = _family("deepseek_v3", ("deepseek_v3",), MoELayout(shared=("shared_experts",)), attention=_MLA)
-GPT_OSS = _family("gpt_oss", ("gpt_oss",), MoELayout(router="router"))
+GPT_OSS = _family("gpt_oss", ("gpt_oss",), MoELayout(router="router", gated_experts=False))  # clamped, biased
