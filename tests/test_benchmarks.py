@@ -241,3 +241,15 @@ def test_streaming_memory_benchmark_quick():
         assert row in rows, proc.stdout
     assert "check streamed peak flat (within 5% or 8 MiB): ok" in lines, proc.stdout
     assert "check map-style peak grows more than the streamed one: ok" in lines, proc.stdout
+
+
+@pytest.mark.slow
+def test_moe_benchmark_quick():
+    """The dense model, the mixture's per-expert loop and its grouped matmul each train and are compared (the
+    loop and the grouped matmul compute the same: the same validation loss)."""
+    proc = run_quick("moe.py", timeout=300)
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()[-8:]
+            if line.startswith("| ") and "contender" not in line}  # fmt: skip
+    assert list(rows) == ["dense", "moe loop", "moe grouped"], proc.stdout
+    assert rows["moe loop"] == rows["moe grouped"], proc.stdout
+    assert "moe grouped vs loop step time: x" in proc.stdout, proc.stdout

@@ -53,6 +53,7 @@ from rapidlite.planning.activations import (
     profile_activations,
     stage_activations,
 )
+from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 from rapidlite.planning.task_terms import count_generation, count_reference
 
@@ -134,7 +135,7 @@ def _fake_world(rank: int, world_size: int):
 
 
 def _strategy_for(settings: Sections, rank: int, precision: Any) -> Any:
-    from rapidlite.runtime.distributed import DistributedContext, device_mesh
+    from rapidlite.runtime.distributed import DistributedContext, device_mesh, expert_mesh
     from rapidlite.strategies import StrategyContext, select
 
     topology = settings.topology
@@ -143,6 +144,8 @@ def _strategy_for(settings: Sections, rank: int, precision: Any) -> Any:
     ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, topology=topology, device=cpu)
     if world_size > 1:
         ctx.mesh = device_mesh("cpu", topology)
+    if topology.ep > 1:  # the experts split as the run splits them (rapidlite.runtime.distributed)
+        ctx.expert_mesh = expert_mesh("cpu", topology)
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
@@ -162,6 +165,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     seq_length: int | None = None  # the length the activations were measured at
     flops: Any = None  # the model's FLOPs per token (rapidlite.models.flops.ModelFlops, adapters' frozen base counted)
+    # A mixture of experts: its routed layers, the router's top-k and the experts' parameters (whole model).
+    moe_layers: int = 0
+    moe_top_k: int = 0
+    expert_params: int = 0
 
 
 def _stage_rank(stage: int, dims: Any) -> int:
@@ -200,6 +207,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     # Activations: one meta forward of the whole model, in the compute dtype.
     model = meta_model(settings)
     total = sum(p.numel() for p in model.parameters())
+    moe = expert_counts(model)
     spec = spec_of(model)
     layers, hidden = spec.layers_and_hidden(getattr(model, "config", None))
     seq = sequence_length(settings, getattr(model, "config", None))
@@ -250,7 +258,17 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
                 module = strategy.module(composed)
         ranks.append(
             _rank_plan(
-                settings, dims, rank, stage, module, optimizer, (profile, profile_next), n_blocks, deepspeed, on_gpu
+                settings,
+                dims,
+                rank,
+                stage,
+                module,
+                optimizer,
+                (profile, profile_next),
+                n_blocks,
+                deepspeed,
+                on_gpu,
+                precision.dtype.itemsize if precision.dtype is not None else 4,
             )
         )
         if adapters.quantized:
@@ -266,6 +284,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     for r in ranks:
         r.runtime = runtime
     return Plan(
+        **moe,
         flops=flops,
         seq_length=seq,
         settings=settings,
@@ -345,6 +364,7 @@ def _rank_plan(
     n_blocks: int,
     deepspeed: bool,
     on_gpu: bool,
+    act_width: int = 4,
 ) -> RankPlan:
     from rapidlite.models.spec import find_blocks
 
@@ -404,14 +424,17 @@ def _rank_plan(
         # The last stage keeps the outputs of the micro-batches it has finished until the step ends.
         transient += int((settings.batching.gradient_accumulation_steps - 1) * largest)
     # DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view): no second copy.
-    # FSDP2 gathers parameters into buffers of their own, beside the shards.
+    # FSDP2 gathers parameters into buffers of their own, beside the shards (expert-parallel experts over edp).
     if not deepspeed and zero == 2:
-        transient += param_bytes * dp  # the unsharded parameters stay between forward and backward
+        transient += sum(gathered_bytes(p, dp) for p in params)  # the unsharded parameters stay through the step
     elif not deepspeed and zero == 3 and blocks is not None and len(blocks):
-        block_params = sum(_bytes(p) for p in blocks[0].parameters())
+        block_params = sum(gathered_bytes(p, dp) for p in blocks[0].parameters())
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        root = sum(_bytes(p) for p in params if id(p) not in in_blocks)  # embeddings, head: gathered throughout
-        transient += (root + 2 * block_params) * dp  # and the gathered block and the next one (prefetch)
+        root = sum(gathered_bytes(p, dp) for p in params if id(p) not in in_blocks)  # embeddings, head: throughout
+        transient += root + 2 * block_params  # and the gathered block and the next one (prefetch)
+    # Expert parallelism: a layer's rows on their way to their experts and back (the all-to-all's input and
+    # output), its (token, choice) rows of the hidden size.
+    transient += dispatch_bytes(settings, module, act_width)
     return RankPlan(
         rank=rank,
         stage=stage,

@@ -1,7 +1,8 @@
 """``--dry-run --search``: the fastest layouts that fit ``--memory-budget``, by the step-time model.
 
 The layouts are the choices the command line leaves open (a flag given is kept): tensor and pipeline parallel
-sizes (data parallelism takes the rest of the world), the data-parallel strategy (DDP, ZeRO-1, FSDP2's ZeRO-2
+sizes (data parallelism takes the rest of the world), for a mixture of experts the expert-parallel size (a
+divisor of the data-parallel ranks and of the experts), the data-parallel strategy (DDP, ZeRO-1, FSDP2's ZeRO-2
 and ZeRO-3), the micro-batch (the global batch stays; accumulation follows), activation checkpointing (off,
 selective, full) and, with ZeRO-2/3, CPU offload. Layouts the run would refuse (a size that does not divide the
 heads, a strategy that does not combine with tensor parallelism) are left out.
@@ -40,6 +41,7 @@ LAYOUT_FLAGS = (
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
     "--zero-1-memory-optimization", "--zero-2-memory-optimization", "--zero-3-memory-optimization",
     "--fsdp-memory-optimization", "--checkpoint-activations", "--recompute-granularity", "--cpu-offload",
+    "--expert-model-parallel-size",
 )  # fmt: skip
 # Flags only a dry run reads: not in the printed command of the run.
 PLAN_ONLY = ("--dry-run", "--search", "--device-profile", "--memory-budget")
@@ -54,16 +56,19 @@ class Layout:
     micro: int
     checkpointing: str
     offload: bool
+    ep: int = 1
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp)] if self.tp > 1 else []
         out += ["--pipeline-model-parallel-size", str(self.pp)] if self.pp > 1 else []
+        out += ["--expert-model-parallel-size", str(self.ep)] if self.ep > 1 else []
         out += STRATEGIES[self.strategy] + ["--micro-batch-size", str(self.micro)] + CHECKPOINTING[self.checkpointing]
         return out + (["--cpu-offload"] if self.offload else [])
 
     def describe(self) -> str:
         data = f"DP {self.dp} {self.strategy}" if self.dp > 1 else "one data-parallel replica"
         parts = [f"TP {self.tp}" if self.tp > 1 else "", f"PP {self.pp}" if self.pp > 1 else "", data]
+        parts += [f"EP {self.ep}"] if self.ep > 1 else []
         parts += [f"micro-batch {self.micro}", f"checkpointing {self.checkpointing}"]
         parts += ["CPU offload"] if self.offload else []
         return ", ".join(p for p in parts if p)
@@ -105,7 +110,9 @@ def _settings(argv: list[str]) -> Any:
     return resolve_command(parse_known(argv)[0]).sections
 
 
-def _open_choices(settings: Any, argv: list[str], world: int, layers: int, heads: int) -> list[Layout]:
+def _open_choices(
+    settings: Any, argv: list[str], world: int, layers: int, heads: int, experts: int = 0
+) -> list[Layout]:
     """Every layout the command line's flags leave open (an embedded demo's chosen values stay open)."""
     from rapidlite.config.parser import build_parser
 
@@ -129,19 +136,22 @@ def _open_choices(settings: Any, argv: list[str], world: int, layers: int, heads
     else:
         checkpointing = list(CHECKPOINTING)
     offloads = [settings.topology.cpu_offload] if given("cpu_offload") else [False, True]
+    eps = [settings.topology.ep] if given("expert_model_parallel_size") or not experts else sizes
     global_batch = settings.batching.global_batch_size
     layouts = []
-    for tp, pp, strategy, micro, ckpt, offload in itertools.product(
-        tps, pps, strategies, micros, checkpointing, offloads
+    for tp, pp, strategy, micro, ckpt, offload, ep in itertools.product(
+        tps, pps, strategies, micros, checkpointing, offloads, eps
     ):
         dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
         if not dp or heads % tp or pp > layers or global_batch % (micro * dp):
             continue
+        if ep > 1 and (dp % ep or experts % ep or tp > 1 or pp > 1 or strategy == "ZeRO-1"):
+            continue  # what expert parallelism does not divide or combine with
         if dp == 1 and strategy != "DDP":  # nothing to shard over
             continue
         if offload and strategy not in ("ZeRO-2", "ZeRO-3"):
             continue
-        layouts.append(Layout(tp, pp, dp, strategy, micro, ckpt, offload))
+        layouts.append(Layout(tp, pp, dp, strategy, micro, ckpt, offload, ep))
     return layouts
 
 
@@ -159,6 +169,14 @@ def _heads_and_layers(settings: Any, base: Any) -> tuple[int, int]:
     return math.gcd(heads, kv), layers
 
 
+def _num_experts(settings: Any) -> int:
+    from rapidlite.models.spec import moe_layout
+    from rapidlite.planning.model import meta_model
+
+    model = meta_model(settings)
+    return moe_layout(model).num_experts(model.config)
+
+
 _STRATEGY_OF_STAGE = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 
@@ -166,11 +184,12 @@ def _estimate(base: Any, settings: Any, profile: DeviceProfile, per_node: int) -
     """A layout's step time from the whole model's counts, split as the layout splits them."""
     topology = settings.topology
     tp, pp, dp, zero = topology.tp, topology.pp, topology.dp, topology.zero_stage
-    trainable = base.trainable_params // (tp * pp)
+    split_experts = base.expert_params - base.expert_params // topology.ep  # the experts other ranks hold
+    trainable = base.trainable_params // (tp * pp) - split_experts
     rank = SimpleNamespace(  # the last stage's (the output layer's): the slowest where the stages are even
         rank=0,
         stage=pp - 1,
-        compute_params=base.total_params // (tp * pp),
+        compute_params=base.total_params // (tp * pp) - split_experts,
         trainable_params=trainable,
         stepped_params=trainable // (dp if zero >= 1 else 1),
     )
@@ -188,9 +207,10 @@ def search(argv: list[str], settings: Any, profile: DeviceProfile, per_node: int
     if settings.topology.deepspeed:
         raise ConfigError("--search chooses among PyTorch's layouts: drop --deepspeed")
     heads, layers = _heads_and_layers(settings, base)
+    experts = base.expert_params and _num_experts(settings)
     stem = _strip(_strip(argv, PLAN_ONLY), LAYOUT_FLAGS)
     estimates = []
-    for layout in _open_choices(settings, argv, base.world_size, layers, heads):
+    for layout in _open_choices(settings, argv, base.world_size, layers, heads, experts):
         candidate = [*stem, *layout.flags()]
         try:
             parsed = _settings([*candidate, "--dry-run"])

@@ -19,6 +19,9 @@ A step is the sum of terms, each shown so a user sees what dominates:
   behind the host).
 - **pipeline send/receive**: each micro-batch's activations forward and their gradient backward, per stage
   boundary.
+- **expert parallel**: per routed layer and micro-batch, the all-to-alls that send each (token, choice) row of
+  the hidden size to its expert's rank and back, twice in the forward pass and twice in the backward (two more
+  with full recomputation); each moves ``(ep - 1) / ep`` of the rows through each rank; not overlapped.
 - **data parallel** (exposed): DDP and ZeRO-1 all-reduce the gradients once a step in 25 MiB buckets, overlapped
   with the last micro-batch's backward pass but the last bucket (ZeRO-1 then all-gathers the updated
   parameters); FSDP2's ZeRO-2 gathers the parameters once per micro-batch and reduce-scatters the gradients,
@@ -137,6 +140,7 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     tp_link = _link(profile, dims.tp, per_node)
     dp_link = _link(profile, dims.dp * dims.tp, per_node)
     pp_link = _link(profile, plan.world_size, per_node)
+    ep_link = _link(profile, dims.ep, per_node)  # neighbouring ranks (runtime.distributed.expert_mesh)
     ranks = []
     for r in plan.ranks:
         t = StepTime(rank=r.rank)
@@ -157,6 +161,10 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
             forward_again = recompute / 3 if s.model.recompute_granularity == "full" else 0.0
             t.terms["tensor-parallel dispatch"] = blocks * profile.tensor_parallel_overhead * (1 + forward_again)
         t.terms["pipeline send/receive"] = 2 * m * send(act / dims.tp, *pp_link) if dims.pp > 1 else 0.0
+        if dims.ep > 1 and plan.moe_layers:
+            rows = act * plan.moe_top_k  # a layer's (token, choice) rows of one micro-batch
+            trips = 4 + (2 * recompute if s.model.recompute_granularity == "full" else 0)
+            t.terms["expert parallel"] = m * plan.moe_layers * trips * all_gather(rows, dims.ep, *ep_link)
         overlap = per_micro if profile.overlaps_communication else 0.0
         exposed, hidden_comm = _data_parallel(r, dims, dims.dp, m, overlap, plan.precision, dp_link, profile)
         t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm

@@ -225,12 +225,18 @@ def init_distributed(
         global _COLLECTIVE_TIMEOUT
         _COLLECTIVE_TIMEOUT = timeout
     ctx.mesh = device_mesh(device.type, topology)
-    if topology.ep > 1:  # the data-parallel ranks only (tensor and pipeline parallelism are refused with it)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = (topology.dp * topology.cp // topology.ep, topology.ep)
-        ctx.expert_mesh = init_device_mesh(device.type, shape, mesh_dim_names=("edp", "ep"))
+    if topology.ep > 1:
+        ctx.expert_mesh = expert_mesh(device.type, topology)
     return ctx
+
+
+def expert_mesh(device_type: str, topology: Topology) -> Any:
+    """Expert parallelism's mesh of the data-parallel ranks, ``("edp", "ep")``: ``ep`` neighbouring ranks split
+    the experts (tensor and pipeline parallelism are refused with it, so the world is data-parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (topology.dp * topology.cp // topology.ep, topology.ep)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep"))
 
 
 def device_mesh(device_type: str, topology: Topology) -> Any:
