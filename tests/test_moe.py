@@ -156,7 +156,11 @@ def test_lora_adapts_the_experts_and_the_merged_export_gives_the_adapters_logits
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("extra", [["--zero-3-memory-optimization"], ["--lora-rank", "4"]], ids=["zero3", "lora"])
+@pytest.mark.parametrize(
+    "extra",
+    [["--zero-3-memory-optimization"], ["--lora-rank", "4", "--zero-3-memory-optimization"]],
+    ids=["zero3", "lora_zero3"],
+)
 def test_two_ranks_train_as_one_process(assets, tmp_path, extra):
     """Accumulation 8 on one process against 4 on each of 2 ranks, a sample per micro-batch (the router loss is
     each micro-batch's: one process and two ranks then see the same micro-batches), and a router loss weight of
