@@ -49,6 +49,9 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--dataloader-type": ({}, "samples are read in Megatron's 'single' order"),
     "--no-save-rng": ({"action": "store_true"}, "the RNG states are a few kilobytes and keep a resume exact"),
     "--data-cache-path": ({}, "indices are cached beside the data (PREFIX_cache/), else under $RAPIDLITE_CACHE"),
+    "--moe-permute-fusion": ({"action": "store_true"}, "no fused token-permutation kernel to turn on"),
+    "--moe-router-dtype": ({}, "the router's probabilities are computed in fp32"),
+    "--moe-shared-expert-overlap": ({"action": "store_true"}, "the shared expert runs beside the routed ones"),
 }
 
 
@@ -67,6 +70,7 @@ def add_megatron_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-query-groups", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--kv-channels", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help=argparse.SUPPRESS)
     for flag in ("--train-data-path", "--valid-data-path", "--test-data-path"):
         g.add_argument(flag, nargs="+", default=None, help=argparse.SUPPRESS)
     for flag, (kwargs, _) in NO_EFFECT.items():
@@ -85,6 +89,11 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
 def check_megatron_flags(args: argparse.Namespace) -> list[str]:
     """Before the batch is resolved: refuse what rapidlite cannot do, translate the flags that need no batch
     arithmetic; returns the notice naming the flags that change nothing here."""
+    if args.moe_expert_capacity_factor is not None:
+        raise ConfigError(
+            "--moe-expert-capacity-factor: rapidlite's experts take every token routed to them (no capacity, no "
+            "dropped token); drop the flag"
+        )
     if args.group_query_attention or args.num_query_groups is not None:
         heads = args.num_attention_heads
         if not (args.num_query_groups is not None and heads is not None and args.num_query_groups == heads):
