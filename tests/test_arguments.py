@@ -60,7 +60,8 @@ FLAGS = """
 --apply-query-key-layer-scaling --empty-unused-memory-level --use-cpu-initialization --distribute-saved-activations
 --log-throughput --timing-log-level --log-timers-to-tensorboard --log-memory-to-tensorboard
 --log-validation-ppl-to-tensorboard --tensorboard-log-interval --ckpt-format --dataloader-type --no-save-rng
---data-cache-path --bert-no-binary-head
+--data-cache-path --moe-permute-fusion --moe-router-dtype --moe-shared-expert-overlap --moe-expert-capacity-factor
+--bert-no-binary-head
 --max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
 --precompute-ref-logprobs --desirable-weight --undesirable-weight
 --chunked-loss --no-chunked-loss

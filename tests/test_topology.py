@@ -156,7 +156,7 @@ def test_the_mesh_has_named_dimensions_in_torchtitans_order():
 def test_a_topology_that_does_not_split_its_world_is_refused():
     with pytest.raises(ConfigError, match="is not pipeline x data x context x tensor parallel size 1 x 3 x 1 x 1"):
         Topology(world_size=4, dp=3)
-    with pytest.raises(ConfigError, match="expert parallel size 3"):
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide"):
         Topology(world_size=4, dp=4, ep=3)
     with pytest.raises(ConfigError, match="ZeRO stage 4"):
         Topology(zero_stage=4)

@@ -65,19 +65,23 @@ class MoEConfig:
     )
 
 
-def check_expert_parallel(
-    ep: int, tp: int, pp: int, zero_stage: int, deepspeed: bool, moe: MoEConfig, built_in: bool
-) -> None:
-    """One line for a layout expert parallelism does not compose with (yet), and, for the built-in GPT
-    (``built_in``: no Hugging Face model), for its experts that it cannot split, before any process starts (a
-    Hugging Face model's are checked once loaded: ``parallel.expert_parallel``)."""
+def check_built_in_experts(ep: int, moe: MoEConfig) -> None:
+    """The built-in GPT's experts that expert parallelism cannot split, before any process starts (a Hugging Face
+    model's are checked once loaded: ``parallel.expert_parallel``)."""
     if ep <= 1:
         return
     flag = f"--expert-model-parallel-size {ep}"
-    if built_in and moe.num_experts is None:
+    if moe.num_experts is None:
         raise ConfigError(f"{flag}: the built-in GPT is dense (no experts to split); add --num-experts N")
-    if built_in and moe.num_experts % ep:
+    if moe.num_experts % ep:
         raise ConfigError(f"{flag} does not divide the {moe.num_experts} experts of each layer (--num-experts)")
+
+
+def check_expert_parallel(ep: int, tp: int, pp: int, zero_stage: int, deepspeed: bool) -> None:
+    """One line for a layout expert parallelism does not compose with (yet)."""
+    if ep <= 1:
+        return
+    flag = f"--expert-model-parallel-size {ep}"
     if deepspeed:
         raise ConfigError(f"{flag}: DeepSpeed's engine does not split rapidlite's experts; drop --deepspeed")
     if tp > 1 or pp > 1:

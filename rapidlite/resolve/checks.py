@@ -65,8 +65,7 @@ def check_rest(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
     moe_flags.check(section_of(args, "moe"), args.explicit_flags or frozenset(), pretrained, tp, pp)
     ep = args.expert_model_parallel_size
-    built_in = pretrained is None and args.task == "pretraining"
-    moe_flags.check_expert_parallel(ep, tp, pp, zero_stage(args), args.deepspeed, section_of(args, "moe"), built_in)
+    moe_flags.check_expert_parallel(ep, tp, pp, zero_stage(args), args.deepspeed)
     for name in ("mask_prob", "short_seq_prob"):
         if not 0 <= getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rapidlite.config.moe import check_built_in_experts
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError, first_line
 
@@ -62,6 +63,8 @@ def check(settings: Sections) -> None:
             "--task pretraining needs the tokenizer the data was preprocessed with: give --tokenizer-type "
             "(with --vocab-file/--merge-file/--tokenizer-model/--vocab-size) or --pretrained-model-name-or-path"
         )
+    if model is None:  # the built-in GPT
+        check_built_in_experts(settings.topology.ep, settings.moe)
     given = settings.explicit_flags
     if model is not None and given is not None:
         for dest in _BUILT_IN_GPT_FLAGS:
