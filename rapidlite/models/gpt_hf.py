@@ -85,44 +85,28 @@ def hf_config(config: Any, special_tokens: dict[str, int] | None = None) -> Any:
             tie_word_embeddings=tied,
             **tokens,
         )
+    # LLaMA's blocks, and Mixtral's (the same but for their experts in place of the MLP).
+    blocks = {
+        "vocab_size": config.padded_vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "rope_theta": config.rotary_base,
+        "attention_dropout": config.attention_dropout,
+        "hidden_act": "silu",
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": tied,
+        **tokens,
+    }
     if layout == MIXTRAL:
-        return MixtralConfig(
-            vocab_size=config.padded_vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.moe_ffn_hidden_size,
-            num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_attention_heads,
-            max_position_embeddings=config.max_position_embeddings,
-            rms_norm_eps=config.layernorm_epsilon,
-            rope_theta=config.rotary_base,
-            attention_dropout=config.attention_dropout,
-            num_local_experts=config.num_experts,
-            num_experts_per_tok=config.moe_router_topk,
-            hidden_act="silu",
-            initializer_range=config.init_method_std,
-            tie_word_embeddings=tied,
-            **tokens,
-        )
+        experts = {"num_local_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk}
+        return MixtralConfig(intermediate_size=config.moe_ffn_hidden_size, **experts, **blocks)
     if layout == LLAMA:
-        return LlamaConfig(
-            vocab_size=config.padded_vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.ffn_hidden_size,
-            num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_attention_heads,
-            max_position_embeddings=config.max_position_embeddings,
-            rms_norm_eps=config.layernorm_epsilon,
-            rope_theta=config.rotary_base,
-            attention_dropout=config.attention_dropout,
-            attention_bias=config.bias,
-            mlp_bias=config.bias,
-            hidden_act="silu",
-            initializer_range=config.init_method_std,
-            tie_word_embeddings=tied,
-            **tokens,
-        )
+        bias = {"attention_bias": config.bias, "mlp_bias": config.bias}
+        return LlamaConfig(intermediate_size=config.ffn_hidden_size, **bias, **blocks)
     raise ConfigError(_why_not(config))
 
 
