@@ -23,7 +23,7 @@ from typing import Any
 class FlagSpec:
     """How a settings field is spelled on the command line (see ``flag``)."""
 
-    help: str | None = None
+    help: str | Callable[[], str] | None = None  # a callable: worked out when the parser is built
     aliases: tuple[str, ...] = ()
     type: Callable[[str], Any] | None = None
     choices: tuple[Any, ...] | None = None
@@ -34,7 +34,7 @@ class FlagSpec:
 
 def flag(
     default: Any,
-    help: str | None = None,  # noqa: A002 - argparse's name
+    help: str | Callable[[], str] | None = None,  # noqa: A002 - argparse's name
     *,
     aliases: tuple[str, ...] = (),
     type: Callable[[str], Any] | None = None,  # noqa: A002 - argparse's name
@@ -95,7 +95,7 @@ def argparse_kwargs(f: dataclasses.Field, spec: FlagSpec, annotation: Any) -> di
         if spec.metavar is not None:
             kwargs["metavar"] = spec.metavar
     if spec.help is not None:
-        kwargs["help"] = spec.help
+        kwargs["help"] = spec.help() if callable(spec.help) else spec.help
     return kwargs
 
 

@@ -82,7 +82,8 @@ class TaskConfig:
 
     GROUP: ClassVar[str] = DATA
 
-    task: str | None = flag(None, f"black-box task: {', '.join(task_names())}", group=TASK_AND_MODEL)
+    # The tasks are listed when the parser is built: a task's declaration may import this module's sections.
+    task: str | None = flag(None, lambda: f"black-box task: {', '.join(task_names())}", group=TASK_AND_MODEL)
     user_script: str | None = flag(
         None, "run a user's Finetuner/PreTrainer script (white box)", metavar="PATH", group=TASK_AND_MODEL
     )
