@@ -220,3 +220,58 @@ def test_a_default_length_set_by_the_task_is_lowered_too(tmp_path):
     proc = rapidlite_captured(*argv, "--micro-batch-size", "2", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sequence length 64" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--packing"], ["--device-profile", "h100-sxm"]], ids=["plain", "packing", "h100"]
+)
+def test_a_forward_that_reads_its_inputs_values_is_planned(tmp_path, extra):
+    """GPT-2 with a pad token looks for padding in ``input_ids`` when no attention mask is given
+    (``Tensor.item()``): on meta tensors the value read is zero, and the activations are counted."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64, pad_token_id=0)
+    config.save_pretrained(tmp_path / "gpt2")
+    argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "gpt2"), "--data-path", "unused"]
+    proc = rapidlite_captured(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("0 ")]
+    assert float(row[7]) > 0 and "NOT counted" not in proc.stdout  # activations (MiB)
+
+
+def test_a_forward_the_profile_cannot_run_is_one_line_and_the_rest_is_planned(tmp_path, monkeypatch):
+    """A forward whose shapes depend on its inputs' values (``nonzero``) cannot run on meta tensors: the profile
+    says so in one line, and the plan still holds the model states."""
+    import torch
+
+    from rapidlite.planning.activations import ProfileError, profile_activations
+
+    class Gather(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+
+        def forward(self, input_ids, **kwargs):
+            return self.embed(input_ids[torch.nonzero(input_ids, as_tuple=True)]).sum()
+
+    with torch.device("meta"):
+        model = Gather()
+    with pytest.raises(ProfileError, match="nonzero"):
+        profile_activations(model, 2, 8, 8)
+
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(tmp_path / "gpt2"), "--data-path", "unused"]
+    import rapidlite.planning.memory as memory
+
+    def unprofiled(*args, **kwargs):
+        raise ProfileError("aten::nonzero: no meta function")
+
+    monkeypatch.setattr(memory, "profile_activations", unprofiled)
+    proc = rapidlite_captured(*argv, "--micro-batch-size", "2", "--seq-length", "32", "--dry-run")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "activations NOT counted: GPT2LMHeadModel's forward could not run on meta tensors (aten::nonzero" in (
+        proc.stdout
+    )
+    assert "predicted memory per rank" in proc.stdout

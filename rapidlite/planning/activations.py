@@ -69,6 +69,14 @@ class FusedAttention(TorchFunctionMode):
 # The experts' matmul of a mixture of experts (transformers' grouped_mm path): tokens [S, in] x experts
 # [E, in, out] -> [S, out], whatever the routing.
 _GROUPED_MM = torch.ops.aten._grouped_mm.default
+# ``Tensor.item()``: a meta tensor has no value. The profile's batch is token 0 everywhere, every position
+# attended; a forward that reads a value (GPT-2 looks for padding when no attention mask is given) reads zero.
+_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+class ProfileError(Exception):
+    """The meta forward could not run: the model computes on its inputs' values beyond what the profile answers
+    (a shape that depends on them)."""
 
 
 def profile_activations(
@@ -111,6 +119,8 @@ def profile_activations(
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is _GROUPED_MM and args[0].device.type == "meta":  # its meta function takes bf16 only
                 out = args[0].new_empty((args[0].shape[0], args[1].shape[-1]))
+            elif func is _ITEM and args[0].device.type == "meta":
+                return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
             else:
                 out = func(*args, **(kwargs or {}))
             if func in _SAVE_OPS:
@@ -172,6 +182,8 @@ def profile_activations(
     try:
         with FusedAttention(cpu), Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward_loss(model, ids, inputs_per_sample, chunked)
+    except (RuntimeError, NotImplementedError) as e:  # an op the meta device cannot run on values it lacks
+        raise ProfileError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     finally:
         for h in handles:
             h.remove()
