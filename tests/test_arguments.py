@@ -135,6 +135,7 @@ BAD_INPUTS = [
         "setup.py is a file, so no directory can be made under it",
     ),
     (["--user-script", str(REPO / "examples")], "examples: is a directory; pass the script's .py file"),
+    (["--user-script", str(REPO / "README.md")], "a .md file is not a Python script; give the trainer script (.py)"),
     (
         ["--task", "sequence_classification", "--pretrained-model-name-or-path", str(REPO / "setup.py")],
         f"setup.py: is a file; pass the directory that holds the model's config.json and weights "

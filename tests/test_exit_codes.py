@@ -141,6 +141,35 @@ def test_a_user_scripts_own_error_shows_its_frames_then_one_line(tmp_path, case)
     assert len(lines) <= 8, proc.stderr
 
 
+NO_BASE = """
+class MyFinetuner:
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        return None, None, None
+
+    def run_forward_step(self, batch, model):
+        return None
+
+
+trainer = MyFinetuner(engine=None)
+trainer.train()
+"""
+
+
+def test_a_trainer_class_without_its_base_is_named(tmp_path):
+    """ "MyFinetuner() takes no arguments" said nothing of the missing base class."""
+    from helpers import rapidlite_captured
+
+    script = tmp_path / "train.py"
+    script.write_text(NO_BASE)
+    proc = rapidlite_captured("--user-script", str(script), "--train-iters", "2")
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"rapidlite: error: --user-script {script} raised TypeError: MyFinetuner() takes no arguments; MyFinetuner "
+        "defines train_valid_test_datasets_provider, run_forward_step but subclasses neither Finetuner nor "
+        "PreTrainer: class MyFinetuner(Finetuner) (from rapidlite import Finetuner)"
+    )
+
+
 def test_a_user_scripts_own_error_on_two_ranks_shows_its_frames(tmp_path):
     """Under the launcher, the failing rank's traceback starts at the script too."""
     script = tmp_path / "train.py"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -223,6 +224,22 @@ def test_bad_json_lines_name_the_file_and_line(corpus, tmp_path):
         preprocess(tmp_path / "missing.jsonl", tmp_path / "out", tokenizer, log=None)
     assert main(["--input", corpus["jsonl"], "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                  "NullTokenizer", "--vocab-size", "5", "--dataset-impl", "lazy"]) == 2  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_without_text_is_one_line_and_writes_nothing(corpus, tmp_path, workers):
+    """An empty (or blank) file, and one whose documents are all empty, wrote an empty .bin/.idx and exited 0."""
+    tokenizer = corpus["tokenizer"]
+    cases = {
+        "empty.jsonl": ("", "empty.jsonl: the file is empty; nothing to preprocess (nothing written)"),
+        "blank.txt": ("\n  \n\n", "blank.txt: the file is empty; nothing to preprocess (nothing written)"),
+        "no_text.jsonl": ('{"text": ""}\n{"text": ""}\n', "no_text.jsonl: none of its 2 documents has text"),
+    }
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        with pytest.raises(DataError, match=re.escape(expected)):
+            preprocess(tmp_path / name, tmp_path / "out", tokenizer, workers=workers, partitions=workers, log=None)
+        assert not list(tmp_path.glob("out*")), name
 
 
 def run_preprocess(*argv, cwd):

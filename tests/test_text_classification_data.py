@@ -134,6 +134,13 @@ def test_an_empty_file_is_one_line(tmp_path):
         load_raw_datasets(str(tmp_path / "empty.jsonl"))
 
 
+def test_a_header_without_rows_is_one_line(tmp_path):
+    """datasets says 'Instruction "train" corresponds to no data!': the file is named, and what it lacks."""
+    write_csv(tmp_path / "train.csv", ["sentence", "label"], [])
+    with pytest.raises(DataError, match=r"train\.csv: the file holds a header and no rows; add rows$"):
+        load_raw_datasets(str(tmp_path))
+
+
 def test_missing_train_file(tmp_path):
     write_csv(tmp_path / "validation.csv", ["sentence", "label"], [("a", 0)])
     with pytest.raises(DataError, match=r"--data-path .*no train\.\* file found.*train\.csv"):

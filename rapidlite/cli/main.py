@@ -56,7 +56,8 @@ def run_user_script(script: str, argv: list[str]) -> int:
         close_bars()
         sys.stdout.flush()
         print(own, end="", file=sys.stderr, flush=True)
-        raise ScriptFailed(f"--user-script {script} raised {type(e).__name__}: {first_line(e)}") from None
+        hint = _missing_base(e, script)
+        raise ScriptFailed(f"--user-script {script} raised {type(e).__name__}: {first_line(e)}{hint}") from None
     if current_engine() is engine_before:
         raise ConfigError(f"--user-script {script} ran but started no training: {_how_to_train(names)}")
     return 0
@@ -80,6 +81,34 @@ def script_traceback(error: BaseException, script: str) -> str | None:
     if tb is None:
         return None
     return "".join(traceback.format_exception(type(error), error, tb))
+
+
+# The methods a Finetuner or PreTrainer subclass defines (Rapidformer's template).
+TRAINER_METHODS = (
+    "train_valid_test_datasets_provider",
+    "model_optimizer_lr_scheduler_provider",
+    "run_forward_step",
+    "run_compute_metrics",
+)
+
+
+def _missing_base(error: BaseException, script: str) -> str:
+    """For "MyFinetuner() takes no arguments": the class has a trainer's methods but no trainer base class."""
+    message = str(error)
+    if not isinstance(error, TypeError) or not message.endswith("() takes no arguments"):
+        return ""
+    name = message.removesuffix("() takes no arguments")
+    tb, path = error.__traceback__, os.path.realpath(script)
+    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    cls = tb.tb_frame.f_globals.get(name) if tb is not None else None
+    methods = [m for m in TRAINER_METHODS if isinstance(cls, type) and m in vars(cls)]
+    if not methods:
+        return ""
+    return (
+        f"; {name} defines {', '.join(methods)} but subclasses neither Finetuner nor PreTrainer: "
+        f"class {name}(Finetuner) (from rapidlite import Finetuner)"
+    )
 
 
 def _how_to_train(names: dict) -> str:

@@ -99,6 +99,11 @@ def check_input(path: str | os.PathLike) -> str:
         raise DataError(f"--input {path}: no such file")
     if not os.path.isfile(path):
         raise DataError(f"--input {path}: not a file (give one JSON-lines or text file)")
+    with open(path, "rb") as f:  # up to the first byte that is not white space
+        while (chunk := f.read(1 << 16)) and not chunk.strip():
+            pass
+    if not chunk.strip():
+        raise DataError(f"--input {path}: the file is empty; nothing to preprocess (nothing written)")
     return path
 
 

@@ -274,6 +274,9 @@ def preprocess(
                 tracker.update(nbytes)
             for key, builder in builders.items():
                 builder.finalize(index_file_path(targets[key]))
+        if not any(n["documents"] for n in stats.values()):  # every document empty: no dataset to write
+            empty = max(n["empty"] for n in stats.values())
+            raise DataError(f"--input {path}: none of its {empty} documents has text; nothing written")
         if partitions > 1:
             for key, prefix in prefixes.items():
                 merged = IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype)

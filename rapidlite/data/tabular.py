@@ -131,6 +131,9 @@ def _load_file(path: str, readers: Mapping[str, Reader] | None = None) -> datase
         bad = _bad_json_line(path) if builder == "json" else None
         if bad is not None:
             raise DataError(f"{path}: {bad}; fix or remove it") from None
+        if "corresponds to no data" in str(e):  # datasets' words for a reader that produced no row
+            held = "a header and no rows" if builder == "csv" else "no rows"
+            raise DataError(f"{path}: the file holds {held}; add rows") from None
         raise DataError(f"{path}: cannot be read as {path.rsplit('.', 1)[-1]} ({_short_reason(e, root=True)})") from e
     if builder == "json":
         from rapidlite.data.question_answering_rows import is_squad_layout, squad_layout_rows

@@ -111,6 +111,10 @@ class RunConfig(argparse.Namespace):
         return list(self._deepspeed_notices)
 
 
+# What runpy runs: a Python source or compiled file, a zip holding __main__.py, or a file without a suffix.
+RUNNABLE_SUFFIXES = ("", ".py", ".pyw", ".pyc", ".zip")
+
+
 def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConfig:
     """Check the parsed flags and derive every value, in one place; ``namespace`` is left as it was.
 
@@ -129,6 +133,12 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
             raise ConfigError(f"--user-script {args.user_script}: is a directory; pass the script's .py file")
         if not os.path.isfile(args.user_script):
             raise ConfigError(f"--user-script {args.user_script}: file not found")
+        suffix = os.path.splitext(args.user_script)[1].lower()
+        if suffix not in RUNNABLE_SUFFIXES:  # runpy would run a .csv's first line as Python
+            raise ConfigError(
+                f"--user-script {args.user_script}: a {suffix} file is not a Python script; give the trainer "
+                "script (.py), and data with --data-path"
+            )
     model = args.pretrained_model_name_or_path
     if model and os.path.isfile(model):  # transformers would read it as a vocabulary file, or fail deep inside
         folder = os.path.dirname(model) or "."
