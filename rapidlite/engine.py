@@ -32,7 +32,7 @@ from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.models import lora, moe
 from rapidlite.models.flops import ModelFlops, device_peak_flops
 from rapidlite.models.hf import disable_kv_cache
-from rapidlite.observe.logging import Timers, setup_logger
+from rapidlite.observe.logging import Timers, discard_rank_log, setup_logger
 from rapidlite.observe.progress import close_bars
 from rapidlite.optim import build_lr_scheduler
 from rapidlite.precision import resolve_precision, set_tf32
@@ -60,6 +60,8 @@ def _excepthook(previous: Callable) -> Callable:
     failure is recorded for the launcher instead of printed, and the worker ends cleanly."""
 
     def hook(exc_type, exc, tb):
+        if isinstance(exc, RapidliteError) and exc.exit_code == 2:
+            discard_rank_log()  # a refused run leaves no rank log
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             distributed.shutdown(distributed.report_worker_error(exc))
         close_bars()  # the error starts on a line of its own

@@ -193,6 +193,20 @@ def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path,
     assert "outside the tokenizer's vocabulary (97 ids)" in line and "token id 199" in line
 
 
+def test_a_refused_run_leaves_no_rank_log(tmp_path, capsys):
+    """--per-rank-logs made save/logs/rank0.log before the refusal; an earlier run's log stays."""
+    argv = ["--task", "pretraining", "--data-path", corpus(tmp_path, vocab=200, eod=199), "--per-rank-logs"]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", *TINY, "--train-iters", "1"]
+    assert main([*argv, "--save", str(tmp_path / "new")]) == 2
+    assert "outside the tokenizer's vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    earlier = tmp_path / "earlier" / "logs" / "rank0.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("an earlier run's lines\n")
+    assert main([*argv, "--save", str(tmp_path / "earlier")]) == 2
+    assert earlier.read_text() == "an earlier run's lines\n"
+
+
 def test_a_model_vocabulary_smaller_than_the_datas_is_one_line_before_training(tmp_path, capsys):
     """Pretrained weights (which are not grown, unlike a config trained from scratch) with 50 embedding rows, on
     data whose tokenizer has 97 ids: it was an IndexError at the first step."""

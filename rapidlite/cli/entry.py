@@ -29,6 +29,8 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None = No
     try:
         code = run(argv)
     except RapidliteError as e:
+        if e.exit_code == 2 and "rapidlite.observe.logging" in sys.modules:  # refused: leaves no rank log
+            sys.modules["rapidlite.observe.logging"].discard_rank_log()
         code = _worker_failure(e) if worker else e.exit_code
         close_bars()
         if not worker:

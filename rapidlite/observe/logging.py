@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -63,14 +64,41 @@ def setup_logger(rank: int = 0, log_file: str | None = None) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_file)
+        file_handler = _RankLog(log_file)
         file_handler.rapidlite = "file"
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         file_handler.setLevel(logging.INFO)
         logger.addHandler(file_handler)
     logger.setLevel(logging.INFO)
     return logger
+
+
+class _RankLog(logging.FileHandler):
+    """``--per-rank-logs``' file, made with its first record (its directories too): a run refused before it
+    logs leaves nothing; ``discard_rank_log`` removes what a refused run made."""
+
+    def __init__(self, path: str) -> None:
+        self.existed = os.path.exists(path)
+        # The directories this run would make (logs/, and the --save directory itself): removed again if empty.
+        self.made = [d for d in (Path(path).parent, Path(path).parent.parent) if not d.exists()]
+        super().__init__(path, delay=True)
+
+    def _open(self):  # noqa: ANN202 - logging's own signature
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+def discard_rank_log() -> None:
+    """A refused run (exit 2): its rank log and the directories made for it go (an earlier run's log stays)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in [h for h in logger.handlers if isinstance(h, _RankLog)]:
+        logger.removeHandler(handler)
+        handler.close()
+        if not handler.existed and os.path.exists(handler.baseFilename):
+            os.remove(handler.baseFilename)
+        for directory in handler.made:
+            with contextlib.suppress(OSError):  # not empty (another rank's log, a checkpoint): it stays
+                directory.rmdir()
 
 
 class Timer:
