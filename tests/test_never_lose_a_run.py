@@ -184,6 +184,33 @@ def test_a_run_refused_at_its_first_step_leaves_nothing_so_the_fixed_command_run
     assert records and max(r.get("iteration", 0) for r in records) == 2 and len({r["run_id"] for r in records}) == 1
 
 
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_is_refused_at_its_first_step(tmp_path):
+    """--overwrite removed the earlier run before the model was built: a refusal at the first step then lost it.
+    It now goes right before the new run's first record or checkpoint."""
+    from rapidlite.errors import RapidliteError
+
+    class Refused(ToyFinetuner):
+        def run_forward_step(self, batch, model):
+            return 0.5
+
+    save = tmp_path / "run"
+    argv = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--save", str(save)]
+    ToyFinetuner(RapidliteEngine(argv=argv)).train()
+    digest = tree_digest(save)
+    with pytest.raises(RapidliteError, match="got float"):
+        Refused(RapidliteEngine(argv=[*argv, "--overwrite"])).train()
+    assert tree_digest(save) == digest
+    # The removal comes with the first record, or with the first checkpoint when that comes first.
+    for first_write, kept in (
+        (["--log-interval", "1"], ["iter_0000002"]),
+        (["--log-interval", "100", "--save-interval", "1"], ["iter_0000001", "iter_0000002"]),
+    ):
+        ToyFinetuner(RapidliteEngine(argv=[*argv, "--overwrite", *first_write])).train()
+        records = read_metrics(save)
+        assert len({r["run_id"] for r in records}) == 1 and max(r.get("iteration", 0) for r in records) == 2
+        assert sorted(p.name for p in save.glob("iter_*")) == kept
+
+
 # ------------------------------------------------------------------------------------------------ input
 def test_token_ids_outside_the_vocabulary_are_one_line_before_training(tmp_path, capsys):
     argv = ["--task", "pretraining", "--data-path", corpus(tmp_path, vocab=200, eod=199)]

@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,13 +174,23 @@ class MetricsWriter:
     empty ``metrics.jsonl`` in a new --save directory, which would make the corrected command "another run's"
     directory (TensorBoard's writer waits for the first record the same way)."""
 
-    def __init__(self, save_dir: str | None, trackers: Any = None, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        save_dir: str | None,
+        trackers: Any = None,
+        run_id: str | None = None,
+        before_first: Callable[[], None] | None = None,
+    ) -> None:
         self._file = None
         self.run_id = run_id  # on every record: two runs' lines in one file stay apart
         self.trackers = trackers
         self._save_dir = save_dir
+        self._before_first = before_first  # --overwrite's removal of the earlier run: at the first record
 
     def _open(self) -> None:
+        if self._before_first is not None:
+            self._before_first, before = None, self._before_first
+            before()
         if self._save_dir is not None:
             Path(self._save_dir).mkdir(parents=True, exist_ok=True)
             # Unbuffered: a record is written whole or, when the write fails, cut away (see _append).

@@ -164,9 +164,8 @@ class BaseTrainer:
             self.logger.info(line)
         if self.checkpointing.resuming:
             self.checkpointing.load()
-        if self.engine.is_main_process:
-            self.checkpointing.clear_earlier_run()
-            self.monitor.open()
+        if self.engine.is_main_process:  # --overwrite's removal waits for the first record or checkpoint
+            self.monitor.open(before_first=self.checkpointing.clear_earlier_run)
             self.checkpointing.keep_settings()
         self.engine.barrier()
         strategy = self.engine.strategy

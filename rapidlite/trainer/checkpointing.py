@@ -31,6 +31,8 @@ class Checkpointing:
         self.last_saved = -1  # the iteration of the last checkpoint this run wrote or resumed
         self._resume_rng: dict[str, Any] | None = None
         self._saved_config: str | None = None  # iter_N/config.yaml: the settings, loadable with --config
+        self._cleared = False  # --overwrite: rank 0 removed the earlier run (see clear_earlier_run)
+        self._first_save = True
 
     @property
     def resuming(self) -> bool:
@@ -49,8 +51,10 @@ class Checkpointing:
             self.engine.strategy.prepare_resume(self.ckpt.load)
 
     def clear_earlier_run(self) -> None:
-        """``--overwrite`` (rank 0): the earlier run's checkpoints and outputs in --save go first."""
-        if self.ckpt.overwrite_save:
+        """``--overwrite`` (rank 0): the earlier run's checkpoints and outputs in --save go, right before this run
+        writes its first record or checkpoint there: a run refused before that (at its first step) keeps it."""
+        if self.ckpt.overwrite_save and not self._cleared:
+            self._cleared = True
             removed = layout.clear_run(self.ckpt.save)
             self.logger.info(f"--overwrite: removed the earlier run in {self.ckpt.save} ({removed})")
 
@@ -72,6 +76,11 @@ class Checkpointing:
                 f"iteration {trainer.iteration}: the weights hold NaN/inf, so no checkpoint is written; "
                 f"{self.last_good()} (lower --lr, clip gradients with --clip-grad)"
             )
+        if self.ckpt.overwrite_save and self._first_save:  # every rank: no shard lands before the removal
+            if self.engine.is_main_process:
+                self.clear_earlier_run()
+            self.engine.barrier()
+        self._first_save = False
         optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
         # A run resumed from here continues the trackers' runs (W&B, MLflow).
         state = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,16 +62,19 @@ class Monitor:
         self._resume_ids = {name: state[f"{name}_run_id"] for name in TRACKERS if state.get(f"{name}_run_id")}
 
     # ------------------------------------------------------------------ outputs
-    def open(self) -> None:
+    def open(self, before_first: Callable[[], None] | None = None) -> None:
         """On rank 0: the trackers (started with every resolved setting, continuing the resumed checkpoint's
-        runs), then ``metrics.jsonl`` under --save, which feeds them."""
+        runs), then ``metrics.jsonl`` under --save, which feeds them (``before_first``: called before its first
+        record is written)."""
         self.trackers = build_trackers(self.settings.logging)
         try:
             self.trackers.start(config_file.plain_settings(self.engine.args), self._resume_ids)
         except BaseException as e:
             self.close_failed(e)  # the trackers started before the one that could not
             raise
-        self.writer = MetricsWriter(self.settings.checkpoint.save, self.trackers, run_id=self.run_id)
+        self.writer = MetricsWriter(
+            self.settings.checkpoint.save, self.trackers, run_id=self.run_id, before_first=before_first
+        )
 
     def close(self, exit_code: int = 0, preempted: bool = False, plot: bool = False) -> None:
         """Close the outputs (rank 0); ``plot``: then draw ``curves.png`` from the finished ``metrics.jsonl``. The
