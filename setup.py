@@ -74,7 +74,6 @@ setup(
         "export": ["gguf>=0.10"],
         # the documentation site: mkdocs serve / mkdocs build (mkdocs.yml, docs/)
         "docs": ["mkdocs-material>=9.5"],
-        "eval": ["lm_eval>=0.4.13,<0.5"],
         "bench": ["accelerate>=1.1", "trl>=1.16,<1.17"],
         "deepspeed": ["deepspeed>=0.14"],
         # 4-bit and 8-bit base weights (QLoRA); CPU support needs 0.48 or newer
