@@ -385,3 +385,18 @@ def test_a_save_inside_a_runs_own_export_is_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--save {inside}: lies inside the Hugging Face export" in err, err
         assert tree_digest(save) == digest
+
+
+def test_a_scripts_own_datasets_without_validation_name_no_split(tmp_path, log_lines):
+    """A Finetuner whose provider makes its own datasets (none for validation) was told that --split's default,
+    which it never used, "gives it none"."""
+
+    class NoValidation(ToyFinetuner):
+        def train_valid_test_datasets_provider(self):
+            return super().train_valid_test_datasets_provider()[0], None, None
+
+    argv = ["--train-iters", "1", "--micro-batch-size", "4", "--global-batch-size", "4"]
+    NoValidation(RapidliteEngine(argv=argv)).train()
+    assert "no validation data: the run trains without evaluating" in log_lines
+    NoValidation(RapidliteEngine(argv=[*argv, "--split", "9,1,0"])).train()  # given: named, as the user's
+    assert "no validation data (--split 9,1,0 gives it none): the run trains without evaluating" in log_lines

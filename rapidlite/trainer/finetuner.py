@@ -143,7 +143,11 @@ class Finetuner(BaseTrainer):
         )
         self._build_eval_loaders(valid_ds, test_ds, collate_fn)
         if self.valid_dataloader is None:
-            split = f" (--split {settings.data.split} gives it none)" if settings.data.split else ""
+            # --split is named where it divided the data: given, or applied by a task's own provider (a user's
+            # train_valid_test_datasets_provider makes its own splits).
+            own = type(self).train_valid_test_datasets_provider.__module__.startswith("rapidlite.")
+            named = settings.data.split and (own or settings.given("split"))
+            split = f" (--split {settings.data.split} gives it none)" if named else ""
             self.logger.warning(f"no validation data{split}: the run trains without evaluating")
 
         accumulation = settings.batching.gradient_accumulation_steps
