@@ -307,3 +307,43 @@ def test_a_two_rank_checkpoint_exports_the_weights_one_process_trains(runs, tmp_
         assert torch.allclose(value, exported["one"][key], atol=1e-5, rtol=1e-4), key
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "two-out")
     assert model.config.num_key_value_heads == 2
+
+
+def test_a_sentencepiece_style_byte_fallback_tokenizer_is_written_as_llamas_vocabulary(tmp_path):
+    """A BPE with byte fallback (LLaMA's SentencePiece tokenizer, here built with ``tokenizers``): llama.cpp's
+    "llama" vocabulary, its 256 byte tokens typed BYTE, one score a token (rank order), the merges and the
+    special ids; a character outside the vocabulary encodes to those byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from rapidlite.checkpoint.gguf_file import write_gguf
+
+    specials = ["<unk>", "<s>", "</s>"]
+    pieces = ["▁", "a", "b", "▁a", "ab", "▁ab"]
+    tokens = [*specials, *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = [("▁", "a"), ("a", "b"), ("▁a", "b")]
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert tok.convert_ids_to_tokens(tok("é", add_special_tokens=False).input_ids)[-2:] == ["<0xC3>", "<0xA9>"]
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    _, note = write_gguf(LlamaForCausalLM(config), tok, tmp_path / "model.gguf", "f32", "byte-fallback")
+    assert note is None
+    reader = gguf.GGUFReader(str(tmp_path / "model.gguf"))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.tokens"] == tokens
+    types = fields["tokenizer.ggml.token_type"]
+    byte, control = int(gguf.TokenType.BYTE), int(gguf.TokenType.CONTROL)
+    assert [i for i, t in enumerate(types) if t == byte] == list(range(3, 259))
+    assert types[1] == types[2] == control and types[-1] == int(gguf.TokenType.NORMAL)
+    assert fields["tokenizer.ggml.scores"] == [-float(i) for i in range(len(tokens))]
+    assert fields["tokenizer.ggml.merges"] == ["▁ a", "a b", "▁a b"]
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"]) == (1, 2)
+    assert fields["tokenizer.ggml.unknown_token_id"] == 0
