@@ -63,7 +63,7 @@ FLAGS = """
 --data-cache-path --moe-permute-fusion --moe-router-dtype --moe-shared-expert-overlap --moe-expert-capacity-factor
 --bert-no-binary-head
 --max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
---precompute-ref-logprobs --desirable-weight --undesirable-weight
+--precompute-ref-logprobs --desirable-weight --undesirable-weight --center-rewards-coefficient
 --chunked-loss --no-chunked-loss
 --offload-activations
 --device-profile --search

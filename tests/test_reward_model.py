@@ -87,14 +87,16 @@ def _reward_model(model_dir, pad_id):
     return model
 
 
-def _trl_trainer(model_dir, model, rows, max_length=1024, chat_template=None):
+def _trl_trainer(model_dir, model, rows, max_length=1024, chat_template=None, **config):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     if chat_template is not None:
         tok.chat_template = chat_template
-    config = trl.RewardConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=max_length)
+    config = trl.RewardConfig(
+        output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=max_length, **config
+    )
     return trl.RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok), tok
 
 
@@ -130,12 +132,17 @@ def _trainer(model_dir, data_dir, *extra):
     return trainer, train, collate
 
 
-@pytest.mark.parametrize("data", ["pairs", "margin"])
+@pytest.mark.parametrize("data", ["pairs", "margin", "centred"])
 def test_loss_and_metrics_equal_trls_reward_trainer(assets, data):
     """The first step's loss, accuracy, margin and mean reward of 8 pairs of varied lengths (right padding: the score
-    is read at each row's last token) equal RewardTrainer.compute_loss's, with and without a margin column."""
+    is read at each row's last token) equal RewardTrainer.compute_loss's, with and without a margin column, and with
+    TRL's center_rewards_coefficient."""
     model_dir, root = assets
-    trainer, train, collate = _trainer(model_dir, root / data)
+    centre = {"center_rewards_coefficient": 0.5} if data == "centred" else {}
+    data = "pairs" if data == "centred" else data
+    trainer, train, collate = _trainer(
+        model_dir, root / data, *(["--center-rewards-coefficient", "0.5"] if centre else [])
+    )
     model = _reward_model(model_dir, trainer.pad_id)
     batch = collate(train[:8])
     assert ("margin" in batch) == (data == "margin")
@@ -144,7 +151,7 @@ def test_loss_and_metrics_equal_trls_reward_trainer(assets, data):
     loss_sum, pairs = trainer.run_forward_step(batch, model)
     ours = trainer.monitor.step_metrics.means(trainer.monitor.step_metrics.vector())
 
-    theirs_trainer, _ = _trl_trainer(model_dir, copy.deepcopy(model), read_jsonl(root / data)[:8])
+    theirs_trainer, _ = _trl_trainer(model_dir, copy.deepcopy(model), read_jsonl(root / data)[:8], **centre)
     theirs_batch = theirs_trainer.data_collator([theirs_trainer.train_dataset[i] for i in range(8)])
     theirs_trainer.model.train()
     loss = theirs_trainer.compute_loss(theirs_trainer.model, theirs_batch)

@@ -6,7 +6,8 @@ than ``--max-length`` is dropped and counted, since the score is read at its las
 rejected sequences go through one forward pass as ``[2 x pairs, length]``, chosen rows first (TRL's order), right
 padded with the pad id the model's config is given (a sequence classifier reads each row's score at its last
 non-pad token). The loss of a pair is the Bradley-Terry ``-logsigmoid(r_chosen - r_rejected - margin)``, the margin
-from the data's ``margin`` column (0 without one).
+from the data's ``margin`` column (0 without one); ``--center-rewards-coefficient C`` adds TRL's
+``C * (r_chosen + r_rejected)^2`` to each pair's loss.
 
 The forward step returns ``(loss_sum over pairs, pairs)``: any split into micro-batches and ranks trains as one
 batch. Metrics are TRL's names, means over the interval's (or the validation split's) pairs on every rank:
@@ -94,6 +95,9 @@ class RewardModelFinetuner(CausalLMFinetuner):
     def run_forward_step(self, batch, model):
         chosen, rejected = pair_rewards(model, batch)
         losses = bradley_terry(chosen, rejected, batch.get("margin"))
+        centre = self.settings.task_options.center_rewards_coefficient
+        if centre:  # TRL's: its mean over the pairs, here each pair's share of the summed loss
+            losses = losses + centre * (chosen + rejected) ** 2
         self.record_metrics(self.engine.strategy.module(model).training, chosen.detach(), rejected.detach())
         return losses.sum(), chosen.shape[0]
 
