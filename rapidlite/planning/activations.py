@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from rapidlite.config.settings import Sections
+from rapidlite.errors import first_line
 from rapidlite.models.chunked_loss import FORWARD_GRAD, PASSING
 from rapidlite.planning.model import forward_loss
 
@@ -120,7 +121,7 @@ def profile_activations(
             if func is _GROUPED_MM and args[0].device.type == "meta":  # its meta function takes bf16 only
                 out = args[0].new_empty((args[0].shape[0], args[1].shape[-1]))
             elif func is _ITEM and args[0].device.type == "meta":
-                return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+                return torch.zeros((), dtype=args[0].dtype).item()
             else:
                 out = func(*args, **(kwargs or {}))
             if func in _SAVE_OPS:
@@ -183,7 +184,7 @@ def profile_activations(
         with FusedAttention(cpu), Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             forward_loss(model, ids, inputs_per_sample, chunked)
     except (RuntimeError, NotImplementedError) as e:  # an op the meta device cannot run on values it lacks
-        raise ProfileError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+        raise ProfileError(first_line(e)) from e
     finally:
         for h in handles:
             h.remove()
