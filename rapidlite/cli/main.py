@@ -16,6 +16,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Sequence
+from types import TracebackType
 
 from rapidlite.cli.entry import end_process, run_command
 from rapidlite.config.parser import parse_known
@@ -69,15 +70,21 @@ class ScriptFailed(RapidliteError):
     exit_code = 1
 
 
+def _script_frames(error: BaseException, script: str) -> TracebackType | None:
+    """``error``'s traceback from its first frame in ``script`` on, or None."""
+    tb, path = error.__traceback__, os.path.realpath(script)
+    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    return tb
+
+
 def script_traceback(error: BaseException, script: str) -> str | None:
     """``error``'s traceback from the first frame in ``script`` on (a syntax error in it: the offending line),
     or None when the error did not arise in the script."""
-    path = os.path.realpath(script)
-    if isinstance(error, SyntaxError) and error.filename and os.path.realpath(error.filename) == path:
-        return "".join(traceback.format_exception_only(error))
-    tb = error.__traceback__
-    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
-        tb = tb.tb_next
+    if isinstance(error, SyntaxError) and error.filename:
+        if os.path.realpath(error.filename) == os.path.realpath(script):
+            return "".join(traceback.format_exception_only(error))
+    tb = _script_frames(error, script)
     if tb is None:
         return None
     return "".join(traceback.format_exception(type(error), error, tb))
@@ -98,9 +105,7 @@ def _missing_base(error: BaseException, script: str) -> str:
     if not isinstance(error, TypeError) or not message.endswith("() takes no arguments"):
         return ""
     name = message.removesuffix("() takes no arguments")
-    tb, path = error.__traceback__, os.path.realpath(script)
-    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != path:
-        tb = tb.tb_next
+    tb = _script_frames(error, script)
     cls = tb.tb_frame.f_globals.get(name) if tb is not None else None
     methods = [m for m in TRAINER_METHODS if isinstance(cls, type) and m in vars(cls)]
     if not methods:
