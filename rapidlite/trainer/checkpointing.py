@@ -32,7 +32,6 @@ class Checkpointing:
         self._resume_rng: dict[str, Any] | None = None
         self._saved_config: str | None = None  # iter_N/config.yaml: the settings, loadable with --config
         self._cleared = False  # --overwrite: rank 0 removed the earlier run (see clear_earlier_run)
-        self._first_save = True
 
     @property
     def resuming(self) -> bool:
@@ -76,11 +75,11 @@ class Checkpointing:
                 f"iteration {trainer.iteration}: the weights hold NaN/inf, so no checkpoint is written; "
                 f"{self.last_good()} (lower --lr, clip gradients with --clip-grad)"
             )
-        if self.ckpt.overwrite_save and self._first_save:  # every rank: no shard lands before the removal
+        # This launch's first checkpoint (--overwrite never resumes): no rank's shard lands before the removal.
+        if self.ckpt.overwrite_save and self.last_saved < 0:
             if self.engine.is_main_process:
                 self.clear_earlier_run()
             self.engine.barrier()
-        self._first_save = False
         optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
         # A run resumed from here continues the trackers' runs (W&B, MLflow).
         state = {
