@@ -217,7 +217,8 @@ def assert_close_lists(actual, expected, rtol):
 
 def layout_runs(root: Path, argv: list[str], layouts: dict[str, list[str]]):
     """``get(name)``: the run of layout ``name`` (``argv`` + its flags, 6 iterations, checkpoints at 3 and 6),
-    trained once and shared by the tests of a module (a one-process layout in the test process)."""
+    trained once and shared by the tests of a module (a one-process layout in the test process); its output is
+    kept beside it, in ``name.log``."""
     done: dict[str, Path] = {}
 
     def get(name: str) -> Path:
@@ -226,6 +227,7 @@ def layout_runs(root: Path, argv: list[str], layouts: dict[str, list[str]]):
             run = rapidlite if "--nproc-per-node" in layouts[name] else rapidlite_captured
             proc = run(*argv, *layouts[name], "--train-iters", "6", "--save-interval", "3", "--save", str(save))
             assert proc.returncode == 0, proc.stderr[-3000:]
+            (root / f"{name}.log").write_text(proc.stdout + proc.stderr)
             done[name] = save
         return done[name]
 

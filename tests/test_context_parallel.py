@@ -7,7 +7,19 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import (
+    REPO,
+    assert_close_lists,
+    bert_run_args,
+    layout_runs,
+    rapidlite,
+    rapidlite_captured,
+    read_metrics,
+    stopped_copy,
+    train_losses,
+    write_tiny_corpus,
+)
+from rapidlite.checkpoint.dcp import read_model_tensors
 from rapidlite.parallel.context_parallel import segments_from_positions, shard, shard_indices, unshard
 
 # Every case on N forked ranks over gloo: each rank attends its load-balanced shard and compares its output and
@@ -96,3 +108,144 @@ def test_the_split_balances_causal_work_and_reassembles():
     with pytest.raises(ValueError, match="not divisible by 2 x context-parallel size 4"):
         shard_indices(12, 4, 0)
     assert segments_from_positions(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [[1, 1, 1, 2, 2, 3]]
+
+
+# ---------------------------------------------------------------------------------------- whole runs, 1 process
+
+MODEL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32"]
+MODEL += ["--num-attention-heads", "4", "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
+COMMON = ["--task", "pretraining", *MODEL, "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1"]
+COMMON += ["--lr-decay-iters", "6", "--eval-interval", "6", "--eval-iters", "1"]
+CP2 = ["--micro-batch-size", "4", "--nproc-per-node", "2", "--context-parallel-size", "2"]
+LAYOUTS = {
+    "single": ["--micro-batch-size", "4"],
+    "cp2_p2p": CP2,
+    "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
+    "cp2_dp2_zero3": ["--micro-batch-size", "2", "--nproc-per-node", "4", "--context-parallel-size", "2",
+                      "--zero-3-memory-optimization"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+
+    prefix = tmp_path_factory.mktemp("cp_data") / "tiny_text_document"
+    write_tiny_corpus(prefix)
+    return ["--data-path", str(prefix)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+
+    return layout_runs(tmp_path_factory.mktemp("cp_runs"), [*COMMON, *data], LAYOUTS)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["cp2_p2p", "cp2_a2a", "cp2_dp2_zero3"])
+def test_context_parallel_trains_like_one_process(runs, layout):
+    """The built-in GPT, each sequence split over 2 ranks (and with 2 data-parallel replicas under ZeRO-3 on
+    4 ranks): the same losses, gradient norms, evaluation and parameters as one process."""
+
+    reference, run = runs("single"), runs(layout)
+    comm = "a2a" if "a2a" in layout else "p2p"
+    output = (run.parent / f"{layout}.log").read_text()
+    assert f"context parallelism: this rank trains 16 of the 32 tokens of each sequence ({comm})" in output
+    assert len(train_losses(run)) == 6
+    assert_close_lists(train_losses(run), train_losses(reference), rtol=1e-5)
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(reference, "grad_norm"), rtol=1e-5)
+    evaluations = [
+        [r["loss"] for r in read_metrics(save) if r.get("split") == "validation"] for save in (run, reference)
+    ]
+    assert len(evaluations[0]) == 1
+    assert_close_lists(*evaluations, rtol=1e-5)
+    expected, actual = read_model_tensors(reference / "iter_0000006"), read_model_tensors(run / "iter_0000006")
+    assert actual.keys() == expected.keys()
+    for k, v in expected.items():
+        assert (actual[k] - v).abs().max().item() < 1e-5, k
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny LLaMA config (grouped-query attention: 4 heads, 2 key/value heads)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("cp_llama") / "config"
+    LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=98, max_position_embeddings=64, bos_token_id=96, eos_token_id=96,
+    ).save_pretrained(path)  # fmt: skip
+    return ["--pretrained-model-name-or-path", str(path)]
+
+
+def _pair(root, argv, layout, iterations="4"):
+    """``argv`` trained in one process and under ``layout`` (4 iterations each); the two save directories."""
+
+    saves = {}
+    for name, run, flags in (("single", rapidlite_captured, LAYOUTS["single"]), ("split", rapidlite, layout)):
+        saves[name] = root / name
+        proc = run(*argv, *flags, "--train-iters", iterations, "--save", str(saves[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return saves["single"], saves["split"]
+
+
+def _same_curve(run, reference, iterations=4):
+
+    assert len(train_losses(run)) == iterations
+    assert_close_lists(train_losses(run), train_losses(reference), rtol=1e-5)
+    assert_close_lists(train_losses(run, "grad_norm"), train_losses(reference, "grad_norm"), rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["llama_p2p", "llama_a2a_packed", "gpt_p2p_packed", "llama_lora"])
+def test_more_context_parallel_runs_train_like_one_process(data, llama, tmp_path, case):
+    """A Hugging Face LLaMA (grouped-query attention) by ring and by all-to-all; packed documents that cross
+    the shards (the built-in GPT's --reset-attention-mask, LLaMA's restarting positions); LoRA adapters."""
+    model = [*COMMON, *llama] if case.startswith("llama") else [*COMMON]
+    if case.endswith("packed"):
+        model += ["--reset-position-ids"] + (["--reset-attention-mask"] if case.startswith("gpt") else [])
+    if case == "llama_lora":
+        model += ["--lora-rank", "4"]
+    layout = [*CP2, "--cp-comm-type", "a2a"] if "a2a" in case else CP2
+    reference, run = _pair(tmp_path, [*model, *data], layout)
+    _same_curve(run, reference)
+
+
+@pytest.mark.distributed
+def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, data, tmp_path):
+    """Stopped after iteration 3 of the CP2 run, resumed on one process: the rest of the one-process curve."""
+
+    resumed = stopped_copy(runs("cp2_p2p"), tmp_path / "resumed", 3)
+    argv = [*COMMON, *data, *LAYOUTS["single"], "--train-iters", "6", "--load", str(resumed), "--save", str(resumed)]
+    proc = rapidlite_captured(*argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close_lists(train_losses(resumed), train_losses(runs("single")), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seq-length", "30"], "--seq-length 30 is not divisible by 2 x 2"),
+        (["--attention-dropout", "0.1"], "attention dropout 0.1 is not split over ranks; add --attention-dropout 0"),
+        (["--num-attention-heads", "1", "--hidden-size", "32", "--cp-comm-type", "a2a"],
+         "1 attention heads are not all divisible by 2; use --cp-comm-type p2p"),
+        (["--nproc-per-node", "4", "--tensor-model-parallel-size", "2"],
+         "with --tensor-model-parallel-size: context parallelism does not combine with tensor parallelism yet"),
+        (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline x context parallel size 1 x 1 x 2"),
+    ],
+)  # fmt: skip
+def test_what_context_parallelism_cannot_split_is_one_line(data, flags, message):
+
+    argv = [*COMMON, *data, *CP2, "--train-iters", "1", *flags]
+    launched = "--num-attention-heads" in flags  # found on the model, in the launched ranks
+    proc = (rapidlite if launched else rapidlite_captured)(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_encoders_and_other_tasks_are_refused(tmp_path):
+
+    proc = rapidlite_captured(*bert_run_args(tmp_path), "--context-parallel-size", "2", "--nproc-per-node", "2")
+    assert proc.returncode == 2 and "BERT is an encoder" in proc.stderr, proc.stderr[-2000:]
+    proc = rapidlite_captured("--task", "sequence_classification", "--demo", *CP2[2:])
+    assert proc.returncode == 2 and "--task sequence_classification does not split its sequences" in proc.stderr

@@ -46,7 +46,8 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the run is split: ZeRO/FSDP, tensor, pipeline and data parallelism, DeepSpeed, the process group."""
+    """How the run is split: ZeRO/FSDP, tensor, pipeline, context and data parallelism, DeepSpeed, the process
+    group."""
 
     GROUP: ClassVar[str] = MEMORY_AND_SPEED
 
@@ -64,6 +65,16 @@ class ParallelConfig:
         1,
         "mixture of experts: split each layer's experts over this many data-parallel ranks, the tokens sent to "
         "their experts by all-to-all",
+    )
+    context_parallel_size: int = flag(
+        1,
+        "split each sequence over this many ranks (long context); attention crosses them as --cp-comm-type says",
+    )
+    cp_comm_type: str = flag(
+        "p2p",
+        "context parallelism's attention: p2p (ring: key/value blocks passed round, any head count) or a2a "
+        "(Ulysses: all-to-all to head shards; heads divisible by --context-parallel-size)",
+        choices=("p2p", "a2a"),
     )
     pipeline_schedule: str | None = flag(
         None,
@@ -105,7 +116,7 @@ class ParallelConfig:
         group=MEGATRON,
     )
     world_size: int = derived(1, "processes of the whole job")
-    data_parallel_size: int = derived(1, "world size / (tensor x pipeline parallel size)")
+    data_parallel_size: int = derived(1, "world size / (tensor x pipeline x context parallel size)")
     deepspeed_user_config: dict | None = derived(None, "the --deepspeed-config file's contents")
     deepspeed_accumulation: int | None = derived(None, "the accumulation steps the DeepSpeed file asks for")
 

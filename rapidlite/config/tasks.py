@@ -93,6 +93,9 @@ class TaskSpec:
     generation: Callable[[Any], tuple[int, int]] | None = None
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
     streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
+    # --context-parallel-size: the task cuts its fixed-length sequences into the ranks' shards (its check
+    # refuses the models it cannot split)
+    context_parallel: bool = False
 
     def model_class_name(self, model_type: str | None) -> str | None:
         """The ``transformers`` class this task builds for a config of ``model_type``."""

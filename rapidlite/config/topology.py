@@ -31,7 +31,7 @@ class Topology:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    cp: int = 1  # context parallelism: 1 until it lands
+    cp: int = 1  # context parallelism: each sequence split over cp ranks, which share the replica's batch
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp x cp ranks
     zero_stage: int = 0
     cpu_offload: bool = False
@@ -57,17 +57,19 @@ class Topology:
             raise ConfigError(f"backend {self.backend!r}: must be one of {', '.join(BACKENDS)}")
 
     @classmethod
-    def split(cls, world_size: int, tp: int = 1, pp: int = 1, **layout: object) -> Topology:
-        """The world split by tensor and pipeline parallelism, the rest data parallel (refused, one line, where
-        ``world_size`` is not a multiple of tp x pp)."""
-        model_parallel = tp * pp
+    def split(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, **layout: object) -> Topology:
+        """The world split by tensor, pipeline and context parallelism, the rest data parallel (refused, one
+        line, where ``world_size`` is not a multiple of tp x pp x cp)."""
+        model_parallel = tp * pp * cp
         if world_size % model_parallel:
+            sizes = f"tensor x pipeline parallel size {tp} x {pp}"
+            if cp > 1:
+                sizes = f"tensor x pipeline x context parallel size {tp} x {pp} x {cp}"
             raise ConfigError(
-                f"the world of {world_size} process{'es' if world_size > 1 else ''} is not divisible by tensor x "
-                f"pipeline parallel size {tp} x {pp}: set --nproc-per-node (x --nnodes) to a multiple of "
-                f"{model_parallel}"
+                f"the world of {world_size} process{'es' if world_size > 1 else ''} is not divisible by {sizes}: "
+                f"set --nproc-per-node (x --nnodes) to a multiple of {model_parallel}"
             )
-        return cls(world_size=world_size, dp=world_size // model_parallel, tp=tp, pp=pp, **layout)  # type: ignore[arg-type]
+        return cls(world_size=world_size, dp=world_size // model_parallel, tp=tp, pp=pp, cp=cp, **layout)  # type: ignore[arg-type]
 
     @property
     def deepspeed(self) -> bool:
@@ -96,12 +98,43 @@ class Topology:
         return index
 
     @property
+    def reduce_size(self) -> int:
+        """The ranks whose gradients are averaged, dp x cp: context-parallel ranks hold different tokens of the
+        same samples, so their gradients are summed like data-parallel ones."""
+        return self.dp * self.cp
+
+    @property
     def name(self) -> str:
         """The data-parallel layout as the logs name it (``ZeRO-2 (FSDP2) + CPU offload``)."""
         offload = " + CPU offload" if self.cpu_offload else ""
         if self.deepspeed:
             return f"DeepSpeed ZeRO-{self.zero_stage}{offload}"
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + offload
+
+
+def check_context_parallel(topology: Topology, seq_length: int | None) -> None:
+    """One line for a layout context parallelism does not compose with (yet), or a sequence it cannot split."""
+    cp = topology.cp
+    if cp <= 1:
+        return
+    flag = f"--context-parallel-size {cp}"
+    others = [
+        (topology.deepspeed, "--deepspeed", "DeepSpeed's engine"),
+        (topology.tp > 1, "--tensor-model-parallel-size", "tensor parallelism"),
+        (topology.pp > 1, "--pipeline-model-parallel-size", "pipeline parallelism"),
+        (topology.ep > 1, "--expert-model-parallel-size", "expert parallelism"),
+    ]
+    for given, other, what in others:
+        if given:
+            raise ConfigError(
+                f"{flag} with {other}: context parallelism does not combine with {what} yet; combine it with data "
+                "parallelism (DDP or ZeRO-1/2/3)"
+            )
+    if seq_length is not None and seq_length % (2 * cp):
+        raise ConfigError(
+            f"{flag}: --seq-length {seq_length} is not divisible by 2 x {cp} (each rank holds two of 2 x {cp} "
+            f"equal chunks): use a multiple of {2 * cp}"
+        )
 
 
 @dataclass(frozen=True)

@@ -376,14 +376,18 @@ def gpt_batch(
     reset_attention_mask: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """Megatron's ``get_ltor_masks_and_position_ids``: inputs, labels, loss mask, position ids and (with
-    ``reset_attention_mask``) a causal mask that does not cross EOD tokens (``True`` = attend)."""
+    ``reset_attention_mask``) a causal mask that does not cross EOD tokens (``True`` = attend), with the same
+    documents as numbers per token (``segment_ids``: a document starts after each EOD)."""
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     batch, length = tokens.shape
     loss_mask = torch.ones_like(tokens, dtype=torch.float32)
     if eod_mask_loss and eod is not None:
         loss_mask[tokens == eod] = 0.0
     position_ids = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length).clone()
-    attention_mask = None
+    attention_mask = segment_ids = None
+    if reset_attention_mask and eod is not None:
+        after_eod = (tokens[:, :-1] == eod).long().cumsum(1)
+        segment_ids = torch.cat((torch.zeros_like(tokens[:, :1]), after_eod), dim=1)
     if reset_attention_mask:
         attention_mask = torch.tril(torch.ones(length, length, dtype=torch.bool, device=tokens.device))
         attention_mask = attention_mask.unsqueeze(0).repeat(batch, 1, 1).unsqueeze(1)
@@ -402,6 +406,7 @@ def gpt_batch(
         "loss_mask": loss_mask,
         "position_ids": position_ids,
         "attention_mask": attention_mask,
+        "segment_ids": segment_ids,
     }
 
 

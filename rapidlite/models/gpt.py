@@ -125,13 +125,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, h, bias=config.bias)
         self.v_proj = nn.Linear(h, h, bias=config.bias)
         self.out_proj = nn.Linear(h, h, bias=config.bias)
+        # Context parallelism's attention (``rapidlite.parallel.context_parallel``), set on the running model:
+        # called on this rank's shard of the sequence as ``context_parallel(q, k, v, causal, segment_ids)``.
+        self.context_parallel: Any = None
 
     @property
     def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         return self.q_proj, self.k_proj, self.v_proj
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
@@ -139,7 +146,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         dropout = self.dropout if self.training else 0.0
-        if attention_mask is None:
+        if self.context_parallel is not None:
+            y = self.context_parallel(q, k, v, True, segment_ids)
+        elif attention_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)
@@ -174,9 +183,13 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x), rope, attention_mask))
+        x = x + self.dropout(self.attention(self.input_norm(x), rope, attention_mask, segment_ids))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -255,6 +268,7 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, int]:
         """Logits ``[b, s, padded_vocab]`` (in the compute dtype); with ``labels``, ``(loss_sum, num_tokens)``.
 
@@ -263,6 +277,8 @@ class GPTModel(nn.Module):
         it replaces the causal mask, so it must be causal itself. ``labels`` ``[b, s]``: next-token ids, -100
         ignored. ``loss_mask`` ``[b, s]`` (float or bool): positions with 0 are left out. ``loss_sum`` is the
         fp32 0-dim sum of token cross-entropies, ``num_tokens`` the Python int count of the tokens summed.
+        ``segment_ids`` ``[b, s]``: under context parallelism (where this rank holds a shard of each sequence),
+        the document number of each token, for the mask that ``attention_mask`` gives in one process.
         """
         b, s = input_ids.shape
         c = self.config
@@ -275,7 +291,7 @@ class GPTModel(nn.Module):
         rope = rope_angles(position_ids, c.head_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
         x = self.embedding(input_ids, position_ids)
         for layer in self.layers:
-            x = layer(x, rope, attention_mask)
+            x = layer(x, rope, attention_mask, segment_ids)
         hidden = self.final_norm(x)
         if chunks_loss(self.output, labels, self.chunked_loss):
             return chunked_head_loss(self.output, hidden, labels, loss_mask, self.per_token_loss)

@@ -27,10 +27,13 @@ on CUDA the memory-efficient kernel (the path no machine here runs; ``docs/guide
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rapidlite.errors import ConfigError
 
 COMM_TYPES = ("p2p", "a2a")
 
@@ -56,6 +59,17 @@ def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     joined = torch.cat(parts, dim)
     order = torch.cat([shard_indices(joined.shape[dim], cp, i, joined.device) for i in range(cp)])
     return joined.index_select(dim, torch.argsort(order))
+
+
+def shard_batch(batch: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
+    """``batch`` with every per-token tensor (``[b, s]``: ids, labels, masks, positions, document numbers) cut
+    to rank ``rank``'s shard; other values as they are."""
+    length = batch["input_ids"].shape[1]
+    return {
+        key: shard(value, cp, rank) if torch.is_tensor(value) and value.ndim == 2 and value.shape[1] == length
+        else value
+        for key, value in batch.items()
+    }  # fmt: skip
 
 
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -371,3 +385,107 @@ def context_parallel_attention(
     """Exact attention of the local shard over the group's whole sequence, by ``comm_type`` (``p2p``/``a2a``)."""
     attend = {"p2p": ring_attention, "a2a": ulysses_attention}[comm_type]
     return attend(q, k, v, group, causal=causal, segment_ids=segment_ids, scale=scale)
+
+
+# ------------------------------------------------------------------------------------------------- the models
+
+HF_ATTENTION = "rapidlite_context_parallel"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The attention of one context-parallel group, as the models call it: ``cp(q, k, v, causal, segment_ids,
+    scale)`` on the rank's shard (SDPA's layout, ``[b, heads, s_local, d]``)."""
+
+    group: Any
+    comm_type: str
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = True,
+        segment_ids: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.group, self.comm_type, causal, segment_ids, scale)
+
+    def shard(self, tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
+        """This rank's part of a per-token tensor (None stays None)."""
+        return None if tensor is None else shard(tensor, self.size, self.rank, dim)
+
+
+def apply_context_parallel(model: torch.nn.Module, group: Any, comm_type: str) -> ContextParallel:
+    """Route ``model``'s attention through context parallelism over ``group``: the built-in GPT's attention
+    modules and a Hugging Face decoder's (through transformers' ``AttentionInterface``) call ``ContextParallel``
+    on their shard. A model whose attention neither takes is refused with one line naming it."""
+    cp = ContextParallel(group, comm_type)
+    hf = getattr(model, "config", None) is not None and hasattr(model, "set_attn_implementation")
+    targets = [m for m in model.modules() if hasattr(m, "context_parallel")]  # the built-in GPT's attention
+    if hf:
+        targets = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
+    if not targets:
+        name = type(model).__name__
+        raise ConfigError(
+            f"--context-parallel-size: {name}'s attention cannot be split over ranks; context parallelism serves "
+            "the built-in GPT and Hugging Face decoders whose attention goes through transformers' "
+            "AttentionInterface (LLaMA, Mistral, Qwen2, Qwen3)"
+        )
+    if comm_type == "a2a":
+        config = getattr(model, "config", None)
+        heads = getattr(targets[0], "num_heads", None) or config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % cp.size or kv_heads % cp.size:
+            counts = f"{heads} attention heads" + (f" and {kv_heads} key/value heads" if kv_heads != heads else "")
+            raise ConfigError(
+                f"--context-parallel-size {cp.size} --cp-comm-type a2a: {counts} are not all divisible by "
+                f"{cp.size}; use --cp-comm-type p2p (ring attention takes any head count)"
+            )
+    for module in targets:
+        module.context_parallel = cp
+    if hf:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(HF_ATTENTION, hf_attention)
+        model.set_attn_implementation(HF_ATTENTION)  # no mask is built for it: the shards' mask is implicit
+    return cp
+
+
+def hf_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature over ``module.context_parallel``: output ``[b, s_local, heads, d]``.
+    ``cp_segment_ids`` (passed down from the model's forward): packed documents' numbers."""
+    cp: ContextParallel = module.context_parallel
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.shape[2] * cp.size:
+        raise ConfigError(
+            f"--context-parallel-size: {type(module).__name__} uses sliding-window attention ({window} tokens) "
+            f"over a {query.shape[2] * cp.size}-token sequence, which context parallelism does not compute; use "
+            f"--seq-length {window} or less, or a model without a sliding window"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ConfigError(
+            f"--context-parallel-size: {type(module).__name__} soft-caps its attention scores, which context "
+            "parallelism does not compute; use a model without attention soft-capping"
+        )
+    if dropout:
+        raise ConfigError("--context-parallel-size needs --attention-dropout 0 (attention dropout is not split)")
+    out = cp(query, key, value, bool(module.is_causal), kwargs.get("cp_segment_ids"), scaling)
+    return out.transpose(1, 2).contiguous(), None

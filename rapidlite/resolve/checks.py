@@ -12,7 +12,7 @@ from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, check_options, get_task, task_names
-from rapidlite.config.topology import Batching, Topology
+from rapidlite.config.topology import Batching, Topology, check_context_parallel
 from rapidlite.errors import ConfigError
 from rapidlite.resolve.topology import zero_stage
 from rapidlite.runtime.environ import env_int, launch_value
@@ -214,6 +214,13 @@ def check_task(
         load_harness(args.eval_harness)  # read and checked before anything loads
     if args.streaming:
         check_streaming(task, args)
+    if args.context_parallel_size > 1 and not task.context_parallel:
+        raise ConfigError(
+            f"--context-parallel-size: --task {task.name} does not split its sequences over ranks; context "
+            "parallelism serves --task pretraining (GPT-style models)"
+        )
+    if topology is not None:
+        check_context_parallel(topology, args.seq_length)
     if task.check is not None:
         task.check(Sections.of(vars(args), topology, batching))
 

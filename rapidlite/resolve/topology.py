@@ -18,7 +18,8 @@ spelling                                          Topology / Batching
 ``--cpu-offload``                                 cpu_offload
 ``zero_optimization.offload_optimizer.device``    cpu_offload (``"cpu"``), where ``--cpu-offload`` is not given
 ``--deepspeed``, ``--deepspeed-config``           backend ``deepspeed`` (else ``torch``)
-``--tensor/pipeline-model-parallel-size``         tp, pp; dp = world / (tp x pp)
+``--tensor/pipeline-model-parallel-size``         tp, pp; dp = world / (tp x pp x cp)
+``--context-parallel-size``                       cp
 ``--micro-batch-size``                            micro_batch_size
 ``train_micro_batch_size_per_gpu`` (DeepSpeed)    micro_batch_size, where the flag is not given
 ``--global-batch-size``                           global_batch_size (default: micro x dp)
@@ -162,6 +163,7 @@ def topology_of(args: argparse.Namespace, world_size: int) -> Topology:
         world_size,
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
+        cp=args.context_parallel_size,
         ep=args.expert_model_parallel_size,
         zero_stage=zero_stage(args),
         cpu_offload=args.cpu_offload,

@@ -91,14 +91,34 @@ class DistributedContext:
 
     @property
     def dp_group(self) -> Any:
+        """The data-parallel ranks: replicas that read different samples."""
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
     @property
+    def cp_rank(self) -> int:
+        return self.topology.coordinates(self.rank)["cp"]
+
+    @property
+    def cp_group(self) -> Any:
+        """The context-parallel ranks that split this rank's sequences (None without context parallelism)."""
+        return self.mesh.get_group("cp") if self.mesh is not None and self.topology.cp > 1 else None
+
+    @property
     def dp_mesh(self) -> Any:
-        """The data-parallel (sub-)mesh: what DDP/FSDP shard and average over."""
+        """What DDP/FSDP shard and average over: the data-parallel (sub-)mesh, flattened with the
+        context-parallel one where there is one (their ranks hold different tokens of the same model)."""
         if self.mesh is None:
             return None
+        if self.topology.cp > 1:
+            return self.mesh["dp_cp"]
         return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
+
+    @property
+    def reduce_group(self) -> Any:
+        """The ranks whose gradients, losses and token counts are summed: dp (x cp)."""
+        if self.mesh is None:
+            return None
+        return self.dp_mesh.get_group() if self.topology.cp > 1 else self.dp_group
 
     @property
     def tp_mesh(self) -> Any:
@@ -114,11 +134,12 @@ class DistributedContext:
 
     # ---------------------------------------------------------------- collectives (no-ops on one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Sum (or max) over data-parallel ranks; returns a new tensor on the tensor's device."""
-        if not self.initialized or self.dp_size == 1:
+        """Sum (or max) over data-parallel ranks (and context-parallel ones: their tokens differ); returns a new
+        tensor on the tensor's device."""
+        if not self.initialized or self.topology.reduce_size == 1:
             return tensor
         work = tensor.detach().to(self.device, copy=True)
-        dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.dp_group)
+        dist.all_reduce(work, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.reduce_group)
         return work.to(tensor.device)
 
     def all_reduce_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -225,6 +246,8 @@ def init_distributed(
         global _COLLECTIVE_TIMEOUT
         _COLLECTIVE_TIMEOUT = timeout
     ctx.mesh = device_mesh(device.type, topology)
+    if topology.cp > 1:  # built here, by every rank at once: a mesh's new group is a collective
+        ctx.mesh["dp", "cp"]._flatten("dp_cp")
     if topology.ep > 1:
         ctx.expert_mesh = expert_mesh(device.type, topology)
     return ctx

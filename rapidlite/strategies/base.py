@@ -130,6 +130,10 @@ class Strategy:
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.dist.tp_mesh, self.config.parallel.sequence_parallel)
+        if self.dist.cp_group is not None:
+            from rapidlite.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, self.dist.cp_group, self.config.parallel.cp_comm_type)
         if cfg.checkpoint_activations:
             apply_activation_checkpointing(model, cfg.recompute_granularity, cfg.recompute_num_layers)
         if cfg.torch_compile:
@@ -214,12 +218,12 @@ class Strategy:
 
     def grad_divisor(self, summed: bool, num_items: float, micro_batches: int) -> float:
         """What the summed gradients are divided by: the micro-batch count for mean losses; for
-        ``(loss_sum, num_items)`` the items of the whole global batch, times the data-parallel size that the
-        replicas' averaging already divided by."""
+        ``(loss_sum, num_items)`` the items of the whole global batch, times the data- (x context-) parallel
+        size that the replicas' averaging already divided by."""
         if not summed:
             return micro_batches
         total = self.dist.all_reduce(torch.tensor(float(num_items), dtype=torch.float64), "sum")
-        return max(float(total), 1.0) / self.dist.dp_size
+        return max(float(total), 1.0) / self.topology.reduce_size
 
     # ------------------------------------------------------------------ checkpoints and export
     def module(self, model: Any) -> torch.nn.Module:

@@ -30,9 +30,10 @@ class DataParallel(Strategy):
     def name(self) -> str:
         if not self.dist.initialized:
             return "single process"
-        tp, ep = self.topology.tp, self.topology.ep
+        tp, ep, cp = self.topology.tp, self.topology.ep, self.topology.cp
         return (
             self.topology.name
+            + (f" x context parallel {cp} ({self.config.parallel.cp_comm_type})" if cp > 1 else "")
             + (f" x tensor parallel {tp}" if tp > 1 else "")
             + (f" x expert parallel {ep}" if ep > 1 else "")
         )
@@ -81,7 +82,7 @@ class DataParallel(Strategy):
             apply_data_parallel(model, self.dist.dp_mesh, self.topology, self.precision.dtype, self.dist.edp_mesh)
 
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
-        zero1_group = self.dist.dp_group if self.dist.initialized and self.topology.zero_stage == 1 else None
+        zero1_group = self.dist.reduce_group if self.dist.initialized and self.topology.zero_stage == 1 else None
         optimizer = optimizer or build_optimizer(model, self.config.optim, zero1_group)
         scaler = LossScaler.of(self.config.precision) if self.precision.name == "fp16" else None
         hooks, warn = self.step_hooks(), self.ctx.is_main_process
@@ -105,8 +106,8 @@ class DataParallel(Strategy):
     def _replica_averager(self) -> Any:
         """The gradient average over data-parallel replicas where no wrapper does it (model parallelism, and the
         experts under DDP with expert parallelism)."""
-        if self.model_parallel and not self.topology.fully_sharded and self.dist.dp_size > 1:
-            return gradient_averager(self.dist.dp_group, self.dist.dp_size)
+        if self.model_parallel and not self.topology.fully_sharded and self.topology.reduce_size > 1:
+            return gradient_averager(self.dist.reduce_group, self.topology.reduce_size)
         if self.expert_modules:
             from rapidlite.parallel.expert_parallel import expert_gradient_averager
 

@@ -31,6 +31,7 @@ from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.models.head import chunkable_head, local_result, model_logits, output_logps, returns_logps
 from rapidlite.models.hf import check_positions, load_config, load_hf_model, override_sizes
+from rapidlite.parallel.context_parallel import segments_from_positions, shard_batch
 from rapidlite.tasks.pretraining_spec import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
 
@@ -109,6 +110,7 @@ class GPTPretrainer(PreTrainer):
         self.hf = settings.model.pretrained_model_name_or_path is not None
         self.data_tokenizer = tokenizer_of(settings)
         self.tokenizer = self.data_tokenizer.hf_tokenizer()  # exported beside the model in DIR/hf
+        self._cp_reported = False
         _need_seq_length(settings)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
@@ -176,6 +178,23 @@ class GPTPretrainer(PreTrainer):
             reset_position_ids=settings.data.reset_position_ids,
             reset_attention_mask=settings.data.reset_attention_mask,
         )
+        if self.hf and batch["attention_mask"] is not None:
+            raise ConfigError(
+                "--reset-attention-mask works with the built-in GPT only; drop it for Hugging Face models"
+            )
+        topology, cp_args = self.engine.dist.topology, {}
+        if topology.cp > 1:  # this rank's shard of each sequence; the documents go by number, not by mask
+            if self.hf and settings.data.reset_position_ids:  # a Hugging Face decoder's packed documents
+                batch["segment_ids"] = segments_from_positions(batch["position_ids"])
+            length = batch["input_ids"].shape[1]
+            batch = shard_batch({**batch, "attention_mask": None}, topology.cp, self.engine.dist.cp_rank)
+            cp_args = {"cp_segment_ids" if self.hf else "segment_ids": batch["segment_ids"]}
+            if not self._cp_reported:
+                self._cp_reported = True
+                self.logger.info(
+                    f"context parallelism: this rank trains {batch['input_ids'].shape[1]} of the {length} tokens "
+                    f"of each sequence ({settings.parallel.cp_comm_type})"
+                )
         if not self.hf:
             return model(
                 batch["input_ids"],
@@ -183,14 +202,11 @@ class GPTPretrainer(PreTrainer):
                 attention_mask=batch["attention_mask"],
                 labels=batch["labels"],
                 loss_mask=batch["loss_mask"],
-            )
-        if batch["attention_mask"] is not None:
-            raise ConfigError(
-                "--reset-attention-mask works with the built-in GPT only; drop it for Hugging Face models"
+                **cp_args,
             )
         keep = batch["loss_mask"] > 0
         labels = batch["labels"].masked_fill(~keep, -100)
-        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], **cp_args}
         logp_sum = output_logps(model, inputs, labels, shift=False, sum_only=True, chunked=settings.model.chunked_loss)
         return -logp_sum, int(keep.sum().item())
 

@@ -65,6 +65,7 @@ def check(settings: Sections) -> None:
         )
     if model is None:  # the built-in GPT
         check_built_in_experts(settings.topology.ep, settings.moe)
+    check_context_parallel(settings, model)
     given = settings.explicit_flags
     if model is not None and given is not None:
         for dest in _BUILT_IN_GPT_FLAGS:
@@ -75,6 +76,23 @@ def check(settings: Sections) -> None:
                     f"{model} defines its own architecture (its sizes follow "
                     f"--num-layers, --hidden-size, ...): drop {flag} or --pretrained-model-name-or-path"
                 )
+
+
+def check_context_parallel(settings: Sections, model: str | None) -> None:
+    """What context parallelism needs of the model: a decoder, and no attention dropout (the built-in GPT's
+    default is Megatron's 0.1). The heads Ulysses divides are checked on the model
+    (``rapidlite.parallel.context_parallel.apply_context_parallel``)."""
+    cp = settings.topology.cp
+    if cp <= 1:
+        return
+    flag = f"--context-parallel-size {cp}"
+    if model_family(model) == "bert":
+        raise ConfigError(f"{flag}: BERT is an encoder; context parallelism splits decoders' causal attention")
+    if model is None:
+        dropout = settings.model.attention_dropout
+        if dropout is None or dropout > 0:
+            value = "0.1 (the built-in GPT's default)" if dropout is None else f"{dropout:g}"
+            raise ConfigError(f"{flag}: attention dropout {value} is not split over ranks; add --attention-dropout 0")
 
 
 TASK = TaskSpec(
@@ -93,4 +111,5 @@ TASK = TaskSpec(
     chunked_loss="sum",
     libraries=(),  # Megatron's memory-mapped data, no metrics library
     streaming=True,
+    context_parallel=True,
 )

@@ -212,13 +212,15 @@ class Monitor:
         extra = self.step_metrics.vector() if self.step_metrics else torch.zeros(0, dtype=torch.float64)
         totals = self.engine.all_reduce_sum(torch.cat([base, extra]))
         loss, samples, tokens = totals[:3].tolist()
+        # Context-parallel ranks count the same samples and tokens (each trains its shard of them).
+        samples, tokens = samples / self.engine.dist.topology.cp, tokens / self.engine.dist.topology.cp
         task_metrics = self.step_metrics.means(totals[3:]) if self.step_metrics else {}
         self.step_metrics.clear()
         grad_norm = optimizer.last_grad_norm
         record: dict[str, Any] = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "loss": loss / self.engine.dp_size / interval["steps"],
+            "loss": loss / self.engine.dist.topology.reduce_size / interval["steps"],
             "lr": float(optimizer.param_groups[0]["lr"]),
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "loss_scale": optimizer.loss_scale,
