@@ -37,7 +37,8 @@ FLAGS = """
 --bnb-4bit-quant-type --bnb-4bit-use-double-quant --load-in-8bit
 --moe-aux-loss-coeff --moe-z-loss-coeff --freeze-router --num-experts --moe-router-topk --moe-ffn-hidden-size
 --moe-shared-expert-intermediate-size --moe-router-load-balancing-type --moe-router-enable-expert-bias
---moe-router-bias-update-rate --moe-grouped-gemm --moe-token-dispatcher-type --expert-model-parallel-size --context-parallel-size --cp-comm-type
+--moe-router-bias-update-rate --moe-grouped-gemm --moe-token-dispatcher-type --expert-model-parallel-size
+--context-parallel-size --cp-comm-type
 --eval-only --overwrite --max-skipped-steps
 --keep-last --streaming
 --dry-run --memory-budget

@@ -1,7 +1,7 @@
 """``--dry-run``: the plan and per-rank memory prediction, checked against what the same runs measure.
 
-Each layout the other suites train (one process, DDP, ZeRO-1/2/3, tensor, pipeline and expert parallelism, with
-and without activation checkpointing) is planned, then trained for two iterations: the predicted parameter,
+Each layout the other suites train (one process, DDP, ZeRO-1/2/3, tensor, pipeline, context and expert
+parallelism, with and without activation checkpointing) is planned, then trained for two iterations: the predicted parameter,
 gradient and optimizer bytes must equal the run's logged model state, and the predicted peak must be
 within 15% of the peak memory the run logs. The model is sized so that its tensors, not the Python runtime,
 make most of the peak (a 32768-token padded vocabulary: 12M parameters and 64 MiB logits per micro-batch)."""
@@ -40,6 +40,8 @@ LAYOUTS = {
     ],
     "tp2": [*TWO, "--global-batch-size", "2", "--tensor-model-parallel-size", "2"],
     "pp2": [*TWO, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--per-rank-logs"],
+    # Each sequence split over the 2 ranks (ring attention).
+    "cp2": [*TWO, "--global-batch-size", "2", "--context-parallel-size", "2", "--attention-dropout", "0"],
     # The MLPs as 8 experts, top 2, split over the 2 ranks.
     "moe_ep2": [*TWO, "--global-batch-size", "4", "--num-experts", "8", "--expert-model-parallel-size", "2"],
 }

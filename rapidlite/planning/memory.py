@@ -136,17 +136,15 @@ def _fake_world(rank: int, world_size: int):
 
 
 def _strategy_for(settings: Sections, rank: int, precision: Any) -> Any:
-    from rapidlite.runtime.distributed import DistributedContext, device_mesh, expert_mesh
+    from rapidlite.runtime.distributed import DistributedContext
     from rapidlite.strategies import StrategyContext, select
 
     topology = settings.topology
     world_size = topology.world_size
     cpu = torch.device("cpu")
     ctx = DistributedContext(rank=rank, local_rank=rank, world_size=world_size, topology=topology, device=cpu)
-    if world_size > 1:
-        ctx.mesh = device_mesh("cpu", topology)
-    if topology.ep > 1:  # the experts split as the run splits them (rapidlite.runtime.distributed)
-        ctx.expert_mesh = expert_mesh("cpu", topology)
+    if world_size > 1:  # split as the run splits it (rapidlite.runtime.distributed)
+        ctx.build_meshes("cpu")
     quiet = logging.getLogger("rapidlite.planning")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
@@ -173,7 +171,7 @@ class Plan:
 
 
 def _stage_rank(stage: int, dims: Any) -> int:
-    return stage * dims.dp * dims.tp
+    return stage * dims.dp * dims.cp * dims.tp
 
 
 def _in_flight(settings: Sections, stage: int, pp: int) -> int:
@@ -220,9 +218,16 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     chunked = task.chunked_loss if settings.model.chunked_loss and task is not None else None
     micro = settings.batching.micro_batch_size
     cpu = device.type == "cpu"
+    # Context parallelism: a rank holds seq / cp tokens of each sequence, and what it saves is what the model
+    # saves at that length (the ring's q/k/v/output/log-sum-exp, Ulysses' head shards of the whole sequence).
+    local = seq // dims.cp if seq is not None else None
+    if dims.cp > 1:
+        notes.append(
+            f"context parallelism {dims.cp}: activations of {local} of the {seq} tokens of each sequence per rank"
+        )
     try:
-        profile = profile_activations(probe, micro, seq, hidden, per_sample, chunked, cpu)
-        profile_next = profile_activations(probe, micro + 1, seq, hidden, per_sample, chunked, cpu)
+        profile = profile_activations(probe, micro, local, hidden, per_sample, chunked, cpu)
+        profile_next = profile_activations(probe, micro + 1, local, hidden, per_sample, chunked, cpu)
     except ProfileError as e:  # the model states are still planned: said in one line, the peak without them
         profile = profile_next = ActivationProfile()
         notes.append(

@@ -13,14 +13,15 @@ def _mib(n: float) -> str:
 
 
 def describe_mesh(dims: Any) -> list[str]:
-    """Which ranks do what: rank = (pp_index * dp + dp_index) * tp + tp_index."""
+    """Which ranks do what: rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index."""
     lines = []
     for s in range(dims.pp):
         for d in range(dims.dp):
-            first = (s * dims.dp + d) * dims.tp
-            ranks = list(range(first, first + dims.tp))
+            first = (s * dims.dp + d) * dims.cp * dims.tp
+            ranks = list(range(first, first + dims.cp * dims.tp))
             where = f"stage {s}, " if dims.pp > 1 else ""
-            shards = f"tensor-parallel shards {ranks}" if dims.tp > 1 else f"rank {ranks[0]}"
+            kinds = [kind for kind, size in (("context", dims.cp), ("tensor", dims.tp)) if size > 1]
+            shards = f"{'- and '.join(kinds)}-parallel shards {ranks}" if kinds else f"rank {ranks[0]}"
             lines.append(f"  {where}replica {d}: {shards}")
     if len(lines) > 8:
         lines = [*lines[:6], f"  ... ({len(lines)} groups in all)"]
@@ -44,7 +45,8 @@ def format_plan(p: Plan) -> str:
         "rapidlite dry run: nothing is trained",
         f"world: {p.world_size} process{'es' if p.world_size > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''}) "
         f"= data parallel {dims.dp} x "
-        f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
+        + (f"context parallel {dims.cp} x " if dims.cp > 1 else "")
+        + f"tensor parallel {dims.tp} x pipeline parallel {dims.pp}",
         *describe_mesh(dims),
         f"batch: micro {batch.micro_batch_size} x accumulation {batch.gradient_accumulation_steps} x data parallel "
         f"{dims.dp} = global {batch.global_batch_size}; sequence length {p.seq_length or sequence_length(s)}"

@@ -64,6 +64,16 @@ class DistributedContext:
     # With expert parallelism: the data-parallel ranks as ("edp", "ep"), each "ep" row holding one copy of every
     # layer's experts split among its ranks, "edp" the ranks that hold the same experts (their data parallelism).
     expert_mesh: Any = None
+    dp_cp_mesh: Any = None  # with context parallelism: dp and cp flattened, what DDP/FSDP average over
+
+    def build_meshes(self, device_type: str) -> None:
+        """The world's mesh and the meshes derived from it, built by every rank at once (a mesh's new group is
+        a collective)."""
+        self.mesh = device_mesh(device_type, self.topology)
+        if self.topology.cp > 1:
+            self.dp_cp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        if self.topology.ep > 1:
+            self.expert_mesh = expert_mesh(device_type, self.topology)
 
     @property
     def initialized(self) -> bool:
@@ -110,7 +120,7 @@ class DistributedContext:
         if self.mesh is None:
             return None
         if self.topology.cp > 1:
-            return self.mesh["dp_cp"]
+            return self.dp_cp_mesh
         return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
 
     @property
@@ -245,11 +255,7 @@ def init_distributed(
         )
         global _COLLECTIVE_TIMEOUT
         _COLLECTIVE_TIMEOUT = timeout
-    ctx.mesh = device_mesh(device.type, topology)
-    if topology.cp > 1:  # built here, by every rank at once: a mesh's new group is a collective
-        ctx.mesh["dp", "cp"]._flatten("dp_cp")
-    if topology.ep > 1:
-        ctx.expert_mesh = expert_mesh(device.type, topology)
+    ctx.build_meshes(device.type)
     return ctx
 
 
