@@ -249,3 +249,30 @@ def test_encoders_and_other_tasks_are_refused(tmp_path):
     assert proc.returncode == 2 and "BERT is an encoder" in proc.stderr, proc.stderr[-2000:]
     proc = rapidlite_captured("--task", "sequence_classification", "--demo", *CP2[2:])
     assert proc.returncode == 2 and "--task sequence_classification does not split its sequences" in proc.stderr
+    proc = rapidlite_captured("--task", "causal_lm", "--demo", *CP2[2:], "--eval-generate", "2")
+    assert proc.returncode == 2 and "with --eval-generate: not built for split sequences" in proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_causal_lm_fine_tuning_splits_like_one_process(tmp_path_factory, tmp_path, packing):
+    """``--task causal_lm``: right-padded batches of varying length (padded further to a multiple of 4) and
+    packed rows with restarting positions, split over 2 ranks: the one-process losses, gradient norms and
+    token-exact validation loss."""
+    from rapidlite.tasks.causal_lm_demo import write_demo_assets
+
+    model_dir, data_dir = write_demo_assets(tmp_path_factory.mktemp("cp_causal"), 5, num_train=48, num_validation=8)
+    argv = [
+        "--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir), "--data-path", str(data_dir),
+        "--global-batch-size", "8", "--lr", "2e-3", "--seq-length", "96", "--train-iters", "4", "--log-interval",
+        "1", "--eval-interval", "4", *(["--packing"] if packing else []),
+    ]  # fmt: skip
+    saves = {}
+    for name, run, layout in (("single", rapidlite_captured, ["--micro-batch-size", "4"]), ("cp2", rapidlite, CP2)):
+        saves[name] = tmp_path / name
+        proc = run(*argv, *layout, "--save", str(saves[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_curve(saves["cp2"], saves["single"], iterations=len(train_losses(saves["single"])))  # packed: 3 fill it
+    evaluations = [[r["loss"] for r in read_metrics(s) if r.get("split") == "validation"] for s in saves.values()]
+    assert len(evaluations[0]) >= 1
+    assert_close_lists(evaluations[1], evaluations[0], rtol=1e-5)

@@ -1,9 +1,9 @@
 """``--dry-run``: the plan and per-rank memory prediction, checked against what the same runs measure.
 
 Each layout the other suites train (one process, DDP, ZeRO-1/2/3, tensor, pipeline, context and expert
-parallelism, with and without activation checkpointing) is planned, then trained for two iterations: the predicted parameter,
-gradient and optimizer bytes must equal the run's logged model state, and the predicted peak must be
-within 15% of the peak memory the run logs. The model is sized so that its tensors, not the Python runtime,
+parallelism, with and without activation checkpointing) is planned, then trained for two iterations: the
+predicted parameter, gradient and optimizer bytes must equal the run's logged model state, and the predicted
+peak must be within 15% of the peak memory the run logs. The model is sized so that its tensors, not the Python runtime,
 make most of the peak (a 32768-token padded vocabulary: 12M parameters and 64 MiB logits per micro-batch)."""
 
 import json

@@ -72,6 +72,28 @@ def shard_batch(batch: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def shard_causal_batch(
+    batch: dict[str, torch.Tensor], cp: int, rank: int, pad_token_id: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A right-padded causal-LM batch (``input_ids``, unshifted ``labels``, and an ``attention_mask`` or, packed,
+    restarting ``position_ids``) as rank ``rank``'s model inputs and targets: padded to a multiple of ``2 cp``,
+    the labels shifted on the whole sequence (token t scores label t+1), global position ids, and a packed
+    batch's samples numbered (``cp_segment_ids``) so attention stays inside each on every rank."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    pad = -length % (2 * cp)
+    targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1 + pad), value=-100)
+    packed = "position_ids" in batch
+    if packed:  # padding tokens restart at 0: each a sample of its own, as the collator pads them
+        positions = torch.nn.functional.pad(batch["position_ids"], (0, pad), value=0)
+    else:
+        positions = torch.arange(length + pad, device=ids.device).expand(rows, length + pad)
+    inputs = {"input_ids": torch.nn.functional.pad(ids, (0, pad), value=pad_token_id), "position_ids": positions}
+    if packed:
+        inputs["cp_segment_ids"] = segments_from_positions(positions)
+    return {k: shard(v, cp, rank) for k, v in inputs.items()}, shard(targets, cp, rank)
+
+
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """Document numbers ``[b, s]`` of packed sequences whose position ids restart at 0 for each document."""
     return (position_ids == 0).long().cumsum(-1)

@@ -217,7 +217,7 @@ def check_task(
     if args.context_parallel_size > 1 and not task.context_parallel:
         raise ConfigError(
             f"--context-parallel-size: --task {task.name} does not split its sequences over ranks; context "
-            "parallelism serves --task pretraining (GPT-style models)"
+            "parallelism serves --task pretraining (GPT-style models) and causal_lm"
         )
     if topology is not None:
         check_context_parallel(topology, args.seq_length)

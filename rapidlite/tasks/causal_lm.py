@@ -33,6 +33,7 @@ from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.observe.progress import hf_datasets_progress
+from rapidlite.parallel.context_parallel import shard_causal_batch
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -131,7 +132,7 @@ class CausalLMFinetuner(Finetuner):
         has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
         config = model_config(self.base_name)
-        pad_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
+        pad_id = self.pad_token_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, settings.task.chat_template)
         seq_length = causal_seq_length(
             settings.data.seq_length, config, explicit=settings.given("seq_length"), task=self.task_name
@@ -273,6 +274,14 @@ class CausalLMFinetuner(Finetuner):
         super().begin_training()  # after it, so the first interval's rates count training only
 
     def run_forward_step(self, batch, model):
+        topology = self.engine.dist.topology
+        if topology.cp > 1:  # this rank's shard of each sequence, the labels shifted on the whole of it
+            inputs, targets = shard_causal_batch(batch, topology.cp, self.engine.dist.cp_rank, self.pad_token_id)
+            logp_sum = output_logps(
+                model, {**inputs, "use_cache": False}, targets, shift=False, sum_only=True,
+                chunked=self.settings.model.chunked_loss,
+            )  # fmt: skip
+            return -logp_sum, int((targets != -100).sum().item())
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         inputs["use_cache"] = False

@@ -6,9 +6,14 @@ them too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rapidlite.config.fields import flag
 from rapidlite.config.tasks import TaskSpec
+from rapidlite.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rapidlite.config.settings import Sections
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,24 @@ class CausalLmOptions:
     prompt_key: str | None = flag(None, "causal_lm: the prompt column of prompt/response data")
     response_key: str | None = flag(None, "causal_lm: the response column of prompt/response data")
     train_on_prompt: bool = flag(False, "causal_lm: the prompt tokens train too")
+
+
+def check(settings: Sections) -> None:
+    """Context parallelism splits training and evaluation batches; what runs whole sequences through the model
+    (greedy generation, the harness) or packs a micro-batch into one row its own way does not split yet."""
+    cp = settings.topology.cp
+    if cp <= 1:
+        return
+    for given, flag_name in (
+        (settings.task.eval_generate, "--eval-generate"),
+        (settings.task.eval_harness, "--eval-harness"),
+        (settings.data.padding_free, "--padding-free"),
+    ):
+        if given:
+            raise ConfigError(
+                f"--context-parallel-size {cp} with {flag_name}: not built for split sequences yet; drop {flag_name}"
+                + (" (--packing packs rows that context parallelism splits)" if flag_name == "--padding-free" else "")
+            )
 
 
 TASK = TaskSpec(
@@ -34,4 +57,6 @@ TASK = TaskSpec(
     chunked_loss="sum",
     eval_harness=True,
     streaming=True,
+    check=check,
+    context_parallel=True,
 )
