@@ -253,3 +253,13 @@ def test_moe_benchmark_quick():
     assert list(rows) == ["dense", "moe loop", "moe grouped"], proc.stdout
     assert rows["moe loop"] == rows["moe grouped"], proc.stdout
     assert "moe grouped vs loop step time: x" in proc.stdout, proc.stdout
+
+
+@pytest.mark.distributed
+def test_long_context_benchmark_quick():
+    """CP1 and CP2 planned and run at one length; the table and the targets line are there (nothing is asserted
+    on the figures: a tiny model whose peak is the Python runtime)."""
+    proc = run_quick("long_context.py", timeout=600)
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("cp")}
+    assert list(rows) == ["cp1", "cp2_p2p"] and all(float(r[-1]) > 0 for r in rows.values())
+    assert any(line.startswith("targets (longest sequence against CP1") for line in proc.stdout.splitlines())
