@@ -140,6 +140,24 @@ def test_the_layouts_terms_move_as_their_parallelism_says():
     assert offload["optimizer"] > 10 * zero3.step.terms["optimizer"]  # the host's Adam and the trips over PCIe
 
 
+def test_context_parallelism_halves_the_compute_and_counts_its_transfers():
+    """CP2: each rank computes half the tokens; Ulysses' eight all-to-alls of a layer's shard per layer and
+    micro-batch are exposed; the ring's hops hide behind the block attention within a node (an A100's NVLink
+    moves a 64 KiB shard in microseconds) but not across nodes, and its gradient reduction spans dp x cp."""
+    profile = device_profile("a100-80g")
+    base = ["--nproc-per-node", "2", "--global-batch-size", "8", "--mixed-precision", "--attention-dropout", "0"]
+    single = step_time(_plan("--global-batch-size", "8", "--mixed-precision"), profile, 8).step.terms
+    ring = step_time(_plan(*base, "--context-parallel-size", "2"), profile, 8).step
+    assert ring.terms["compute"] == pytest.approx(single["compute"] / 2)  # the same micro-batches, half the tokens
+    assert ring.overlapped["data parallel"] + ring.terms["data parallel"] > 0  # the two ranks' gradients summed
+    ulysses = step_time(_plan(*base, "--context-parallel-size", "2", "--cp-comm-type", "a2a"), profile, 8).step.terms
+    shard = 2 * 2 * 128 * 256  # a layer's bf16 activations of micro 2 x 128 tokens
+    link = profile.intra_node_bandwidth, profile.intra_node_latency
+    assert ulysses["context parallel"] == pytest.approx(4 * 4 * 8 * all_gather(2 * shard, 2, *link))
+    across = step_time(_plan(*base, "--context-parallel-size", "2"), replace(profile, intra_node_bandwidth=1e6), 8)
+    assert ring.terms["context parallel"] < across.step.terms["context parallel"]
+
+
 def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism_not_ddp():
     """gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce: the profile's
     slowdowns multiply what FSDP2 and sequence parallelism spend in them, and leave DDP's all-reduce as it is."""
@@ -254,6 +272,23 @@ def test_search_over_two_ranks_ranks_fitting_layouts_by_speed():
     assert len(steps) == 5 and steps == sorted(steps), proc.stdout
     bad = rapidlite_captured(*argv, "--dry-run", "--device-profile", "h100-sxm", "--search")
     assert bad.returncode == 2 and "--search ranks the layouts that fit a device" in bad.stderr
+
+
+def test_search_splits_a_long_sequence_when_only_that_fits():
+    """At 16384 tokens (from LONG on the search tries context parallelism) on 2 ranks, with the strategy, the
+    micro-batch and the recomputation given: the budget lies between CP2's peak and the peaks of the layouts
+    that hold whole sequences, so the only fitting layouts split them."""
+    long = ["--seq-length", "16384", "--attention-dropout", "0", "--micro-batch-size", "1", "--nproc-per-node", "2"]
+    long += ["--zero-3-memory-optimization", "--checkpoint-activations", "--recompute-granularity", "full"]
+    split = _peak_gib(*long, "--context-parallel-size", "2")
+    whole = min(_peak_gib(*long), _peak_gib(*long, "--tensor-model-parallel-size", "2"))
+    assert split < whole
+    budget = f"{(split + whole) / 2:.4f}"
+    argv = [*MODEL, "--global-batch-size", "8", "--mixed-precision", *long]
+    proc = rapidlite_captured(*argv, "--dry-run", "--device-profile", "a100-80g", "--memory-budget", budget, "--search")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ranked = [line.strip() for line in proc.stdout.splitlines() if re.match(r"\s+\d\. ", line)]
+    assert ranked and all("CP 2" in line for line in ranked), proc.stdout
 
 
 def test_here_stops_after_a_round_only_when_its_order_agrees_by_the_margin(monkeypatch):

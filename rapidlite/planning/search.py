@@ -2,7 +2,8 @@
 
 The layouts are the choices the command line leaves open (a flag given is kept): tensor and pipeline parallel
 sizes (data parallelism takes the rest of the world), for a mixture of experts the expert-parallel size (a
-divisor of the data-parallel ranks and of the experts), the data-parallel strategy (DDP, ZeRO-1, FSDP2's ZeRO-2
+divisor of the data-parallel ranks and of the experts), for a sequence of at least ``LONG`` tokens the
+context-parallel size (with a task that splits its sequences), the data-parallel strategy (DDP, ZeRO-1, FSDP2's ZeRO-2
 and ZeRO-3), the micro-batch (the global batch stays; accumulation follows), activation checkpointing (off,
 selective, full) and, with ZeRO-2/3, CPU offload. Layouts the run would refuse (a size that does not divide the
 heads, a strategy that does not combine with tensor parallelism) are left out.
@@ -27,6 +28,7 @@ from rapidlite.planning.timing import Throughput, step_time
 
 TOP = 5
 MAX_PLANS = 40
+LONG = 8192  # tokens: from this --seq-length on, the search tries context parallelism
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 STRATEGIES = {  # name: flags
     "DDP": [],
@@ -41,7 +43,7 @@ LAYOUT_FLAGS = (
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
     "--zero-1-memory-optimization", "--zero-2-memory-optimization", "--zero-3-memory-optimization",
     "--fsdp-memory-optimization", "--checkpoint-activations", "--recompute-granularity", "--cpu-offload",
-    "--expert-model-parallel-size",
+    "--expert-model-parallel-size", "--context-parallel-size",
 )  # fmt: skip
 # Flags only a dry run reads: not in the printed command of the run.
 PLAN_ONLY = ("--dry-run", "--search", "--device-profile", "--memory-budget")
@@ -57,10 +59,12 @@ class Layout:
     checkpointing: str
     offload: bool
     ep: int = 1
+    cp: int = 1
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp)] if self.tp > 1 else []
         out += ["--pipeline-model-parallel-size", str(self.pp)] if self.pp > 1 else []
+        out += ["--context-parallel-size", str(self.cp)] if self.cp > 1 else []
         out += ["--expert-model-parallel-size", str(self.ep)] if self.ep > 1 else []
         out += STRATEGIES[self.strategy] + ["--micro-batch-size", str(self.micro)] + CHECKPOINTING[self.checkpointing]
         return out + (["--cpu-offload"] if self.offload else [])
@@ -68,6 +72,7 @@ class Layout:
     def describe(self) -> str:
         data = f"DP {self.dp} {self.strategy}" if self.dp > 1 else "one data-parallel replica"
         parts = [f"TP {self.tp}" if self.tp > 1 else "", f"PP {self.pp}" if self.pp > 1 else "", data]
+        parts += [f"CP {self.cp}"] if self.cp > 1 else []
         parts += [f"EP {self.ep}"] if self.ep > 1 else []
         parts += [f"micro-batch {self.micro}", f"checkpointing {self.checkpointing}"]
         parts += ["CPU offload"] if self.offload else []
@@ -137,21 +142,25 @@ def _open_choices(
         checkpointing = list(CHECKPOINTING)
     offloads = [settings.topology.cpu_offload] if given("cpu_offload") else [False, True]
     eps = [settings.topology.ep] if given("expert_model_parallel_size") or not experts else sizes
+    seq = settings.data.seq_length or 0
+    cps = [settings.topology.cp] if given("context_parallel_size") or seq < LONG else sizes
     global_batch = settings.batching.global_batch_size
     layouts = []
-    for tp, pp, strategy, micro, ckpt, offload, ep in itertools.product(
-        tps, pps, strategies, micros, checkpointing, offloads, eps
+    for tp, pp, strategy, micro, ckpt, offload, ep, cp in itertools.product(
+        tps, pps, strategies, micros, checkpointing, offloads, eps, cps
     ):
-        dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
+        dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
         if not dp or heads % tp or pp > layers or global_batch % (micro * dp):
             continue
         if ep > 1 and (dp % ep or experts % ep or tp > 1 or pp > 1 or strategy == "ZeRO-1"):
             continue  # what expert parallelism does not divide or combine with
-        if dp == 1 and strategy != "DDP":  # nothing to shard over
+        if cp > 1 and (tp > 1 or pp > 1 or ep > 1 or seq % (2 * cp)):
+            continue  # what context parallelism does not divide or combine with
+        if dp * cp == 1 and strategy != "DDP":  # nothing to shard over
             continue
         if offload and strategy not in ("ZeRO-2", "ZeRO-3"):
             continue
-        layouts.append(Layout(tp, pp, dp, strategy, micro, ckpt, offload, ep))
+        layouts.append(Layout(tp, pp, dp, strategy, micro, ckpt, offload, ep, cp))
     return layouts
 
 
@@ -191,7 +200,7 @@ def _estimate(base: Any, settings: Any, profile: DeviceProfile, per_node: int) -
         stage=pp - 1,
         compute_params=base.total_params // (tp * pp) - split_experts,
         trainable_params=trainable,
-        stepped_params=trainable // (dp if zero >= 1 else 1),
+        stepped_params=trainable // (dp * topology.cp if zero >= 1 else 1),
     )
     return step_time(replace(base, settings=settings, ranks=[rank]), profile, per_node)
 

@@ -19,6 +19,10 @@ A step is the sum of terms, each shown so a user sees what dominates:
   behind the host).
 - **pipeline send/receive**: each micro-batch's activations forward and their gradient backward, per stage
   boundary.
+- **context parallel** (exposed): with ``p2p`` (ring attention), per layer and micro-batch, ``cp - 1`` hops of
+  a rank's key/value shard forward and ``cp`` backward with its fp32 gradient accumulators, each overlapped
+  with one block's attention (a ``(seq/cp)^2 / 2`` share of it): only what exceeds that is exposed; with ``a2a``
+  (Ulysses) four all-to-alls of the shard's q, k, v and output forward and four backward, not overlapped.
 - **expert parallel**: per routed layer and micro-batch, the all-to-alls that send each (token, choice) row of
   the hidden size to its expert's rank and back, twice in the forward pass and twice in the backward (two more
   with full recomputation); each moves ``(ep - 1) / ep`` of the rows through each rank; not overlapped.
@@ -133,12 +137,14 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
         attention += 4.0 * layers * hidden * seq * recompute
     tokens = micro * seq
     matmul_efficiency = profile.matmul_efficiency_at(hidden // dims.tp if hidden else 4096)  # a block's narrowest
-    per_micro = tokens * (matmul / (peak * matmul_efficiency) + attention / (peak * profile.attention_efficiency))
-    per_micro /= dims.tp * dims.pp
+    attention_time = tokens * attention / (peak * profile.attention_efficiency)
+    per_micro = tokens * matmul / (peak * matmul_efficiency) + attention_time
+    per_micro /= dims.tp * dims.pp * dims.cp
     virtual = _virtual_stages(s, layers, dims.pp)
 
     tp_link = _link(profile, dims.tp, per_node)
-    dp_link = _link(profile, dims.dp * dims.tp, per_node)
+    cp_link = _link(profile, dims.cp * dims.tp, per_node)
+    dp_link = _link(profile, dims.dp * dims.cp * dims.tp, per_node)
     pp_link = _link(profile, plan.world_size, per_node)
     ep_link = _link(profile, dims.ep, per_node)  # neighbouring ranks (runtime.distributed.expert_mesh)
     ranks = []
@@ -165,8 +171,18 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
             rows = act * plan.moe_top_k  # a layer's (token, choice) rows of one micro-batch
             trips = 4 + (2 * recompute if s.model.recompute_granularity == "full" else 0)
             t.terms["expert parallel"] = m * plan.moe_layers * trips * all_gather(rows, dims.ep, *ep_link)
+        if dims.cp > 1:
+            block = attention_time / (layers or 1) / dims.cp**2 if profile.overlaps_communication else 0.0
+            element = _ACT_BYTES.get(plan.precision, 4)
+            t.terms["context parallel"] = (
+                m
+                * layers
+                / dims.pp
+                * _context_parallel(act / dims.cp, element, dims.cp, s.parallel.cp_comm_type, block, cp_link)
+            )
         overlap = per_micro if profile.overlaps_communication else 0.0
-        exposed, hidden_comm = _data_parallel(r, dims, dims.dp, m, overlap, plan.precision, dp_link, profile)
+        reduce_size = dims.dp * dims.cp  # context-parallel ranks' gradients are summed like replicas'
+        exposed, hidden_comm = _data_parallel(r, dims, reduce_size, m, overlap, plan.precision, dp_link, profile)
         t.terms["data parallel"], t.overlapped["data parallel"] = exposed, hidden_comm
         t.terms["optimizer"] = _optimizer(r, dims, profile, memory_bandwidth)
         ranks.append(t)
@@ -227,6 +243,21 @@ def _data_parallel(
     total = gathers + profile.reduce_scatter_slowdown * all_gather(grads, dp, *link)  # the summed gradients
     exposed = max(0.0, total - m * per_micro)
     return exposed, total - exposed
+
+
+def _context_parallel(
+    shard: float, element: int, cp: int, comm_type: str, block: float, link: tuple[float, float]
+) -> float:
+    """Exposed seconds of one layer's context-parallel communication for one micro-batch: ``shard`` is the
+    rank's bytes of one layer's activations (its tokens x hidden, ``element`` bytes each), ``block`` the time
+    of one block's attention."""
+    if comm_type == "a2a":  # q, k, v and the output, each way
+        return 8 * all_gather(shard * cp, cp, *link)
+    kv = 2 * shard  # keys and values (grouped-query attention moves less: not counted)
+    accumulators = kv / element * 4  # their gradients travel in fp32
+    forward = (cp - 1) * max(0.0, send(kv, *link) - block)
+    backward = cp * max(0.0, send(kv + accumulators, *link) - 2 * block)  # a block's backward: about 2 forwards
+    return forward + backward
 
 
 def _optimizer(r: Any, dims: Any, profile: DeviceProfile, memory_bandwidth: float) -> float:
