@@ -196,13 +196,16 @@ def _same_curve(run, reference, iterations=4):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["llama_a2a_packed", "gpt_p2p_packed", "llama_lora"])
+@pytest.mark.parametrize("case", ["llama_a2a_packed", "gpt_p2p_packed_recomputed", "llama_lora"])
 def test_more_context_parallel_runs_train_like_one_process(data, llama, tmp_path, case):
     """A Hugging Face LLaMA (grouped-query attention) by all-to-all, and by ring with LoRA adapters; packed
-    documents that cross the shards (the built-in GPT's --reset-attention-mask, LLaMA's restarting positions)."""
+    documents that cross the shards (the built-in GPT's --reset-attention-mask, LLaMA's restarting positions),
+    with activation checkpointing."""
     model = [*COMMON, *llama] if case.startswith("llama") else [*COMMON]
-    if case.endswith("packed"):
+    if "packed" in case:
         model += ["--reset-position-ids"] + (["--reset-attention-mask"] if case.startswith("gpt") else [])
+    if case.endswith("recomputed"):  # the checkpointed blocks' ring attention runs again in the backward
+        model += ["--checkpoint-activations"]
     if case == "llama_lora":
         model += ["--lora-rank", "4"]
     layout = [*CP2, "--cp-comm-type", "a2a"] if "a2a" in case else CP2
