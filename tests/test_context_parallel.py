@@ -123,6 +123,7 @@ LAYOUTS = {
     "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
     "cp2_dp2_zero3": ["--micro-batch-size", "2", "--nproc-per-node", "4", "--context-parallel-size", "2",
                       "--zero-3-memory-optimization"],
+    "cp2_tp2": [*CP2[:2], "--nproc-per-node", "4", "--context-parallel-size", "2", "--tensor-model-parallel-size", "2"],
 }  # fmt: skip
 
 
@@ -141,10 +142,11 @@ def runs(tmp_path_factory, data):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["cp2_p2p", "cp2_a2a", "cp2_dp2_zero3"])
+@pytest.mark.parametrize("layout", ["cp2_p2p", "cp2_a2a", "cp2_dp2_zero3", "cp2_tp2"])
 def test_context_parallel_trains_like_one_process(runs, layout):
-    """The built-in GPT, each sequence split over 2 ranks (and with 2 data-parallel replicas under ZeRO-3 on
-    4 ranks): the same losses, gradient norms, evaluation and parameters as one process."""
+    """The built-in GPT, each sequence split over 2 ranks (and with 2 data-parallel replicas under ZeRO-3, or 2
+    tensor-parallel shards, on 4 ranks): the same losses, gradient norms, evaluation and parameters as one
+    process."""
 
     reference, run = runs("single"), runs(layout)
     comm = "a2a" if "a2a" in layout else "p2p"
@@ -231,8 +233,8 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, data, tmp_pa
         (["--attention-dropout", "0.1"], "attention dropout 0.1 is not split over ranks; add --attention-dropout 0"),
         (["--num-attention-heads", "1", "--hidden-size", "32", "--cp-comm-type", "a2a"],
          "1 attention heads are not all divisible by 2; use --cp-comm-type p2p"),
-        (["--nproc-per-node", "4", "--tensor-model-parallel-size", "2"],
-         "with --tensor-model-parallel-size: context parallelism does not combine with tensor parallelism yet"),
+        (["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2"],
+         "with --pipeline-model-parallel-size: context parallelism does not combine with pipeline parallelism yet"),
         (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline x context parallel size 1 x 1 x 2"),
     ],
 )  # fmt: skip

@@ -112,7 +112,7 @@ class Topology:
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + offload
 
 
-def check_context_parallel(topology: Topology, seq_length: int | None) -> None:
+def check_context_parallel(topology: Topology, seq_length: int | None, sequence_parallel: bool = False) -> None:
     """One line for a layout context parallelism does not compose with (yet), or a sequence it cannot split."""
     cp = topology.cp
     if cp <= 1:
@@ -120,15 +120,15 @@ def check_context_parallel(topology: Topology, seq_length: int | None) -> None:
     flag = f"--context-parallel-size {cp}"
     others = [
         (topology.deepspeed, "--deepspeed", "DeepSpeed's engine"),
-        (topology.tp > 1, "--tensor-model-parallel-size", "tensor parallelism"),
         (topology.pp > 1, "--pipeline-model-parallel-size", "pipeline parallelism"),
         (topology.ep > 1, "--expert-model-parallel-size", "expert parallelism"),
+        (sequence_parallel, "--sequence-parallel", "tensor parallelism's sequence split"),
     ]
     for given, other, what in others:
         if given:
             raise ConfigError(
                 f"{flag} with {other}: context parallelism does not combine with {what} yet; combine it with data "
-                "parallelism (DDP or ZeRO-1/2/3)"
+                "parallelism (DDP or ZeRO-1/2/3) and tensor parallelism"
             )
     if seq_length is not None and seq_length % (2 * cp):
         raise ConfigError(

@@ -220,7 +220,7 @@ def check_task(
             "parallelism serves --task pretraining (GPT-style models) and causal_lm"
         )
     if topology is not None:
-        check_context_parallel(topology, args.seq_length)
+        check_context_parallel(topology, args.seq_length, args.sequence_parallel)
     if task.check is not None:
         task.check(Sections.of(vars(args), topology, batching))
 

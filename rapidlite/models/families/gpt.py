@@ -87,7 +87,7 @@ def gpt_plan(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
             plan["input_norm"] = SequenceParallel()
             plan["mlp_norm"] = SequenceParallel()
         plan["attention"] = PrepareModuleInput(
-            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
+            input_layouts=(residual, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
         plan["mlp"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
