@@ -1,4 +1,5 @@
-"""Context parallelism's attention (``rapidlite.parallel.context_parallel``) against SDPA on the whole sequence."""
+"""Context parallelism: its attention (``rapidlite.parallel.cp_attention``) against SDPA on the whole sequence, and
+whole runs split over ranks (``rapidlite.parallel.context_parallel``) against one process."""
 
 import json
 import subprocess
@@ -20,7 +21,8 @@ from helpers import (
     write_tiny_corpus,
 )
 from rapidlite.checkpoint.dcp import read_model_tensors
-from rapidlite.parallel.context_parallel import segments_from_positions, shard, shard_indices, unshard
+from rapidlite.parallel.context_parallel import segments_from_positions, shard, unshard
+from rapidlite.parallel.cp_attention import shard_indices
 
 # Every case on N forked ranks over gloo: each rank attends its load-balanced shard and compares its output and
 # its shard of the input gradients with SDPA on the whole sequence (fp32); rank 0 prints the largest errors.
@@ -28,7 +30,8 @@ ATTENTION = r"""
 import json, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 import torch.nn.functional as F
-from rapidlite.parallel.context_parallel import context_parallel_attention, shard, segments_from_positions
+from rapidlite.parallel.context_parallel import shard, segments_from_positions
+from rapidlite.parallel.cp_attention import context_parallel_attention
 
 def reference(q, k, v, causal, segments):
     mask = None
