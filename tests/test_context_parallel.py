@@ -284,3 +284,11 @@ def test_causal_lm_fine_tuning_splits_like_one_process(tmp_path_factory, tmp_pat
     evaluations = [[r["loss"] for r in read_metrics(s) if r.get("split") == "validation"] for s in saves.values()]
     assert len(evaluations[0]) >= 1
     assert_close_lists(evaluations[1], evaluations[0], rtol=1e-5)
+
+
+def test_a_user_script_is_refused(tmp_path):
+    """A user's forward step would hand whole sequences to attention that expects the rank's shard."""
+    script = tmp_path / "train.py"
+    script.write_text("from rapidlite import RapidliteEngine\nRapidliteEngine()\n")
+    proc = rapidlite_captured("--user-script", str(script), *CP2[2:])
+    assert proc.returncode == 2 and "--context-parallel-size is read by --task pretraining and causal_lm" in proc.stderr

@@ -81,6 +81,11 @@ def check_rest(args: argparse.Namespace) -> None:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.streaming and (args.task is None or args.user_script is not None):
         raise ConfigError("--streaming is read by --task causal_lm and pretraining; a user script streams its own data")
+    if args.context_parallel_size > 1 and (args.task is None or args.user_script is not None):
+        raise ConfigError(
+            "--context-parallel-size is read by --task pretraining and causal_lm, which cut sequences into the "
+            "ranks' shards; a user script's forward step sees whole ones"
+        )
     if args.padding_free and args.packing:
         raise ConfigError(
             "--padding-free and --packing both remove padding: --packing packs rows into --seq-length sequences "
