@@ -201,18 +201,18 @@ def _same_curve(run, reference, iterations=4):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["llama_a2a_packed", "gpt_p2p_packed_recomputed", "llama_lora"])
+@pytest.mark.parametrize("case", ["llama_a2a_packed", "gpt_p2p_packed_recomputed", "llama_lora_offloaded"])
 def test_more_context_parallel_runs_train_like_one_process(data, llama, tmp_path, case):
-    """A Hugging Face LLaMA (grouped-query attention) by all-to-all, and by ring with LoRA adapters; packed
-    documents that cross the shards (the built-in GPT's --reset-attention-mask, LLaMA's restarting positions),
-    with activation checkpointing."""
+    """A Hugging Face LLaMA (grouped-query attention) by all-to-all, and by ring with LoRA adapters and
+    activation offload; packed documents that cross the shards (the built-in GPT's --reset-attention-mask,
+    LLaMA's restarting positions), with activation checkpointing."""
     model = [*COMMON, *llama] if case.startswith("llama") else [*COMMON]
     if "packed" in case:
         model += ["--reset-position-ids"] + (["--reset-attention-mask"] if case.startswith("gpt") else [])
     if case.endswith("recomputed"):  # the checkpointed blocks' ring attention runs again in the backward
         model += ["--checkpoint-activations"]
-    if case == "llama_lora":
-        model += ["--lora-rank", "4"]
+    if case == "llama_lora_offloaded":  # the ring's saved tensors go through the offload hooks too
+        model += ["--lora-rank", "4", "--offload-activations"]
     layout = [*CP2, "--cp-comm-type", "a2a"] if "a2a" in case else CP2
     reference, run = _pair(tmp_path, [*model, *data], layout)
     _same_curve(run, reference)
@@ -264,9 +264,9 @@ def test_encoders_and_other_tasks_are_refused(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_causal_lm_fine_tuning_splits_like_one_process(tmp_path_factory, tmp_path, packing):
-    """``--task causal_lm``: right-padded batches of varying length (padded further to a multiple of 4) and
-    packed rows with restarting positions, split over 2 ranks: the one-process losses, gradient norms and
-    token-exact validation loss."""
+    """``--task causal_lm``: right-padded batches of varying length (padded further to a multiple of 4) by ring,
+    and packed rows with restarting positions by all-to-all, split over 2 ranks: the one-process losses,
+    gradient norms and token-exact validation loss."""
     from rapidlite.tasks.causal_lm_demo import write_demo_assets
 
     model_dir, data_dir = write_demo_assets(tmp_path_factory.mktemp("cp_causal"), 5, num_train=48, num_validation=8)
@@ -276,7 +276,8 @@ def test_causal_lm_fine_tuning_splits_like_one_process(tmp_path_factory, tmp_pat
         "1", "--eval-interval", "4", *(["--packing"] if packing else []),
     ]  # fmt: skip
     saves = {}
-    for name, run, layout in (("single", rapidlite_captured, ["--micro-batch-size", "4"]), ("cp2", rapidlite, CP2)):
+    split = [*CP2, "--cp-comm-type", "a2a"] if packing else CP2
+    for name, run, layout in (("single", rapidlite_captured, ["--micro-batch-size", "4"]), ("cp2", rapidlite, split)):
         saves[name] = tmp_path / name
         proc = run(*argv, *layout, "--save", str(saves[name]))
         assert proc.returncode == 0, proc.stderr[-3000:]
