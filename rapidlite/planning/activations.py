@@ -243,3 +243,21 @@ def offload_activations(activations: int, stays: float, on_gpu: bool) -> tuple[i
         return activations, 0
     kept = min(activations, int(stays))
     return kept, activations - kept
+
+
+def context_parallel_bytes(settings: Sections, module: torch.nn.Module, width: int) -> int:
+    """Context parallelism's buffers at the peak (a layer's backward): the ring's received key/value block beside
+    the one it holds, and their fp32 gradient accumulators sent and received; Ulysses' all-to-all buffers of q, k
+    and v, sent and received. 0 without context parallelism."""
+    dims, config = settings.topology, getattr(module, "config", None)
+    if dims.cp <= 1 or config is None:
+        return 0
+    hidden = config.hidden_size // dims.tp
+    seq = settings.batching.seq_length or settings.data.seq_length or 0
+    tokens = settings.batching.micro_batch_size * seq // dims.cp
+    if settings.parallel.cp_comm_type == "a2a":
+        return 2 * 3 * tokens * hidden * width
+    heads = config.num_attention_heads
+    kv_hidden = hidden * (getattr(config, "num_key_value_heads", None) or heads) // heads
+    block = 2 * tokens * kv_hidden  # keys and values
+    return block * width + 2 * block * 4

@@ -49,6 +49,7 @@ from rapidlite.optim import optimizer_state_bytes
 from rapidlite.planning.activations import (
     ActivationProfile,
     ProfileError,
+    context_parallel_bytes,
     kept_on_device,
     offload_activations,
     profile_activations,
@@ -448,6 +449,7 @@ def _rank_plan(
     # Expert parallelism: a layer's rows on their way to their experts and back (the all-to-all's input and
     # output), its (token, choice) rows of the hidden size.
     transient += dispatch_bytes(settings, module, act_width)
+    transient += context_parallel_bytes(settings, module, act_width)
     return RankPlan(
         rank=rank,
         stage=stage,
