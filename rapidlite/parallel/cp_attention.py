@@ -52,6 +52,10 @@ def _attend(
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, 0.0, causal, scale=scale
         )
+        if lse.shape[-1] != q.shape[2]:
+            _CUDA_LSE_PADDED[0] = True
+        elif q.shape[2] % 32:
+            _CUDA_LSE_PADDED[0] = False
         lse = lse[..., : q.shape[2]]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -78,26 +82,36 @@ def _attend_backward(
     """One block's share of the gradients, given the whole attention's output and log-sum-exp (rows and keys
     of the block only)."""
     bias = None if mask is None else _bias(mask, q.dtype)
+    lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing anywhere: no gradient either way
     if q.device.type == "cuda":
         kv_heads = k.shape[1]
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], -1, -1)
-        padded = -(-q.shape[2] // 32) * 32  # the kernel's log-sum-exp is padded to a multiple of 32 rows
-        lse = torch.nn.functional.pad(lse, (0, padded - q.shape[2]))
+        if _CUDA_LSE_PADDED[0] is not False:  # the kernel's log-sum-exp padded to a multiple of 32 rows
+            lse = torch.nn.functional.pad(lse, (0, -(-q.shape[2] // 32) * 32 - q.shape[2]))
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
         )
         return dq, _sum_heads(dk, kv_heads), _sum_heads(dv, kv_heads)
-    lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing anywhere: no gradient either way
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
 
 
+# Whether the CUDA memory-efficient kernel pads its log-sum-exp to a multiple of 32 rows (versions differ): what
+# its forward returned says, where the rows are not such a multiple; until then, padded.
+_CUDA_LSE_PADDED: list[bool | None] = [None]
+
+
 def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    """The additive mask; on CUDA its rows start at multiples of 16 elements, as the memory-efficient kernel
+    requires of a bias (allocated wider, then sliced)."""
+    *lead, keys = mask.shape
+    width = -(-keys // 16) * 16 if mask.device.type == "cuda" else keys
+    bias = torch.zeros((*lead, width), dtype=dtype, device=mask.device)[..., :keys]
+    return bias.masked_fill_(~mask, float("-inf"))  # in place: the slice keeps the wider rows' strides
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
