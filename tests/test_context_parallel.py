@@ -257,6 +257,8 @@ def test_encoders_and_other_tasks_are_refused(tmp_path):
     assert proc.returncode == 2 and "BERT is an encoder" in proc.stderr, proc.stderr[-2000:]
     proc = rapidlite_captured("--task", "sequence_classification", "--demo", *CP2[2:])
     assert proc.returncode == 2 and "--task sequence_classification does not split its sequences" in proc.stderr
+    proc = rapidlite_captured("--task", "causal_lm", "--demo", "--cp-comm-type", "a2a")
+    assert proc.returncode == 2 and "--cp-comm-type chooses context parallelism's attention" in proc.stderr
     proc = rapidlite_captured("--task", "causal_lm", "--demo", *CP2[2:], "--eval-generate", "2")
     assert proc.returncode == 2 and "with --eval-generate: not built for split sequences" in proc.stderr
 

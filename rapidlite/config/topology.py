@@ -112,10 +112,15 @@ class Topology:
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[self.zero_stage] + offload
 
 
-def check_context_parallel(topology: Topology, seq_length: int | None, sequence_parallel: bool = False) -> None:
-    """One line for a layout context parallelism does not compose with (yet), or a sequence it cannot split."""
+def check_context_parallel(
+    topology: Topology, seq_length: int | None, sequence_parallel: bool = False, comm_type_given: bool = False
+) -> None:
+    """One line for a layout context parallelism does not compose with (yet), a sequence it cannot split, or its
+    attention chosen without it."""
     cp = topology.cp
     if cp <= 1:
+        if comm_type_given:
+            raise ConfigError("--cp-comm-type chooses context parallelism's attention: add --context-parallel-size N")
         return
     flag = f"--context-parallel-size {cp}"
     others = [

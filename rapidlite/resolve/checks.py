@@ -225,7 +225,8 @@ def check_task(
             "parallelism serves --task pretraining (GPT-style models) and causal_lm"
         )
     if topology is not None:
-        check_context_parallel(topology, args.seq_length, args.sequence_parallel)
+        given = "cp_comm_type" in (args.explicit_flags or ())
+        check_context_parallel(topology, args.seq_length, args.sequence_parallel, given)
     if task.check is not None:
         task.check(Sections.of(vars(args), topology, batching))
 
