@@ -299,6 +299,7 @@ LAYOUTS = {
     "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
     "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
     "tensor_parallel": ["--micro-batch-size", "8", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+    "context_parallel": ["--micro-batch-size", "8", "--nproc-per-node", "2", "--context-parallel-size", "2"],
     "lora_one": ["--micro-batch-size", "8", "--lora-rank", "4"],
     "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4"],
     "lora_deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization", "--lora-rank", "4"],
@@ -337,12 +338,15 @@ def test_padding_free_and_precomputed_reference_train_as_the_padded_live_run(run
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3", "tensor_parallel"])
+@pytest.mark.parametrize("layout", ["ddp", "zero3_offload", "deepspeed_zero3", "tensor_parallel", "context_parallel"])
 def test_two_ranks_train_as_one_process(runs, layout):
     """The policy and its frozen reference laid out alike (replicated, FSDP2-sharded with CPU offload, DeepSpeed
-    ZeRO-3 partitioned, split by tensor parallelism): each step's loss and metrics, and the validation's, equal one
-    process's."""
+    ZeRO-3 partitioned, split by tensor parallelism, each sequence split by context parallelism): each step's loss
+    and metrics, and the validation's, equal one process's."""
     _assert_same_run(runs(layout), runs("one"), rel=1e-5)
+    if layout == "context_parallel":
+        (state,) = [r for r in read_metrics(runs(layout)) if r.get("split") == "model_state"]
+        assert state["strategy"] == "DDP x context parallel 2 (p2p)"
 
 
 def _adapter(save_dir):

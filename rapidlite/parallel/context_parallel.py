@@ -72,6 +72,28 @@ def shard_causal_batch(
     return {k: shard(v, cp, rank) for k, v in inputs.items()}, shard(targets, cp, rank)
 
 
+def split_output_logps(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, group: Any, chunked: bool
+) -> torch.Tensor:
+    """``output_logps(model, inputs, labels, shift=True)`` of right-padded (or packed) rows, computed on this
+    rank's shard of each and gathered whole ``[rows, length]``: position t scores label t+1. The gather's
+    backward sums every rank's gradient of its shard, so a loss every rank of ``group`` computes alike from the
+    whole log-probabilities (a preference pair's sums) trains as one process once the replicas' averaging
+    (over dp x cp) divides it."""
+    from torch.distributed.nn.functional import all_gather
+
+    from rapidlite.models.head import output_logps
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch = {"input_ids": inputs["input_ids"], "labels": labels}
+    if "position_ids" in inputs:
+        batch["position_ids"] = inputs["position_ids"]
+    local, targets = shard_causal_batch(batch, cp, rank, pad_token_id=0)  # padding is never a target
+    per_token = output_logps(model, {**local, "use_cache": False}, targets, shift=False, chunked=chunked)
+    parts = all_gather(per_token.contiguous(), group=group)
+    return unshard(list(parts))[:, : labels.shape[1]]
+
+
 def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """Document numbers ``[b, s]`` of packed sequences whose position ids restart at 0 for each document."""
     return (position_ids == 0).long().cumsum(-1)

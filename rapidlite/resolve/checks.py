@@ -222,7 +222,7 @@ def check_task(
     if args.context_parallel_size > 1 and not task.context_parallel:
         raise ConfigError(
             f"--context-parallel-size: --task {task.name} does not split its sequences over ranks; context "
-            "parallelism serves --task pretraining (GPT-style models) and causal_lm"
+            "parallelism serves --task pretraining (GPT-style models), causal_lm and dpo"
         )
     if topology is not None:
         given = "cp_comm_type" in (args.explicit_flags or ())

@@ -67,6 +67,10 @@ class DataParallel(Strategy):
             from rapidlite.parallel.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.dist.tp_mesh, self.config.parallel.sequence_parallel)
+        if self.dist.cp_group is not None:  # it scores the same shards as the trained model
+            from rapidlite.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, self.dist.cp_group, self.config.parallel.cp_comm_type)
         if self.dist.initialized and self.topology.fully_sharded:
             from rapidlite.parallel.data_parallel import apply_fsdp
 

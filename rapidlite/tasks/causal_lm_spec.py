@@ -25,9 +25,10 @@ class CausalLmOptions:
     train_on_prompt: bool = flag(False, "causal_lm: the prompt tokens train too")
 
 
-def check(settings: Sections) -> None:
+def check_split_sequences(settings: Sections) -> None:
     """Context parallelism splits training and evaluation batches; what runs whole sequences through the model
-    (greedy generation, the harness) or packs a micro-batch into one row its own way does not split yet."""
+    (greedy generation, the harness) or packs a micro-batch into one row its own way does not split yet (the
+    causal LM tasks' shared rule)."""
     cp = settings.topology.cp
     if cp <= 1:
         return
@@ -57,6 +58,6 @@ TASK = TaskSpec(
     chunked_loss="sum",
     eval_harness=True,
     streaming=True,
-    check=check,
+    check=check_split_sequences,
     context_parallel=True,
 )

@@ -39,6 +39,7 @@ from rapidlite.errors import ConfigError
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.models import lora
 from rapidlite.models.head import output_logps
+from rapidlite.parallel.context_parallel import split_output_logps
 from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.dpo_spec import preference_reference
@@ -216,9 +217,11 @@ class DPOFinetuner(CausalLMFinetuner):
         segments, n = _segments(batch)
         every = _sequence_labels(inputs) if full_nll else None
         targets = labels if every is None else torch.where(labels != -100, labels, every)
-        per_token = output_logps(
-            model, {**inputs, "use_cache": False}, targets, shift=True, chunked=self.settings.model.chunked_loss
-        )
+        chunked = self.settings.model.chunked_loss
+        if self.engine.dist.cp_group is not None:  # each rank's shard of every sequence, gathered whole
+            per_token = split_output_logps(model, inputs, targets, self.engine.dist.cp_group, chunked)
+        else:
+            per_token = output_logps(model, {**inputs, "use_cache": False}, targets, shift=True, chunked=chunked)
         logps, tokens = sequence_sums(per_token, labels, segments, n)
         if every is None:
             return logps, tokens

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from rapidlite.config.fields import flag
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError
+from rapidlite.tasks.causal_lm_spec import check_split_sequences
 
 if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only names them
     from rapidlite.config.settings import Sections
@@ -75,6 +76,7 @@ def check(settings: Sections) -> None:
         raise ConfigError(
             f"--label-smoothing: --loss-type {pref.loss_type} does not use it; use sigmoid, robust or simpo"
         )
+    check_split_sequences(settings)
 
 
 TASK = TaskSpec(
@@ -87,6 +89,7 @@ TASK = TaskSpec(
     defaults={"seq_length": SEQ_LENGTH},
     load_model_dir=True,
     check=check,
+    context_parallel=True,
     eval_only=True,
     auto_class="AutoModelForCausalLM",
     inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
