@@ -427,8 +427,9 @@ torch.manual_seed(0)
 peak_memory_mb = lambda: peak_memory_bytes(torch.device("cpu")) / 2**20
 sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, max_position_embeddings=1024, **sizes))
-# forward_logps reads one setting of its trainer: the flag
-trainer = types.SimpleNamespace(settings=types.SimpleNamespace(model=types.SimpleNamespace(chunked_loss=chunked)))
+# forward_logps reads two things of its trainer: the flag, and the context-parallel group (none here)
+trainer = types.SimpleNamespace(settings=types.SimpleNamespace(model=types.SimpleNamespace(chunked_loss=chunked)),
+                                engine=types.SimpleNamespace(dist=types.SimpleNamespace(cp_group=None)))
 
 
 def step(pairs, length):
