@@ -23,8 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-COMM_TYPES = ("p2p", "a2a")
-
 
 def shard_indices(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The global indices of rank ``rank``'s tokens, ascending: chunks ``rank`` and ``2 cp - 1 - rank`` of
@@ -171,15 +169,22 @@ def _ring_blocks(rank: int, source: int, causal: bool, half: int) -> tuple[slice
     return slice(half, None), everything, False
 
 
-def _segment_mask(
-    q_segments: torch.Tensor | None, k_segments: torch.Tensor | None, causal: bool
-) -> torch.Tensor | None:
-    if q_segments is None:
-        return None
+def _segment_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """True where a query and a key are of one document (and, ``causal``, the key is not later)."""
     mask = (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
     if causal:
         mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
     return mask
+
+
+def _block_mask(
+    segments: torch.Tensor | None, blocks: list[torch.Tensor], rows: slice, cols: slice, causal: bool
+) -> torch.Tensor | None:
+    """The mask of one ring step's block pair: the local rows' documents against the held block's (its third
+    tensor), causal within where the pair is; None without documents."""
+    if segments is None:
+        return None
+    return _segment_mask(segments[:, rows], blocks[2][:, cols], causal)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -196,11 +201,7 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % size
             rows, cols, block_causal = _ring_blocks(rank, source, causal, half)
             kb, vb = blocks[0][:, :, cols], blocks[1][:, :, cols]
-            mask = _segment_mask(
-                None if segments is None else segments[:, rows],
-                None if segments is None else blocks[2][:, cols],
-                block_causal,
-            )
+            mask = _block_mask(segments, blocks, rows, cols, block_causal)
             block_out, block_lse = _attend(q[:, :, rows], kb, vb, mask, block_causal and mask is None, scale)
             if rows.start:  # a later rank's keys: only the second chunk's rows took part
                 block_out = torch.cat((torch.zeros_like(block_out), block_out), dim=2)
@@ -232,11 +233,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming, requests = _ring_exchange(blocks, group)
             source = (rank - step) % size
             rows, cols, block_causal = _ring_blocks(rank, source, causal, half)
-            mask = _segment_mask(
-                None if segments is None else segments[:, rows],
-                None if segments is None else blocks[2][:, cols],
-                block_causal,
-            )
+            mask = _block_mask(segments, blocks, rows, cols, block_causal)
             gq, gk, gv = _attend_backward(
                 grad_out[:, :, rows], q[:, :, rows], blocks[0][:, :, cols].contiguous(),
                 blocks[1][:, :, cols].contiguous(), out[:, :, rows], lse[:, :, rows].contiguous(), mask,
