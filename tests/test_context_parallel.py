@@ -21,7 +21,7 @@ from helpers import (
     write_tiny_corpus,
 )
 from rapidlite.checkpoint.dcp import read_model_tensors
-from rapidlite.parallel.context_parallel import segments_from_positions, shard, unshard
+from rapidlite.parallel.context_parallel import shard, unshard
 from rapidlite.parallel.cp_attention import shard_indices
 
 # Every case on N forked ranks over gloo: each rank attends its load-balanced shard and compares its output and
@@ -30,7 +30,8 @@ ATTENTION = r"""
 import json, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 import torch.nn.functional as F
-from rapidlite.parallel.context_parallel import shard, segments_from_positions
+from rapidlite.models.padding_free import segments as documents_of
+from rapidlite.parallel.context_parallel import shard
 from rapidlite.parallel.cp_attention import context_parallel_attention
 
 def reference(q, k, v, causal, segments):
@@ -61,7 +62,7 @@ def run(rank, n):
                     segments = None
                     if packed:  # documents of 3..9 tokens, crossing the shards' borders
                         positions = torch.cat([torch.arange(s) % 5, (torch.arange(s) + 2) % 7]).view(b, s)
-                        segments = segments_from_positions(positions)
+                        segments = documents_of(positions)
                     want = reference(q, k, v, causal, segments)
                     want.backward(grad)
                     expected = [want] + [t.grad for t in (q, k, v)]
@@ -110,7 +111,6 @@ def test_the_split_balances_causal_work_and_reassembles():
         assert torch.equal(unshard([shard(x, n, r) for r in range(n)]), x)
     with pytest.raises(ValueError, match="not divisible by 2 x context-parallel size 4"):
         shard_indices(12, 4, 0)
-    assert segments_from_positions(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist() == [[1, 1, 1, 2, 2, 3]]
 
 
 # ---------------------------------------------------------------------------------------- whole runs, 1 process
@@ -126,13 +126,13 @@ LAYOUTS = {
     "cp2_a2a": [*CP2, "--cp-comm-type", "a2a"],
     "cp2_dp2_zero3": ["--micro-batch-size", "2", "--nproc-per-node", "4", "--context-parallel-size", "2",
                       "--zero-3-memory-optimization"],
-    "cp2_tp2": [*CP2[:2], "--nproc-per-node", "4", "--context-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+    "cp2_tp2": ["--micro-batch-size", "4", "--nproc-per-node", "4", "--context-parallel-size", "2",
+                "--tensor-model-parallel-size", "2"],
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-
     prefix = tmp_path_factory.mktemp("cp_data") / "tiny_text_document"
     write_tiny_corpus(prefix)
     return ["--data-path", str(prefix)]
@@ -140,7 +140,6 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-
     return layout_runs(tmp_path_factory.mktemp("cp_runs"), [*COMMON, *data], LAYOUTS)
 
 

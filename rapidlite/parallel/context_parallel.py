@@ -10,8 +10,9 @@ token counts and the labels' shift follow the split by construction.
 **The attention** (``rapidlite.parallel.cp_attention``): ring attention (``p2p``) or Ulysses (``a2a``), exact over
 the whole sequence. ``apply_context_parallel`` routes a model's attention through it: the built-in GPT's
 attention modules, and Hugging Face decoders through transformers' ``AttentionInterface``. **Packed documents**
-keep their boundaries across ranks: ``segment_ids`` (a document number per token) restrict attention to keys of
-the same document, on top of the causal mask.
+keep their boundaries across ranks: ``segment_ids`` (a document number per token; from restarting position ids
+by transformers' own rule, ``rapidlite.models.padding_free.segments``) restrict attention to keys of the same
+document, on top of the causal mask.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rapidlite.errors import ConfigError
+from rapidlite.models.padding_free import segments
 from rapidlite.parallel.cp_attention import context_parallel_attention, shard_indices
 
 
@@ -68,7 +70,7 @@ def shard_causal_batch(
         positions = torch.arange(length + pad, device=ids.device).expand(rows, length + pad)
     inputs = {"input_ids": torch.nn.functional.pad(ids, (0, pad), value=pad_token_id), "position_ids": positions}
     if packed:
-        inputs["cp_segment_ids"] = segments_from_positions(positions)
+        inputs["cp_segment_ids"] = segments(positions)
     return {k: shard(v, cp, rank) for k, v in inputs.items()}, shard(targets, cp, rank)
 
 
@@ -92,11 +94,6 @@ def split_output_logps(
     per_token = output_logps(model, {**local, "use_cache": False}, targets, shift=False, chunked=chunked)
     parts = all_gather(per_token.contiguous(), group=group)
     return unshard(list(parts))[:, : labels.shape[1]]
-
-
-def segments_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document numbers ``[b, s]`` of packed sequences whose position ids restart at 0 for each document."""
-    return (position_ids == 0).long().cumsum(-1)
 
 
 # ------------------------------------------------------------------------------------------------- the models
@@ -130,10 +127,6 @@ class ContextParallel:
         scale: float | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(q, k, v, self.group, self.comm_type, causal, segment_ids, scale)
-
-    def shard(self, tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
-        """This rank's part of a per-token tensor (None stays None)."""
-        return None if tensor is None else shard(tensor, self.size, self.rank, dim)
 
 
 def apply_context_parallel(model: torch.nn.Module, group: Any, comm_type: str) -> ContextParallel:

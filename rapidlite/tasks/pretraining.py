@@ -31,7 +31,8 @@ from rapidlite.data.tokenizers import tokenizer_of
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.models.head import chunkable_head, local_result, model_logits, output_logps, returns_logps
 from rapidlite.models.hf import check_positions, load_config, load_hf_model, override_sizes
-from rapidlite.parallel.context_parallel import segments_from_positions, shard_batch
+from rapidlite.models.padding_free import segments
+from rapidlite.parallel.context_parallel import shard_batch
 from rapidlite.tasks.pretraining_spec import model_family
 from rapidlite.trainer.pretrainer import PreTrainer
 
@@ -185,7 +186,7 @@ class GPTPretrainer(PreTrainer):
         topology, cp_args = self.engine.dist.topology, {}
         if topology.cp > 1:  # this rank's shard of each sequence; the documents go by number, not by mask
             if self.hf and settings.data.reset_position_ids:  # a Hugging Face decoder's packed documents
-                batch["segment_ids"] = segments_from_positions(batch["position_ids"])
+                batch["segment_ids"] = segments(batch["position_ids"])
             length = batch["input_ids"].shape[1]
             batch = shard_batch({**batch, "attention_mask": None}, topology.cp, self.engine.dist.cp_rank)
             cp_args = {"cp_segment_ids" if self.hf else "segment_ids": batch["segment_ids"]}
