@@ -293,4 +293,6 @@ def test_a_user_script_is_refused(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("from rapidlite import RapidliteEngine\nRapidliteEngine()\n")
     proc = rapidlite_captured("--user-script", str(script), *CP2[2:])
-    assert proc.returncode == 2 and "--context-parallel-size is read by --task pretraining and causal_lm" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "--context-parallel-size is read by the tasks that cut sequences" in proc.stderr
+    assert "(causal_lm, dpo, pretraining)" in proc.stderr

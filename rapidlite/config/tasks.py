@@ -206,6 +206,11 @@ def task_names() -> list[str]:
     return list(_discover())
 
 
+def context_parallel_tasks() -> str:
+    """The tasks that split their sequences over context-parallel ranks, as a message lists them."""
+    return ", ".join(spec.name for spec in registered() if spec.context_parallel)
+
+
 def registered() -> list[TaskSpec]:
     """Every task ``--task`` can name, in the order ``task_names`` lists them."""
     return list(_discover().values())

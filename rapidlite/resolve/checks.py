@@ -11,7 +11,7 @@ from rapidlite.config import moe as moe_flags
 from rapidlite.config.fields import flag_fields, option
 from rapidlite.config.sections import LR_DECAY_STYLES
 from rapidlite.config.settings import SECTION_NAMES, Sections
-from rapidlite.config.tasks import TaskSpec, check_options, get_task, task_names
+from rapidlite.config.tasks import TaskSpec, check_options, context_parallel_tasks, get_task, task_names
 from rapidlite.config.topology import Batching, Topology, check_context_parallel
 from rapidlite.errors import ConfigError
 from rapidlite.resolve.topology import zero_stage
@@ -83,8 +83,8 @@ def check_rest(args: argparse.Namespace) -> None:
         raise ConfigError("--streaming is read by --task causal_lm and pretraining; a user script streams its own data")
     if args.context_parallel_size > 1 and (args.task is None or args.user_script is not None):
         raise ConfigError(
-            "--context-parallel-size is read by --task pretraining and causal_lm, which cut sequences into the "
-            "ranks' shards; a user script's forward step sees whole ones"
+            f"--context-parallel-size is read by the tasks that cut sequences into the ranks' shards "
+            f"({context_parallel_tasks()}); a user script's forward step sees whole ones"
         )
     if args.padding_free and args.packing:
         raise ConfigError(
@@ -222,7 +222,7 @@ def check_task(
     if args.context_parallel_size > 1 and not task.context_parallel:
         raise ConfigError(
             f"--context-parallel-size: --task {task.name} does not split its sequences over ranks; context "
-            "parallelism serves --task pretraining (GPT-style models), causal_lm and dpo"
+            f"parallelism serves --task {context_parallel_tasks()}"
         )
     if topology is not None:
         given = "cp_comm_type" in (args.explicit_flags or ())
