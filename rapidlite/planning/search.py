@@ -154,8 +154,6 @@ def _open_choices(
             continue
         if ep > 1 and (dp % ep or experts % ep or tp > 1 or pp > 1 or strategy == "ZeRO-1"):
             continue  # what expert parallelism does not divide or combine with
-        if cp > 1 and (pp > 1 or ep > 1 or seq % (2 * cp)):
-            continue  # what context parallelism does not divide or combine with
         if dp * cp == 1 and strategy != "DDP":  # nothing to shard over
             continue
         if offload and strategy not in ("ZeRO-2", "ZeRO-3"):
