@@ -245,16 +245,15 @@ def offload_activations(activations: int, stays: float, on_gpu: bool) -> tuple[i
     return kept, activations - kept
 
 
-def context_parallel_bytes(settings: Sections, module: torch.nn.Module, width: int) -> int:
-    """Context parallelism's buffers at the peak (a layer's backward): the ring's received key/value block beside
-    the one it holds, and their fp32 gradient accumulators sent and received; Ulysses' all-to-all buffers of q, k
-    and v, sent and received. 0 without context parallelism."""
-    dims, config = settings.topology, getattr(module, "config", None)
-    if dims.cp <= 1 or config is None:
+def context_parallel_bytes(settings: Sections, config: Any, local_tokens: int | None, width: int) -> int:
+    """Context parallelism's buffers at the peak (a layer's backward) for ``local_tokens`` of each sequence on a
+    rank: the ring's received key/value block beside the one it holds, and their fp32 gradient accumulators sent
+    and received; Ulysses' all-to-all buffers of q, k and v, sent and received. 0 without context parallelism."""
+    dims = settings.topology
+    if dims.cp <= 1 or config is None or not local_tokens:
         return 0
     hidden = config.hidden_size // dims.tp
-    seq = settings.batching.seq_length or settings.data.seq_length or 0
-    tokens = settings.batching.micro_batch_size * seq // dims.cp
+    tokens = settings.batching.micro_batch_size * local_tokens
     if settings.parallel.cp_comm_type == "a2a":
         return 2 * 3 * tokens * hidden * width
     heads = config.num_attention_heads

@@ -295,8 +295,11 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     if task is not None and task.generation is not None:
         notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
     runtime = _runtime_bytes(task) if device.type == "cpu" else 0
+    width = precision.dtype.itemsize if precision.dtype is not None else 4
+    buffers = context_parallel_bytes(settings, getattr(model, "config", None), local, width)
     for r in ranks:
         r.runtime = runtime
+        r.transient += buffers
     return Plan(
         **moe,
         flops=flops,
@@ -449,7 +452,6 @@ def _rank_plan(
     # Expert parallelism: a layer's rows on their way to their experts and back (the all-to-all's input and
     # output), its (token, choice) rows of the hidden size.
     transient += dispatch_bytes(settings, module, act_width)
-    transient += context_parallel_bytes(settings, module, act_width)
     return RankPlan(
         rank=rank,
         stage=stage,
