@@ -20,7 +20,8 @@ FLAGS = """
 --hidden-size --hysteresis --init-method-std --initial-loss-scale --label-key --load --load-pretrained-weights
 --log-interval --loss-scale --loss-scale-window --lr --lr-decay-iters --lr-decay-style --lr-warmup-fraction
 --lr-warmup-iters --make-vocab-size-divisible-by --mask-prob --master-addr --master-port --max-position-embeddings
---max-restarts --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision --mmap-warmup --nnodes
+--max-restarts --start-method --merge-file --micro-batch-size --min-loss-scale --min-lr --mixed-precision
+--mmap-warmup --nnodes
 --no-binary-head --no-curves --no-load-optim --no-load-rng --no-progress --no-save-optim --node-rank --normalization
 --nproc-per-node
 --num-attention-heads --num-layers --num-layers-per-virtual-pipeline-stage --num-workers --onnx-runtime-training
@@ -270,7 +271,7 @@ def test_a_launcher_starts_its_ranks_without_loading_checkpointing(tmp_path):
     code = (
         "import sys\n"
         "import rapidlite.runtime.launcher as launcher\n"
-        "def launch(cfg, entry, argv, module):\n"
+        "def launch(cfg, entry, argv, module, warm=None):\n"
         "    print(sorted(m for m in ('torch', 'torch.distributed.checkpoint', 'rapidlite.checkpoint.dcp')\n"
         "                 if m in sys.modules))\n"
         "    return 0\n"

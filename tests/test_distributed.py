@@ -1,6 +1,7 @@
 """Data parallelism and ZeRO on 2 processes (gloo, CPU), launched the way a user launches them:
 ``rapidlite --user-script ... --nproc-per-node 2``. Every layout is compared with one process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -384,3 +385,33 @@ def test_one_node_launch_does_not_need_a_resolvable_hostname(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_start_as_the_start_method_says(tmp_path, method):
+    """``--start-method fork`` forks the workers from the launcher (named by rank in ``ps``), ``spawn`` starts
+    new interpreters; either way a worker has its share of the cores (OMP_NUM_THREADS unset: cores / ranks,
+    not the launcher's count, which a forked worker's OpenMP would otherwise keep) and a pid of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(PYTHONPATH=str(REPO), OUT=str(tmp_path))
+    argv = ["--user-script", str(SCRIPTS / "worker_identity.py"), "--nproc-per-node", "2", "--start-method", method]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rapidlite", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["threads"] for r in records] == [max((os.cpu_count() or 1) // 2, 1)] * 2
+    assert records[0]["pid"] != records[1]["pid"]
+    if method == "fork":
+        assert [r["name"] for r in records] == ["rapidlite-r0", "rapidlite-r1"]
+    else:
+        assert all(r["name"].startswith("python") for r in records), records
+
+
+def test_spawned_workers_train_as_the_forked_ones(runs, tmp_path):
+    """The two ways of starting workers (the default here forks them) give the same run, number for number."""
+    argv = ["--user-script", PRETRAIN, *COMMON, *TWO, "--train-iters", "6", "--start-method", "spawn"]
+    proc = rapidlite(*argv, "--save", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for key in ("loss", "grad_norm"):
+        assert train_losses(tmp_path, key) == train_losses(runs("ddp"), key)

@@ -183,16 +183,19 @@ def test_max_restarts_resumes_from_the_latest_checkpoint(tmp_path, reference):
 
 
 def worker_pid(launcher: int, rank: int) -> int:
-    """The pid of the worker of ``rank`` that the launcher started (its child with RANK=rank)."""
+    """The pid of the worker of ``rank`` that the launcher started: its child named ``rapidlite-rRANK`` (forked),
+    or with RANK=rank in its environment (a new process)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
             environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
+        named = stat.split("(", 1)[1].rsplit(")", 1)[0] == f"rapidlite-r{rank}"
+        if ppid == launcher and (named or f"RANK={rank}".encode() in environ):
             return int(entry.name)
     raise AssertionError(f"no rank {rank} worker under pid {launcher}")
 

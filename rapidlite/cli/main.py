@@ -142,7 +142,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
         return dry_run(config, argv)
-    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
+    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True, warm=lambda: _warm(task, config))
     if code is not None:
         return code
 
@@ -158,6 +158,16 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
             + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
         )
     return 0
+
+
+def _warm(task, config: RunConfig) -> None:
+    """What the task's workers import, imported once in a launcher that forks them (``--start-method``)."""
+    from rapidlite.runtime.forked_workers import warm_imports
+
+    task.trainer_class(config.sections)
+    warm_imports(config.sections.model.pretrained_model_name_or_path)
+    if config.sections.parallel.deepspeed:
+        import deepspeed  # noqa: F401  (2-3 s of imports per rank)
 
 
 def dry_run(config: RunConfig, argv: list[str]) -> int:

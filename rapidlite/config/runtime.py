@@ -110,6 +110,14 @@ class ParallelConfig:
         10, "collective timeout (fractions allowed: 0.5 is 30 s)", group=DISTRIBUTED
     )
     max_restarts: int = flag(0, "restarts of the whole worker group after a failure (torchrun)", group=DISTRIBUTED)
+    start_method: str = flag(
+        "auto",
+        "how the launcher starts its workers: fork (from the launcher, the training code already imported: "
+        "seconds less start-up per rank), spawn (each a new Python process, torchrun's way), auto (fork on a "
+        "machine without CUDA, spawn with it)",
+        choices=("auto", "fork", "spawn"),
+        group=DISTRIBUTED,
+    )
     use_distributed_optimizer: bool = flag(
         False,
         "shard the optimizer state over the data-parallel ranks: ZeRO-1 (--zero-1-memory-optimization)",

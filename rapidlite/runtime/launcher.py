@@ -27,10 +27,11 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rapidlite.config.runtime import ParallelConfig
+from rapidlite.runtime import forked_workers
 from rapidlite.runtime.environ import env_int, launch_int, launch_value
 from rapidlite.runtime.preemption import EXIT_CODE, SIGNALS, signal_name
 from rapidlite.runtime.world import nproc_per_node, num_nodes, target_world_size
@@ -193,12 +194,17 @@ AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torchrun's default minus SIGTERM, whi
 
 
 @contextlib.contextmanager
-def _supervised(supervisor: _Supervisor) -> Iterator[None]:
+def _supervised(supervisor: _Supervisor, fork: bool) -> Iterator[None]:
     """torchrun's agent with the supervisor's hooks, and SIGTERM/SIGUSR1 handled by it (the agent would turn
-    SIGTERM into a traceback after killing the workers 30 s later, and SIGUSR1 would end the launcher alone)."""
+    SIGTERM into a traceback after killing the workers 30 s later, and SIGUSR1 would end the launcher alone);
+    with ``fork``, its workers forked from this process (``forked_workers``) instead of started anew."""
+    import torch.distributed.elastic.multiprocessing.api as processes_api
     import torch.distributed.launcher.api as launcher_api
 
     agent_class = launcher_api.LocalElasticAgent
+    handler_factory = processes_api.get_subprocess_handler
+    if fork:
+        processes_api.get_subprocess_handler = forked_workers.handler_factory()
     handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
     previous = {sig: signal.signal(sig, supervisor.handle) for sig in SIGNALS}
@@ -207,6 +213,7 @@ def _supervised(supervisor: _Supervisor) -> Iterator[None]:
         yield
     finally:
         launcher_api.LocalElasticAgent = agent_class
+        processes_api.get_subprocess_handler = handler_factory
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if handled is None:
@@ -215,21 +222,29 @@ def _supervised(supervisor: _Supervisor) -> Iterator[None]:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
 
 
-def launch(cfg: ParallelConfig, entry: str, argv: list[str], module: bool) -> int:
+def launch(
+    cfg: ParallelConfig, entry: str, argv: list[str], module: bool, warm: Callable[[], None] | None = None
+) -> int:
     """Run ``entry argv`` (a module with ``module``, else a script path) as a torchrun worker group; return
     the exit code to end with. Prints the first failure as described in the module docstring; workers that
-    stopped on SIGTERM/SIGUSR1 end it with ``preemption.EXIT_CODE``."""
+    stopped on SIGTERM/SIGUSR1 end it with ``preemption.EXIT_CODE``. Workers that are forked
+    (``--start-method``) find imported what ``warm`` imports, beside the engine."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     launch_args = torchrun_args(cfg)
     _threads_per_worker(nproc_per_node(cfg))
     _quiet_agent()
+    fork = forked_workers.fork_workers(cfg.start_method)
+    if fork:
+        forked_workers.warm_imports()
+        if warm is not None:
+            warm()
     parsed = get_args_parser().parse_args([*launch_args, *(["-m"] if module else []), entry, *argv])
     parsed.signals_to_handle = AGENT_SIGNALS  # torch >= 2.7 passes this to the agent's environment
     supervisor = _Supervisor()
     try:
-        with _supervised(supervisor):
+        with _supervised(supervisor, fork):
             run(parsed)
     except ChildFailedError as e:
         text, code = supervisor.report(e)
@@ -240,13 +255,15 @@ def launch(cfg: ParallelConfig, entry: str, argv: list[str], module: bool) -> in
     return 0
 
 
-def launch_or_join(cfg: ParallelConfig, entry: str, argv: list[str], module: bool) -> int | None:
+def launch_or_join(
+    cfg: ParallelConfig, entry: str, argv: list[str], module: bool, warm: Callable[[], None] | None = None
+) -> int | None:
     """The launch decision. None: this process runs the training (it is a launched worker, or the job is one
     process). Otherwise this process was the launcher: it ran ``entry argv`` as the workers (``launch``) and
     the result is the exit code the process must end with."""
     if not needs_launch(cfg):
         return None
-    return launch(cfg, entry, argv, module=module)
+    return launch(cfg, entry, argv, module=module, warm=warm)
 
 
 def launch_script_or_join(cfg: ParallelConfig) -> None:
