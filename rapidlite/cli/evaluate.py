@@ -97,6 +97,14 @@ def write_results(path: str, results: dict[str, Any]) -> None:
         raise ConfigError(f"--output {path}: cannot write it ({e.strerror or e})") from None
 
 
+def _warm(model: str) -> None:
+    """What the workers import, imported once in a launcher that forks them (``--start-method`` auto)."""
+    import rapidlite.evaluation.scoring  # noqa: F401
+    from rapidlite.runtime.forked_workers import warm_imports
+
+    warm_imports(model)
+
+
 def run(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     task, items = load_eval_data(args.data, args.task)  # bad data fails here, before any worker starts
@@ -106,7 +114,7 @@ def run(argv: Sequence[str]) -> int:
     # One data-parallel group on this node: the launch settings other than the process count keep their defaults.
     parallel = ParallelConfig(nproc_per_node=args.nproc_per_node)
     if needs_launch(parallel):
-        return launch(parallel, "rapidlite.cli.evaluate", list(argv), module=True)
+        return launch(parallel, "rapidlite.cli.evaluate", list(argv), module=True, warm=lambda: _warm(args.model))
 
     from rapidlite.config.topology import Topology
     from rapidlite.evaluation.scoring import evaluate, load_reward_scorer, load_scorer

@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 from rapidlite.cli.entry import end_process, run_command
 from rapidlite.config.parser import parse_known
@@ -142,7 +143,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
         task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
         return dry_run(config, argv)
-    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True, warm=lambda: _warm(task, config))
+    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True, warm=lambda: _warm(config, task))
     if code is not None:
         return code
 
@@ -160,11 +161,14 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
     return 0
 
 
-def _warm(task, config: RunConfig) -> None:
-    """What the task's workers import, imported once in a launcher that forks them (``--start-method``)."""
+def _warm(config: RunConfig, task: Any = None) -> None:
+    """What the workers import, imported once in a launcher that forks them (``--start-method``): the engine,
+    the task's trainer and the model's transformers module, DeepSpeed when asked for."""
+    import rapidlite.engine  # noqa: F401
     from rapidlite.runtime.forked_workers import warm_imports
 
-    task.trainer_class(config.sections)
+    if task is not None:
+        task.trainer_class(config.sections)
     warm_imports(config.sections.model.pretrained_model_name_or_path)
     if config.sections.parallel.deepspeed:
         import deepspeed  # noqa: F401  (2-3 s of imports per rank)
@@ -225,7 +229,7 @@ def _run(argv: list[str]) -> int:
     config = resolve_command(namespace)
     if config.dry_run:
         return dry_run(config, argv)
-    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True)
+    code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True, warm=lambda: _warm(config))
     return code if code is not None else run_user_script(script, argv)
 
 

@@ -41,12 +41,11 @@ def fork_workers(start_method: str) -> bool:
 
 
 def warm_imports(model: str | None = None) -> None:
-    """Import in the launcher what every worker imports (the engine; torch's dynamo, which a torch optimizer's
+    """Import in the launcher what every worker imports below rapidlite (torch's dynamo, which a torch optimizer's
     first step imports) and, for a transformers model (a name or directory), its modeling module: the workers
-    forked afterwards find them loaded. A warm-up only: a worker imports whatever it still lacks."""
+    forked afterwards find them loaded. The command line adds rapidlite's own (``launch``'s ``warm``). A warm-up
+    only: a worker imports whatever it still lacks."""
     import torch._dynamo  # noqa: F401
-
-    import rapidlite.engine  # noqa: F401
 
     if model:
         try:
