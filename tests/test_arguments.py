@@ -63,7 +63,7 @@ FLAGS = """
 --log-throughput --timing-log-level --log-timers-to-tensorboard --log-memory-to-tensorboard
 --log-validation-ppl-to-tensorboard --tensorboard-log-interval --ckpt-format --dataloader-type --no-save-rng
 --data-cache-path --moe-permute-fusion --moe-router-dtype --moe-shared-expert-overlap --moe-expert-capacity-factor
---bert-no-binary-head
+--bert-no-binary-head --moe-token-drop-policy
 --max-length --loss-type --beta --label-smoothing --simpo-gamma --orpo-alpha --rpo-alpha --max-prompt-length
 --precompute-ref-logprobs --desirable-weight --undesirable-weight --center-rewards-coefficient
 --chunked-loss --no-chunked-loss

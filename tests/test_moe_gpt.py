@@ -12,6 +12,7 @@ from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_met
 from rapidlite.config.moe import MoEConfig
 from rapidlite.models import moe
 from rapidlite.models.gpt import GPTConfig, GPTModel
+from rapidlite.models.gpt_moe import within_capacity
 
 LLAMA_STYLE = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "bias": False}
 CONFIG = GPTConfig(
@@ -53,6 +54,40 @@ def test_the_grouped_matmul_equals_the_loop(swiglu):
     torch.testing.assert_close(grouped_logits, loop_logits, rtol=0, atol=1e-6)
     for name, grad in loop_grads.items():
         torch.testing.assert_close(grouped_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("policy,kept", [("probs", [False, True, True, True]), ("position", [True, True, False, True])])
+def test_a_capacity_keeps_each_experts_best_pairs(policy, kept):
+    """4 tokens, top-1 of 2 experts, factor 1: each expert takes ceil(4 / 2) = 2; expert 0, chosen thrice, drops
+    its lowest-probability pair (probs) or its latest token (position)."""
+    chosen = torch.tensor([[0], [0], [0], [1]])
+    weights = torch.tensor([[0.2], [0.9], [0.5], [0.7]])
+    keep = within_capacity(chosen, weights, experts=2, factor=1.0, policy=policy)
+    assert keep.reshape(-1).tolist() == kept
+
+
+def test_a_capacity_drops_the_pairs_over_it_in_training_only():
+    """A layer with capacity factor 0.5: its training output is every kept (token, choice) pair's expert output
+    times its unchanged routing weight, written out here expert by expert; its share dropped is recorded; in
+    evaluation nothing is dropped (the dropless layer's output, the same weights)."""
+    model = model_of(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
+    layer = model.layers[0].mlp
+    x = torch.randn(2, 16, 32)
+    y = layer(x)
+    _, weights, chosen = layer.router(x)
+    keep = within_capacity(chosen, weights, 4, 0.5, "probs")
+    flat = x.reshape(-1, 32)
+    first, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    expected = torch.zeros_like(flat)
+    for t, c in keep.nonzero().tolist():
+        e = int(chosen[t, c])
+        gate, up = (first[e] @ flat[t]).chunk(2)
+        expected[t] += weights[t, c] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(y.reshape(-1, 32), expected, rtol=1e-5, atol=1e-6)
+    assert 0 < float(layer.dropped) == pytest.approx(1 - keep.float().mean().item())
+    dropless = model_of()  # the same seed: the same weights
+    model.eval(), dropless.eval()
+    torch.testing.assert_close(layer(x), dropless.layers[0].mlp(x), rtol=0, atol=0)
 
 
 def megatron_aux(probs, routing_map, top_k, experts):
@@ -165,8 +200,9 @@ def test_a_shared_expert_has_no_hugging_face_layout_and_is_saved_in_rapidlites(c
         ["--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--moe-router-bias-update-rate", "0.05"],
         ["--zero-3-memory-optimization", "--moe-router-load-balancing-type", "seq_aux_loss",
          "--moe-z-loss-coeff", "0.1"],
+        ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"],
     ],
-    ids=["ddp_expert_bias", "zero3_seq_aux"],
+    ids=["ddp_expert_bias", "zero3_seq_aux", "ep2_capacity"],
 )  # fmt: skip
 def test_two_ranks_train_as_one_process(corpus, tmp_path, extra):
     """Accumulation 2 on one process against 2 ranks, with a router loss weight of 0.1 (its share in the
@@ -175,12 +211,20 @@ def test_two_ranks_train_as_one_process(corpus, tmp_path, extra):
     argv = [*FLAGS, "--data-path", corpus, "--global-batch-size", "4", "--train-iters", "4", "--moe-aux-loss-coeff"]
     argv += ["0.1", *extra]
     one = tmp_path / "one"  # a process of its own: ZeRO-3 on one process starts a process group
-    proc = rapidlite(*argv, "--save", str(one))
+    single = list(argv)
+    if "--expert-model-parallel-size" in single:  # one process holds every expert
+        i = single.index("--expert-model-parallel-size")
+        del single[i : i + 2]
+    proc = rapidlite(*single, "--save", str(one))
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = tmp_path / "two"
     proc = rapidlite(*argv, "--nproc-per-node", "2", "--save", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     keys = ["loss", "grad_norm", "moe_aux_loss", "moe/load_max_over_mean"]
+    if "--moe-expert-capacity-factor" in extra:  # each rank drops over its own tokens, as one process per micro-batch
+        keys.append("moe/dropped_tokens")
+        dropped = [r["moe/dropped_tokens"] for r in read_metrics(one) if "moe/dropped_tokens" in r]
+        assert len(dropped) == 4 and all(0 < d < 1 for d in dropped), dropped
     assert_same_metrics(two, one, keys, rel=1e-5, at_least=8)
 
 
@@ -191,6 +235,11 @@ BAD = {
     "an expert flag on a dense model": (
         ["--num-experts", None, "--moe-router-topk", "1"],
         "--moe-router-topk: the built-in GPT is dense; add --num-experts N",
+    ),
+    "a capacity of 0": (["--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor 0: must be > 0"),
+    "a drop policy without a capacity": (
+        ["--moe-token-drop-policy", "position"],
+        "--moe-token-drop-policy: no token is dropped without --moe-expert-capacity-factor",
     ),
     "tensor parallelism": (
         ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],

@@ -70,7 +70,6 @@ def add_megatron_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-query-groups", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--kv-channels", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None, help=argparse.SUPPRESS)
     for flag in ("--train-data-path", "--valid-data-path", "--test-data-path"):
         g.add_argument(flag, nargs="+", default=None, help=argparse.SUPPRESS)
     for flag, (kwargs, _) in NO_EFFECT.items():
@@ -89,11 +88,6 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
 def check_megatron_flags(args: argparse.Namespace) -> list[str]:
     """Before the batch is resolved: refuse what rapidlite cannot do, translate the flags that need no batch
     arithmetic; returns the notice naming the flags that change nothing here."""
-    if args.moe_expert_capacity_factor is not None:
-        raise ConfigError(
-            "--moe-expert-capacity-factor: rapidlite's experts take every token routed to them (no capacity, no "
-            "dropped token); drop the flag"
-        )
     if args.group_query_attention or args.num_query_groups is not None:
         heads = args.num_attention_heads
         if not (args.num_query_groups is not None and heads is not None and args.num_query_groups == heads):

@@ -63,6 +63,17 @@ class MoEConfig:
     moe_token_dispatcher_type: str = flag(
         "alltoall", "built-in GPT: how tokens reach their experts' ranks", choices=("alltoall",)
     )
+    moe_expert_capacity_factor: float | None = flag(
+        None,
+        "built-in GPT: each expert takes at most this factor times its even share of a training forward's "
+        "(token, choice) pairs, the rest dropped and logged as moe/dropped_tokens (default: none dropped)",
+    )
+    moe_token_drop_policy: str = flag(
+        "probs",
+        "built-in GPT, with a capacity: drop the pairs of lowest routing probability (probs) or the latest tokens "
+        "(position)",
+        choices=("probs", "position"),
+    )
 
 
 def check_built_in_experts(ep: int, moe: MoEConfig) -> None:
@@ -105,6 +116,8 @@ ARCHITECTURE = (
     "moe_router_bias_update_rate",
     "moe_grouped_gemm",
     "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
 )
 
 
@@ -138,5 +151,10 @@ def check(moe: MoEConfig, given: frozenset[str], pretrained: str | None, tp: int
                 f"{name} {size}: the built-in GPT's experts (--num-experts) are not split that way; train it with "
                 "data parallelism and ZeRO (--zero-3-memory-optimization)"
             )
+    factor = moe.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ConfigError(f"--moe-expert-capacity-factor {factor:g}: must be > 0 (leave it out to drop no token)")
+    if "moe_token_drop_policy" in given and factor is None:
+        raise ConfigError("--moe-token-drop-policy: no token is dropped without --moe-expert-capacity-factor")
     if moe.moe_router_bias_update_rate < 0:
         raise ConfigError(f"--moe-router-bias-update-rate {moe.moe_router_bias_update_rate:g}: must be >= 0")

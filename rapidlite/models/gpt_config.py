@@ -46,6 +46,8 @@ class GPTConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_router_enable_expert_bias: bool = False
     moe_grouped_gemm: bool = False
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -158,6 +160,8 @@ class GPTConfig:
             moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
             moe_router_enable_expert_bias=moe.moe_router_enable_expert_bias,
             moe_grouped_gemm=moe.moe_grouped_gemm,
+            moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
+            moe_token_drop_policy=moe.moe_token_drop_policy,
         )
 
     @classmethod

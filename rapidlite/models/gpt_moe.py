@@ -10,7 +10,14 @@
 Softmax over the top-k logits (Megatron's default) equals renormalising the top-k of the full softmax
 (Mixtral's): the export computes the same. The router returns ``(logits, weights, chosen experts)`` as
 transformers' routers do, so ``rapidlite.models.moe.RouterLoss`` adds the load-balancing loss and counts the
-load for this model as for the Hugging Face families. No token is dropped (no capacity factor).
+load for this model as for the Hugging Face families.
+
+With ``--moe-expert-capacity-factor C`` each expert takes at most ``ceil(C x tokens x k / experts)`` of a training
+forward's (token, choice) pairs, Megatron's capacity: the pairs over it are dropped (``--moe-token-drop-policy``:
+those of lowest routing probability, or the latest in the batch), their experts' outputs left out and the others'
+weights kept as they were, so a token that lost every choice passes through the residual alone. Without it
+(Megatron's default) no token is dropped. Evaluation, generation and the export are dropless: a capacity bounds a
+training step's work, and the exported model computes what evaluation does.
 
 The tokens are sorted by expert and each expert's rows multiplied together: with ``--moe-grouped-gemm`` all
 experts in one ``torch._grouped_mm`` where it runs (a device and dtype where a probe of it works, and sizes
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any
 
 import torch
@@ -152,12 +160,35 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def within_capacity(chosen: torch.Tensor, weights: torch.Tensor, experts: int, factor: float, policy: str):
+    """Which (token, choice) pairs of ``chosen`` [tokens, k] each expert takes, at most
+    ``ceil(factor x tokens x k / experts)`` of them: those of highest routing weight (``probs``) or the earliest
+    tokens (``position``), ties to the earlier token. A bool [tokens, k]."""
+    flat = chosen.reshape(-1)
+    capacity = math.ceil(factor * flat.numel() / experts)
+    if policy == "probs":
+        by_score = weights.reshape(-1).argsort(descending=True, stable=True)
+    else:
+        by_score = torch.arange(flat.numel(), device=flat.device)
+    order = by_score[flat[by_score].argsort(stable=True)]  # grouped by expert, best first within each
+    counts = torch.bincount(flat, minlength=experts)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order] = rank < capacity
+    return keep.view_as(chosen)
+
+
 class MoELayer(nn.Module):
-    """A block's MLP as a mixture of experts: ``router``, ``experts`` and optionally ``shared_experts``."""
+    """A block's MLP as a mixture of experts: ``router``, ``experts`` and optionally ``shared_experts``.
+    ``dropped``: the share of (token, choice) pairs the last training forward dropped (with a capacity)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         h, experts = config.hidden_size, config.num_experts
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.drop_policy = config.moe_token_drop_policy
+        self.dropped: torch.Tensor | None = None
         self.router = Router(h, experts, config.moe_router_topk, config.moe_router_enable_expert_bias)
         self.experts = Experts(h, config.moe_ffn_hidden_size, experts, config.swiglu, config.moe_grouped_gemm)
         self.shared_experts = None
@@ -171,6 +202,12 @@ class MoELayer(nn.Module):
         k = chosen.shape[-1]
         order = chosen.reshape(-1).argsort(stable=True)  # the (token, choice) pairs grouped by expert
         flat_chosen = chosen.reshape(-1)  # counted by scatter_add, which the planner's meta forward runs too
+        # A capacity drops pairs in training; the planner's meta forward plans the dropless (larger) case.
+        if self.capacity_factor is not None and self.training and x.device.type != "meta":
+            keep = within_capacity(chosen, weights, self.experts.num_experts, self.capacity_factor, self.drop_policy)
+            self.dropped = 1 - keep.float().mean()
+            order = order[keep.reshape(-1)[order]]
+            flat_chosen = flat_chosen[keep.reshape(-1)]
         counts = flat_chosen.new_zeros(self.experts.num_experts).scatter_add_(
             0, flat_chosen, torch.ones_like(flat_chosen)
         )

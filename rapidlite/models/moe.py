@@ -25,8 +25,10 @@ the gradients on every layout and task.
   (``update_expert_bias``) towards the experts that got fewer tokens.
 - **Load**: per routed layer, the tokens each expert received (the router's own choice), as
   ``moe/layer_{i}/load_max_over_mean`` (1 is perfectly even; the expert count means one expert got every
-  token) and their mean over layers, ``moe/load_max_over_mean``. The families here drop no token, so there is
-  no ``moe/dropped_tokens``.
+  token) and their mean over layers, ``moe/load_max_over_mean``.
+- **Dropped tokens**: with the built-in GPT's ``--moe-expert-capacity-factor``, the share of each routed layer's
+  (token, choice) pairs over their expert's capacity, as ``moe/layer_{i}/dropped_tokens`` and their mean,
+  ``moe/dropped_tokens``. The Hugging Face families drop no token.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class RouterLoss:
         self.top_k, self.aux_coeff, self.z_coeff = layout.top_k(config), aux_coeff, z_coeff
         self.per_layer, self.balancing = layout.per_layer, layout.balancing(config)
         self.layers = [index for index, _ in found]
+        # The built-in GPT's MoE layers (the routers' parents) say what a capacity dropped (``dropped``).
+        parents = {id(child): module for module in model.modules() for child in module.children()}
+        self._moe_layers = [parents.get(id(router)) for _, router in found]
         # Routers balanced by their bias (the built-in GPT's --moe-router-enable-expert-bias): moved after a step.
         self._biased = [r for _, r in found if getattr(r, "expert_bias", None) is not None]
         self.bias_rate = bias_rate
@@ -192,6 +197,13 @@ class RouterLoss:
             balance.append(loads[-1].max() / loads[-1].mean().clamp_min(1e-9))
             self._add(f"moe/layer_{layer}/load_max_over_mean", balance[-1], 1.0)
         self._add("moe/load_max_over_mean", torch.stack(balance).mean(), 1.0)
+        dropped = [getattr(module, "dropped", None) for module in self._moe_layers]
+        if any(d is not None for d in dropped):
+            for layer, share in zip(self.layers, dropped, strict=True):
+                self._add(f"moe/layer_{layer}/dropped_tokens", share if share is not None else torch.zeros(()), 1.0)
+            self._add("moe/dropped_tokens", torch.stack([d for d in dropped if d is not None]).mean(), 1.0)
+            for module in self._moe_layers:
+                module.dropped = None
         if self._biased:
             load = torch.stack(loads)
             self._step_load = load if self._step_load is None else self._step_load + load
