@@ -218,6 +218,25 @@ def test_a_rank_killed_by_sigkill_is_named_once(tmp_path, repeats):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_that_do_not_stop_are_ended_within_the_process_group_timeout(tmp_path):
+    """Every rank hangs in a step, so none reaches the end of it to save: the launcher kills them once the process
+    group's timeout has passed after SIGTERM (12 s here) and still ends with 143, naming them in one line."""
+    proc = start(*FLAGS, *DP_TWO, "--distributed-timeout-minutes", "0.2", env={"HANG_AT": "4"})
+    earlier = wait_for(proc, r"iteration: 3 \|")
+    workers = [worker_pid(proc.pid, rank) for rank in (0, 1)]
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, earlier)
+    assert code == EXIT_CODE, err[-3000:]
+    assert 12 <= time.monotonic() - signalled < 60
+    (line,) = [line for line in err.splitlines() if line.startswith("rapidlite:")]
+    assert "SIGTERM: ranks 0, 1 had not stopped 12 s after it" in line and "Traceback" not in err, err[-3000:]
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attempts,least", [pytest.param(1, 1, id="once"), pytest.param(8, 3, marks=pytest.mark.soak, id="8-times")]
 )

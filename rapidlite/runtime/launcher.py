@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,18 +79,39 @@ class _Supervisor:
       stop together after a step, save and exit with ``preemption.EXIT_CODE``; that is not a failure to restart
       under ``--max-restarts``, nor one to print a traceback for;
     - the ranks found dead at the first look after a failure, before the agent stops the others: a rank killed
-      by a signal (SIGKILL: an out-of-memory kill) is the cause, not the healthy ranks' "Connection reset".
+      by a signal (SIGKILL: an out-of-memory kill) is the cause, not the healthy ranks' "Connection reset";
+    - ranks that have not stopped ``grace`` seconds after a preemption signal (the process group's timeout: a
+      rank stuck in a collective, or in a step that never ends) are killed, and the launcher still ends with
+      ``preemption.EXIT_CODE``, so the scheduler requeues the job from its last complete checkpoint.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = float("inf")) -> None:
         self.signal = 0  # the first preemption signal this launcher received
+        self.signalled_at = 0.0
+        self.grace = grace
         self.agent: Any = None
         self.first_deaths: dict[int, int] = {}  # global rank -> exit code, at the first look that found any
+        self.stuck: list[int] = []  # the ranks killed for not stopping within the grace
 
     # ------------------------------------------------------------ signals
     def handle(self, signum: int, frame: Any) -> None:
-        self.signal = self.signal or signum
+        if not self.signal:
+            self.signal, self.signalled_at = signum, time.monotonic()
         self.forward(signum)
+
+    def end_stuck(self, worker_group: Any) -> None:
+        """Kill the ranks still running ``grace`` seconds after the signal (once)."""
+        if not self.signal or self.stuck or time.monotonic() - self.signalled_at < self.grace:
+            return
+        pcontext = getattr(self.agent, "_pcontext", None)
+        handlers = getattr(pcontext, "subprocess_handlers", {}) if pcontext is not None else {}
+        running = [(local, h) for local, h in handlers.items() if h.proc.poll() is None]
+        self.stuck = sorted(worker_group.workers[local].global_rank for local, _ in running)
+        for _, handler in running:
+            try:
+                os.killpg(handler.proc.pid, signal.SIGKILL)  # the worker and its data-loader processes
+            except ProcessLookupError:
+                pass
 
     def forward(self, signum: int) -> None:
         pcontext = getattr(self.agent, "_pcontext", None)
@@ -130,6 +152,7 @@ class _Supervisor:
                 return started
 
             def _monitor_workers(self, worker_group: Any) -> Any:
+                supervisor.end_stuck(worker_group)
                 supervisor.note_deaths(self._pcontext, worker_group)
                 result = super()._monitor_workers(worker_group)
                 if result.is_failed() and supervisor.stopped_on_purpose(result.failures):
@@ -142,6 +165,13 @@ class _Supervisor:
     def report(self, error: Any) -> tuple[str | None, int]:
         """The line to print (None: rank 0 has said it) and the exit code, for the group's failure."""
         failures = error.failures
+        if self.stuck:
+            ranks = ", ".join(str(rank) for rank in self.stuck)
+            return (
+                f"rapidlite: {signal_name(self.signal)}: rank{'s' if len(self.stuck) > 1 else ''} {ranks} had not "
+                f"stopped {self.grace:g} s after it (stuck in a collective or in a step; --distributed-timeout-"
+                f"minutes); killed without saving, the last complete checkpoint is kept (exit code {EXIT_CODE})"
+            ), EXIT_CODE
         if self.stopped_on_purpose(failures):
             if all(f.exitcode == EXIT_CODE for f in failures.values()):
                 return None, EXIT_CODE  # every rank stopped after the same step; rank 0 logged where it saved
@@ -151,6 +181,17 @@ class _Supervisor:
                 return f"rapidlite: {name} before the training loop began: nothing to save (exit code {EXIT_CODE})", (
                     EXIT_CODE
                 )
+        text, code = self._cause(error)
+        if self.signal:  # a rank failed while the group stopped (a collective's timeout): still a preemption
+            cause = text.splitlines()[0].removeprefix("rapidlite: error: ")
+            return (
+                f"rapidlite: {signal_name(self.signal)}: not every rank stopped cleanly ({cause}); the last complete "
+                f"checkpoint is kept (exit code {EXIT_CODE})"
+            ), EXIT_CODE
+        return text, code
+
+    def _cause(self, error: Any) -> tuple[str, int]:
+        """The first rank killed by a signal, else the first failure recorded."""
         signalled = {rank: code for rank, code in self.first_deaths.items() if code < 0}
         if signalled:
             rank = min(signalled)
@@ -242,7 +283,7 @@ def launch(
             warm()
     parsed = get_args_parser().parse_args([*launch_args, *(["-m"] if module else []), entry, *argv])
     parsed.signals_to_handle = AGENT_SIGNALS  # torch >= 2.7 passes this to the agent's environment
-    supervisor = _Supervisor()
+    supervisor = _Supervisor(grace=cfg.distributed_timeout_minutes * 60)
     try:
         with _supervised(supervisor, fork):
             run(parsed)

@@ -1,6 +1,7 @@
 """The pretraining example, made easy to interrupt: STEP_SLEEP seconds per forward step (signals land mid-run);
 CRASH_AT=N makes rank 1 (rank 0 on one process) fail in iteration N of the first attempt only, so a
---max-restarts run shows where the restarted attempt began."""
+--max-restarts run shows where the restarted attempt began. HANG_AT=N makes every rank hang in iteration N,
+signals or not (a step that never ends)."""
 
 import os
 import sys
@@ -16,6 +17,9 @@ from rapidlite import RapidliteEngine  # noqa: E402
 class Preemptible(MyPreTrainer):
     def run_forward_step(self, data_iterator, model):
         time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+        if self.iteration + 1 == int(os.environ.get("HANG_AT", "0")):
+            while True:
+                time.sleep(1)
         crash_at = int(os.environ.get("CRASH_AT", "0"))
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if (
