@@ -8,8 +8,9 @@ starts at once and shares those pages with its peers until it writes them.
 The fork stands in for ``subprocess.Popen`` under torchrun's own agent (``ForkedHandler``), so everything the agent
 does with a worker is unchanged: its environment (``RANK``, ``LOCAL_RANK``, the error file), a session of its
 own, the exit code it polls, the signals it sends. The child sets the environment the worker would have been
-started with, puts the signal handlers back to an interpreter's defaults, makes its output unbuffered (``-u``)
-and runs the same module or script as ``__main__`` (``runpy``), ending with its exit code.
+started with, drops the launcher's exit handlers, puts the signal handlers back to an interpreter's defaults, makes
+its output unbuffered (``-u``) and runs the same module or script as ``__main__`` (``runpy``), ending with its exit
+code.
 
 A process that has touched CUDA cannot be forked (the child's CUDA calls fail), so ``auto`` forks only on
 machines without a CUDA device; there, and with ``spawn``, workers are new processes as torchrun starts them.
@@ -17,6 +18,7 @@ machines without a CUDA device; there, and with ``spawn``, workers are new proce
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import runpy
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, NoReturn
 
 # Handlers the launcher (or torchrun's agent) may have set, which a new interpreter would not have.
@@ -67,7 +70,9 @@ class ForkedProcess:
             stream.flush()  # what the launcher printed is not printed again by the child
         self.args = args
         self.returncode: int | None = None
-        self.pid = os.fork()
+        with warnings.catch_warnings():  # Python 3.12+ warns of forking a process with threads (the agent's store)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid = os.fork()
         if self.pid == 0:
             _child(args, env, stdout, stderr)
 
@@ -111,6 +116,7 @@ def _child(args: tuple, env: dict[str, str], stdout: Any, stderr: Any) -> NoRetu
     code = 1
     try:
         os.setsid()  # a session of its own, as torchrun starts its workers: the agent signals its group
+        atexit._clear()  # the launcher's exit handlers are not the worker's (a new interpreter has none)
         for stream, fd in ((stdout, 1), (stderr, 2)):
             if stream is not None:
                 os.dup2(stream.fileno(), fd)
