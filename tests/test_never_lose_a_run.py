@@ -125,6 +125,7 @@ def test_a_new_run_does_not_clobber_another_runs_directory(tmp_path, capsys):
     assert main([*argv, "--save", str(save)]) == 0
     capsys.readouterr()
     digest = tree_digest(save)
+    first = [r for r in read_metrics(save) if "split" not in r]  # the first run's training records
     assert main([*pretrain(tmp_path, "--train-iters", "5"), "--save", str(save)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--overwrite" in err and "--load" in err
@@ -140,6 +141,7 @@ def test_a_new_run_does_not_clobber_another_runs_directory(tmp_path, capsys):
     out = capsys.readouterr()
     assert "--overwrite: not applied; --load" in out.out + out.err
     assert len({r["run_id"] for r in read_metrics(save)}) == 3 and (save / "iter_0000006").is_dir()
+    assert first and [r for r in read_metrics(save) if "split" not in r][: len(first)] == first  # kept as written
     # --overwrite replaces it: one run's lines, its own checkpoints
     assert main([*pretrain(tmp_path, "--train-iters", "2"), "--save", str(save), "--overwrite"]) == 0
     assert len({r["run_id"] for r in read_metrics(save)}) == 1
