@@ -124,6 +124,12 @@ def test_no_module_over_500_lines():
     assert long_modules() == {}
 
 
+def test_the_training_loop_reads_in_one_screen():
+    """``trainer/base.py``, the loop every trainer shares, stays at most 350 lines (what it calls lives beside it)."""
+    lines = len((PACKAGE / "trainer" / "base.py").read_text().splitlines())
+    assert lines <= 350, f"trainer/base.py has {lines} lines"
+
+
 def test_no_task_is_recognised_by_its_name():
     assert task_name_comparisons() == []
 

@@ -393,7 +393,7 @@ def test_checkpoint_metadata_unpickler_refuses_foreign_globals(tmp_path):
 
 def test_the_start_line_names_the_users_model_class_under_composable_data_parallel():
     """replicate/fully_shard swap the class for a subclass defined in torch.distributed (DDPLinear)."""
-    from rapidlite.trainer.base import model_class_name
+    from rapidlite.trainer.providers import model_class_name
 
     module = torch.nn.Linear(2, 2)
     module.__class__ = type("DDPLinear", (torch.nn.Linear,), {"__module__": "torch.distributed._composable.replicate"})

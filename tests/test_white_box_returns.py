@@ -49,7 +49,7 @@ class _SizedStream(_Stream):
 
 
 def _provider_datasets(*provided):
-    from rapidlite.trainer.base import split_datasets
+    from rapidlite.trainer.providers import split_datasets
 
     return split_datasets(provided)
 

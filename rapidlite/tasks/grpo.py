@@ -47,7 +47,7 @@ from rapidlite.tasks.rollout_state import (
     reduced_metrics,
     write_completions,
 )
-from rapidlite.trainer.base import split_datasets
+from rapidlite.trainer.providers import split_datasets
 
 COMPLETIONS_LOGGED = 8  # completions written to completions.jsonl (and the W&B table) each log interval
 EVAL_ROLLOUT = -1  # the rollout index of evaluation's random streams: the same completions' keys every time

@@ -16,7 +16,8 @@ from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
-from rapidlite.trainer.base import BaseTrainer, split_datasets
+from rapidlite.trainer.base import BaseTrainer
+from rapidlite.trainer.providers import split_datasets
 
 
 class Finetuner(BaseTrainer):

@@ -15,7 +15,8 @@ from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models.losses import unpack_loss
 from rapidlite.runtime import time_budget
-from rapidlite.trainer.base import BaseTrainer, perplexity, split_datasets
+from rapidlite.trainer.base import BaseTrainer, perplexity
+from rapidlite.trainer.providers import split_datasets
 
 
 class CountingIterator:
