@@ -275,7 +275,9 @@ def restore_state(stream: TokenStream, states: list[dict[str, Any]]) -> None:
     if len(states) != world:
         raise DataError(
             f"--streaming: the checkpoint's data position is {len(states)} ranks' streams and this run has {world} "
-            "ranks; resume a streaming run with the number of ranks it was saved with"
+            f"ranks: each rank read its round-robin share of the rows (row g of a pass went to rank g % "
+            f"{len(states)}) and holds samples and a partial pack of its own, which cannot be dealt to {world} ranks "
+            "without repeating or skipping rows; resume a streaming run with the number of ranks it was saved with"
         )
     stream.load_state_dict(states[dist.get_rank() if dist.is_initialized() else 0])
 
