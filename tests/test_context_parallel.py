@@ -295,4 +295,4 @@ def test_a_user_script_is_refused(tmp_path):
     proc = rapidlite_captured("--user-script", str(script), *CP2[2:])
     assert proc.returncode == 2, proc.stderr
     assert "--context-parallel-size is read by the tasks that cut sequences" in proc.stderr
-    assert "(causal_lm, dpo, pretraining)" in proc.stderr
+    assert "(causal_lm, dpo, kto, pretraining)" in proc.stderr

@@ -272,6 +272,8 @@ TWO_RANKS = {
     "ddp": [],
     "zero3_offload": ["--zero-3-memory-optimization", "--cpu-offload"],
     "deepspeed_zero3": ["--deepspeed", "--zero-3-memory-optimization"],
+    # every row split over the 2 ranks (one data-parallel replica: its micro-batch is one process's)
+    "context_parallel": ["--context-parallel-size", "2", "--micro-batch-size", "4"],
 }
 
 
@@ -280,7 +282,8 @@ TWO_RANKS = {
 def test_two_ranks_train_as_one_process(runs, layout):
     """Two ranks of 2 x 2 micro-batches, the policy and its frozen reference replicated (DDP), sharded by FSDP2 with
     CPU offload, or partitioned by DeepSpeed ZeRO-3: the KL over the global batch, the losses and metrics equal
-    one process's."""
+    one process's; so does each row split over the 2 ranks (context parallelism: completions and KL sequences
+    scored shard by shard, the log-probabilities gathered whole)."""
     flags = ["--micro-batch-size", "2", "--nproc-per-node", "2", *TWO_RANKS[layout]]
     _assert_same_run(runs(layout, *flags), runs("one"))
 

@@ -75,13 +75,18 @@ def shard_causal_batch(
 
 
 def split_output_logps(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, group: Any, chunked: bool
-) -> torch.Tensor:
-    """``output_logps(model, inputs, labels, shift=True)`` of right-padded (or packed) rows, computed on this
-    rank's shard of each and gathered whole ``[rows, length]``: position t scores label t+1. The gather's
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    group: Any,
+    chunked: bool,
+    stats: bool = False,
+) -> Any:
+    """``output_logps(model, inputs, labels, shift=True[, stats])`` of right-padded (or packed) rows, computed on
+    this rank's shard of each and gathered whole ``[rows, length]``: position t scores label t+1. The gather's
     backward sums every rank's gradient of its shard, so a loss every rank of ``group`` computes alike from the
     whole log-probabilities (a preference pair's sums) trains as one process once the replicas' averaging
-    (over dp x cp) divides it."""
+    (over dp x cp) divides it. ``stats`` (entropy, mean logit: no gradient) are gathered the same way."""
     from torch.distributed.nn.functional import all_gather
 
     from rapidlite.models.head import output_logps
@@ -91,9 +96,17 @@ def split_output_logps(
     if "position_ids" in inputs:
         batch["position_ids"] = inputs["position_ids"]
     local, targets = shard_causal_batch(batch, cp, rank, pad_token_id=0)  # padding is never a target
-    per_token = output_logps(model, {**local, "use_cache": False}, targets, shift=False, chunked=chunked)
-    parts = all_gather(per_token.contiguous(), group=group)
-    return unshard(list(parts))[:, : labels.shape[1]]
+    out = output_logps(model, {**local, "use_cache": False}, targets, shift=False, chunked=chunked, stats=stats)
+    per_token, found = out if stats else (out, None)
+    whole = unshard(list(all_gather(per_token.contiguous(), group=group)))[:, : labels.shape[1]]
+    if not stats:
+        return whole
+    gathered = []
+    for values in found:
+        parts = [torch.empty_like(values) for _ in range(cp)]
+        dist.all_gather(parts, values.contiguous(), group=group)
+        gathered.append(unshard(parts)[:, : labels.shape[1]])
+    return whole, tuple(gathered)
 
 
 # ------------------------------------------------------------------------------------------------- the models

@@ -32,6 +32,7 @@ from rapidlite.data.preference import (
 )
 from rapidlite.errors import ConfigError
 from rapidlite.models.head import output_logps
+from rapidlite.parallel.context_parallel import split_output_logps
 from rapidlite.tasks.dpo import DPOFinetuner
 from rapidlite.tasks.preference_losses import kto_loss, sequence_sums
 
@@ -109,8 +110,12 @@ class KTOFinetuner(DPOFinetuner):
         token counts, and with ``stats`` TRL's per-row entropy and mean-logit sums, from one forward through the
         chunked output layer where it serves the model (``output_logps``)."""
         ids, labels = batch[f"{prefix}input_ids"], batch[f"{prefix}labels"]
-        inputs = {"input_ids": ids, "attention_mask": batch[f"{prefix}attention_mask"], "use_cache": False}
-        out = output_logps(model, inputs, labels, shift=True, chunked=self.settings.model.chunked_loss, stats=stats)
+        chunked, group = self.settings.model.chunked_loss, self.engine.dist.cp_group
+        if group is not None:  # each rank's shard of every (right-padded) row, gathered whole
+            out = split_output_logps(model, {"input_ids": ids}, labels, group, chunked, stats=stats)
+        else:
+            inputs = {"input_ids": ids, "attention_mask": batch[f"{prefix}attention_mask"], "use_cache": False}
+            out = output_logps(model, inputs, labels, shift=True, chunked=chunked, stats=stats)
         rows = ids.shape[0]
         segments = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
         logps, tokens = sequence_sums(out[0] if stats else out, labels, segments, rows)

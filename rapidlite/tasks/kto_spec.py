@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from rapidlite.config.fields import flag, option
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.errors import ConfigError
+from rapidlite.tasks.causal_lm_spec import check_split_sequences
 from rapidlite.tasks.dpo_spec import SEQ_LENGTH, preference_reference
 
 if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only names them
@@ -34,6 +35,7 @@ def check(settings: Sections) -> None:
         raise ConfigError(
             "--padding-free: --task kto runs each completion and its KL sequence as padded rows; drop --padding-free"
         )
+    check_split_sequences(settings)
     if settings.data.group_by_length:
         raise ConfigError(
             "--group-by-length: --task kto reads its training data in order (each global batch's KL sequences are "
@@ -55,4 +57,5 @@ TASK = TaskSpec(
     reference=preference_reference,
     chunked_loss="tokens",
     eval_harness=True,
+    context_parallel=True,
 )
