@@ -276,6 +276,32 @@ def test_two_ranks_train_and_evaluate_as_one_process(assets, layout_runs):
         assert results[name] == pytest.approx(last[name], **TOL), name
 
 
+@pytest.mark.distributed
+def test_rapidlite_eval_writes_each_pairs_rewards_by_its_row(assets, layout_runs, tmp_path):
+    """``--scores``: one line per scored row, numbered as in the data (a row it cannot score, chosen equal to
+    rejected, left out), the same on 2 ranks as on one, and the metrics follow from them."""
+    model_dir, root = assets
+    rows = [json.loads(line) for line in (root / "margin" / "validation.jsonl").read_text().splitlines()]
+    data = write_jsonl(tmp_path, "scored", [{**rows[0], "rejected": rows[0]["chosen"]}, *rows])
+    export = layout_runs("one") / "hf"
+    lines = {}
+    for ranks in ("1", "2"):
+        out = tmp_path / f"scores{ranks}.jsonl"
+        results = _rapidlite_eval(export, data / "scored.jsonl", "--micro-batch-size", "4", "--nproc-per-node",
+                                  ranks, "--scores", str(out))  # fmt: skip
+        lines[ranks] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["row"] for line in lines["1"]] == list(range(1, 14))  # row 0 dropped
+    for one, two in zip(lines["1"], lines["2"], strict=True):
+        assert one["row"] == two["row"]
+        assert one["chosen"] == pytest.approx(two["chosen"], **TOL) and one["rejected"] == pytest.approx(
+            two["rejected"], **TOL
+        )
+    hits = [line["chosen"] > line["rejected"] for line in lines["2"]]
+    assert results["n"] == 13 and results["accuracy"] == pytest.approx(sum(hits) / 13)
+    mean = sum(line["chosen"] + line["rejected"] for line in lines["2"]) / 26
+    assert results["mean_reward"] == pytest.approx(mean, **TOL)
+
+
 # ------------------------------------------------------------------ bad data
 
 
@@ -348,3 +374,8 @@ def test_rapidlite_eval_refuses_what_is_not_a_reward_model_or_pairs(assets, tmp_
         assert main(["--model", model, "--data", data, "--task", "reward"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("rapidlite: error:") and expected in err, err
+    text = write_jsonl(tmp_path, "text", [{"text": "a line to score"}]) / "text.jsonl"
+    assert main(["--model", str(model_dir), "--data", str(text), "--scores", str(tmp_path / "s.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--scores: each pair's rewards are written for --task reward, not perplexity" in err
+    assert err.count("\n") == 1 and not (tmp_path / "s.jsonl").exists()

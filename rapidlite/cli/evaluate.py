@@ -2,6 +2,7 @@
 
     rapidlite-eval --model DIR --data items.jsonl [--task multiple_choice|perplexity|reward] [--seq-length N]
                    [--micro-batch-size N] [--bf16] [--output results.json [--overwrite]] [--nproc-per-node N]
+                   [--scores pairs.jsonl (--task reward: each pair's rewards)]
 
 The data and the output path are checked before any model is loaded or worker started. With
 ``--nproc-per-node N`` the command re-runs itself as N torchrun workers (``rapidlite.runtime.launcher``); each
@@ -63,7 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="score through the whole logits (default: the output layer a chunk of tokens at a time, where it serves)",
     )
     p.add_argument("--output", default=None, metavar="FILE", help="also write the results to this JSON file")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument(
+        "--scores",
+        default=None,
+        metavar="FILE",
+        help="--task reward: also write each scored pair's rewards, one JSON line per row (row, chosen, rejected)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output or --scores file")
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="processes sharing the items (default: visible GPUs, else 1)"
     )
@@ -76,25 +83,30 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: give a positive number")
-    if args.output and os.path.exists(args.output) and not args.overwrite:
-        raise ConfigError(f"--output {args.output} exists; give --overwrite to replace it, or another path")
+    for flag, path in (("--output", args.output), ("--scores", args.scores)):
+        if path and os.path.exists(path) and not args.overwrite:
+            raise ConfigError(f"{flag} {path} exists; give --overwrite to replace it, or another path")
     return args
 
 
-def write_results(path: str, results: dict[str, Any]) -> None:
-    """Write through a temporary file in the same directory and rename it: a reader never sees half a file."""
+def write_results(path: str, results: dict[str, Any] | list[dict[str, Any]], flag: str = "--output") -> None:
+    """Write ``results`` (a JSON object, or a list written as JSON lines) through a temporary file in the same
+    directory and rename it: a reader never sees half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
         with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+            if isinstance(results, list):
+                f.writelines(json.dumps(line) + "\n" for line in results)
+            else:
+                json.dump(results, f, indent=2)
+                f.write("\n")
         os.replace(temporary, path)
     except OSError as e:
         if os.path.exists(temporary):
             os.remove(temporary)
-        raise ConfigError(f"--output {path}: cannot write it ({e.strerror or e})") from None
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
 
 
 def _warm(model: str) -> None:
@@ -108,6 +120,8 @@ def _warm(model: str) -> None:
 def run(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     task, items = load_eval_data(args.data, args.task)  # bad data fails here, before any worker starts
+    if args.scores and task != REWARD:
+        raise ConfigError(f"--scores: each pair's rewards are written for --task reward, not {task}; drop --scores")
 
     from rapidlite.runtime.launcher import launch, needs_launch
 
@@ -125,12 +139,15 @@ def run(argv: Sequence[str]) -> int:
     load = load_reward_scorer if task == REWARD else load_scorer
     scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
     scorer.chunked = not args.no_chunked_loss
-    results = evaluate(scorer, task, items, ctx if ctx.initialized else None)
+    per_pair: list | None = [] if args.scores else None
+    results = evaluate(scorer, task, items, ctx if ctx.initialized else None, per_pair)
     if ctx.is_main_process:
         results = {**results, "model": args.model, "data": args.data, "world_size": ctx.world_size}
         print(json.dumps(results), flush=True)
         if args.output:
             write_results(args.output, results)
+        if args.scores:
+            write_results(args.scores, per_pair, "--scores")
     return 0
 
 

@@ -250,17 +250,23 @@ def _margin(value: Any) -> float:
     return margin
 
 
-def encode_reward_pairs(rows: Any, tokenizer: Any, max_length: int, counts: Counts) -> list[dict[str, Any]]:
+def encode_reward_pairs(
+    rows: Any, tokenizer: Any, max_length: int, counts: Counts, numbers: list[int] | None = None
+) -> list[dict[str, Any]]:
     """``{"chosen_ids", "rejected_ids"[, "margin"]}``: prompt + response whole, as TRL's ``RewardTrainer`` tokenizes
-    them (the score is read at the last token, so a longer row is dropped, not cut)."""
+    them (the score is read at the last token, so a longer row is dropped, not cut). ``numbers``, when given,
+    receives each sample's row number (0-based, in ``rows``)."""
     encoder = Encoder(tokenizer)
     out = []
+    start = counts.rows
     for row, pair in _distinct_pairs(rows, counts):
         chosen = encoder.ids(pair.prompt + encoder.with_eos(pair.chosen))
         rejected = encoder.ids(pair.prompt + encoder.with_eos(pair.rejected))
         if max(len(chosen), len(rejected)) > max_length:
             counts.drop(f"longer than --max-length {max_length}")
             continue
+        if numbers is not None:
+            numbers.append(counts.rows - start - 1)  # _distinct_pairs has counted this row
         sample: dict[str, Any] = {"chosen_ids": chosen, "rejected_ids": rejected}
         if "margin" in row:  # a column: every row has it, so every batch does
             sample["margin"] = _margin(row["margin"])

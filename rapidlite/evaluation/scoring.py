@@ -277,13 +277,16 @@ class RewardScorer(_ModelScorer):
             model.config.pad_token_id = pad  # padding is masked; the model must know which id ends a row
         self.pad_id = pad if pad is not None else 0
 
-    def pair_scores(self, rows: Sequence[dict], ctx: DistributedContext | None = None) -> tuple[torch.Tensor, dict]:
-        """``([pairs, 2] scores (chosen, rejected) in row order, dropped rows by reason)`` on every rank: pairs sorted
-        longest first, cut into batches over the whole set, batch ``b`` scored by rank ``b % world``."""
+    def pair_scores(
+        self, rows: Sequence[dict], ctx: DistributedContext | None = None
+    ) -> tuple[torch.Tensor, dict, list[int]]:
+        """``([pairs, 2] scores (chosen, rejected) in row order, dropped rows by reason, each pair's row number)`` on
+        every rank: pairs sorted longest first, cut into batches over the whole set, batch ``b`` scored by rank
+        ``b % world``."""
         from rapidlite.data.preference import Counts, PairCollator, encode_reward_pairs, pair_rewards
 
-        counts = Counts()
-        samples = encode_reward_pairs(rows, self.tokenizer, self.max_length, counts)
+        counts, numbers = Counts(), []
+        samples = encode_reward_pairs(rows, self.tokenizer, self.max_length, counts, numbers)
         if not samples:
             reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.dropped.items()))
             raise DataError(f"--data: no row can be scored ({reasons}); give pairs that differ and fit --seq-length")
@@ -302,14 +305,20 @@ class RewardScorer(_ModelScorer):
         gathered = ctx.all_gather(local) if ctx is not None else local
         scores = torch.zeros(len(samples), 2, dtype=torch.float64)
         scores[gathered[:, 0].long()] = gathered[:, 1:]
-        return scores, counts.dropped
+        return scores, counts.dropped, numbers
 
 
-def reward(scorer: RewardScorer, rows: Sequence[dict], ctx: DistributedContext | None = None) -> dict[str, Any]:
+def reward(
+    scorer: RewardScorer, rows: Sequence[dict], ctx: DistributedContext | None = None, per_pair: list | None = None
+) -> dict[str, Any]:
     """TRL's reward metrics of the pairs: ``accuracy`` (the share scored chosen above rejected) with its standard
     error, ``margin`` (mean chosen - rejected score), ``mean_reward``, ``min_reward``, ``max_reward``; ``n`` scored
-    pairs, and ``dropped`` (by reason) when some rows could not be scored."""
-    scores, dropped = scorer.pair_scores(rows, ctx)
+    pairs, and ``dropped`` (by reason) when some rows could not be scored. ``per_pair``, when given, receives
+    ``{"row", "chosen", "rejected"}`` of every scored row (``row``: its 0-based number in the data)."""
+    scores, dropped, numbers = scorer.pair_scores(rows, ctx)
+    if per_pair is not None:
+        pairs = zip(numbers, scores.tolist(), strict=True)
+        per_pair.extend({"row": row, "chosen": c, "rejected": r} for row, (c, r) in pairs)
     chosen, rejected = scores[:, 0], scores[:, 1]
     hits = (chosen > rejected).double().tolist()
     out: dict[str, Any] = {
@@ -407,11 +416,14 @@ def _not_a_reward_model(model: str, labels: int) -> ConfigError:
     )
 
 
-def evaluate(scorer: Any, task: str, items: Sequence[Any], ctx: DistributedContext | None = None) -> dict[str, Any]:
+def evaluate(
+    scorer: Any, task: str, items: Sequence[Any], ctx: DistributedContext | None = None, per_pair: list | None = None
+) -> dict[str, Any]:
     """The metrics of ``task`` (``multiple_choice``, ``perplexity`` with a ``CausalLMScorer``; ``reward`` with a
-    ``RewardScorer``) on ``items`` as ``load_eval_data`` returns them, equal on every rank."""
+    ``RewardScorer``, and its pairs' scores in ``per_pair``) on ``items`` as ``load_eval_data`` returns them, equal
+    on every rank."""
     if task == REWARD:
-        metrics = reward(scorer, items, ctx)
+        metrics = reward(scorer, items, ctx, per_pair)
     elif task == MULTIPLE_CHOICE:
         metrics = multiple_choice(scorer, items, ctx)
     else:
