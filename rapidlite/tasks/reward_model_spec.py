@@ -48,6 +48,7 @@ TASK = TaskSpec(
     # Its loss has no reference, beta or prompt cut (a row longer than --max-length is dropped).
     ignored=("preference",),
     eval_only=True,
+    demo="rapidlite.tasks.reward_model_demo:demo",
     auto_class="AutoModelForSequenceClassification",
     inputs_per_sample=2,  # the chosen and the rejected sequence of a pair
 )
