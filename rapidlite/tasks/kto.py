@@ -86,7 +86,26 @@ class KTOFinetuner(DPOFinetuner):
             default=-1,
         )
         self.data = None  # no greedy completions of the instruction data (--eval-generate reads it)
+        self.eval_prompts = self.desirable_prompts(raw)
         return splits["train"], splits["validation"], splits["test"], UnpairedCollator(pad_id, seq_length)
+
+    def desirable_prompts(self, raw: Any) -> list[tuple[str, str]]:
+        """``--eval-generate N``: the prompts of the first N desirable validation completions (a conversation
+        rendered with its generation prompt), each with that completion, which a greedy one is scored against."""
+        n = self.settings.task.eval_generate
+        if not n or "validation" not in raw:
+            return []
+        out = []
+        for prompt, completion, desirable in unpaired_rows(raw["validation"], raw["validation"].column_names):
+            if not desirable:
+                continue
+            if isinstance(completion, list):  # a conversation
+                prompt = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                completion = completion[-1]["content"]
+            out.append((prompt, completion))
+            if len(out) == n:
+                break
+        return out
 
     def _warn_about_weights(self, desirable: int, undesirable: int) -> None:
         """TRL's advice when the labels are unbalanced and neither weight offsets it (eq. 8 of the KTO paper:

@@ -53,6 +53,7 @@ TASK = TaskSpec(
     load_model_dir=True,
     check=check,
     eval_only=True,
+    demo="rapidlite.tasks.kto_demo:demo",
     auto_class="AutoModelForCausalLM",
     reference=preference_reference,
     chunked_loss="tokens",
