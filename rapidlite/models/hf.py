@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -214,6 +215,15 @@ def load_error(what: str, name: str, error: Exception) -> ConfigError:
     (a load refused with its own line already keeps it)."""
     if isinstance(error, ConfigError):
         return error
+    unbuilt = re.match(
+        r"Unrecognized configuration class <class '[\w.]*?(\w+)'> for this kind of AutoModel: (\w+)", str(error)
+    )
+    if unbuilt:  # the config is read, but transformers has no class of the task's kind for its type
+        config_class, auto = unbuilt.groups()
+        return ConfigError(
+            f"--pretrained-model-name-or-path {name}: transformers has no {auto} for {config_class} models, which "
+            "this task builds; use a model of another type for it"
+        )
     return ConfigError(
         f"--pretrained-model-name-or-path {name}: cannot load the {what} ({first_line(error, 160)}); pass a local "
         "model directory or a hub name reachable from this machine"

@@ -86,8 +86,13 @@ def task_model(settings: Sections, device: torch.device, pretrained: bool = Fals
     # Auto classes build from a config with from_config; a model class named by the config's architectures
     # (the fallback for a task not listed above) with _from_config.
     build = getattr(auto, "from_config", None) or auto._from_config
-    with device:
-        return build(config)
+    try:
+        with device:
+            return build(config)
+    except ValueError as e:  # no class of the task's kind for this model type
+        from rapidlite.models.hf import load_error
+
+        raise load_error("model", name, e) from None
 
 
 def forward_loss(
