@@ -223,7 +223,7 @@ def test_ranks_that_do_not_stop_are_ended_within_the_process_group_timeout(tmp_p
     """Every rank hangs in a step, so none reaches the end of it to save: the launcher kills them once the process
     group's timeout has passed after SIGTERM (12 s here) and still ends with 143, naming them in one line."""
     proc = start(*FLAGS, *DP_TWO, "--distributed-timeout-minutes", "0.2", env={"HANG_AT": "4"})
-    earlier = wait_for(proc, r"iteration: 3 \|")
+    earlier = wait_for(proc, r"rank 0 hangs in iteration 4")  # signalled earlier, the ranks would stop after step 3
     workers = [worker_pid(proc.pid, rank) for rank in (0, 1)]
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)

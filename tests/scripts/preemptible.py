@@ -18,6 +18,7 @@ class Preemptible(MyPreTrainer):
     def run_forward_step(self, data_iterator, model):
         time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
         if self.iteration + 1 == int(os.environ.get("HANG_AT", "0")):
+            print(f"rank {self.engine.rank} hangs in iteration {self.iteration + 1}", flush=True)
             while True:
                 time.sleep(1)
         crash_at = int(os.environ.get("CRASH_AT", "0"))
