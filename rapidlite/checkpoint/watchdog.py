@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rapidlite.checkpoint.integrity import _write_failure, save_failed
 from rapidlite.errors import RapidliteError
+from rapidlite.runtime.streams import flush_std_streams
 
 MARKER = "failed_rank"
 POLL_SECONDS = 1.0
@@ -74,9 +75,7 @@ def _end_rank(error: BaseException) -> None:
             print(f"rapidlite: error: {error}", file=sys.stderr, flush=True)
         else:
             traceback.print_exception(error)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    flush_std_streams()
     os._exit(code)
 
 

@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from rapidlite.errors import RapidliteError
 from rapidlite.observe.progress import close_bars
+from rapidlite.runtime.streams import flush_std_streams
 
 
 def _worker_failure(e: BaseException) -> int:
@@ -64,9 +65,5 @@ def end_process(code: int) -> NoReturn:
     if "torch" not in sys.modules or others:
         sys.exit(code)
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_std_streams()
     os._exit(code)

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import socket
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from rapidlite.config.runtime import ParallelConfig
 from rapidlite.config.topology import Topology
 from rapidlite.errors import ConfigError, RapidliteError
 from rapidlite.runtime.environ import env_int
+from rapidlite.runtime.streams import flush_std_streams
 
 _COLLECTIVE_TIMEOUT: datetime.timedelta | None = None  # the process group's (--distributed-timeout-minutes)
 
@@ -280,14 +280,6 @@ def device_mesh(device_type: str, topology: Topology) -> Any:
 
 
 # -------------------------------------------------------------------------------------------- ending
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
 def shutdown(exit_code: int = 0) -> None:
     """End a launched worker cleanly (see the module docstring); returns only when no group is up."""
     if dist.is_available() and dist.is_initialized():
@@ -300,10 +292,10 @@ def shutdown(exit_code: int = 0) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
-        _flush()
+        flush_std_streams()
         os._exit(exit_code)
     if launched_world_size():
-        _flush()
+        flush_std_streams()
         os._exit(exit_code)
 
 

@@ -30,6 +30,8 @@ import traceback
 import warnings
 from typing import Any, NoReturn
 
+from rapidlite.runtime.streams import flush_std_streams
+
 # Handlers the launcher (or torchrun's agent) may have set, which a new interpreter would not have.
 _RESET_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGCHLD")
 
@@ -66,8 +68,7 @@ class ForkedProcess:
     worker forked from this process."""
 
     def __init__(self, args: tuple, env: dict[str, str], stdout: Any, stderr: Any) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # what the launcher printed is not printed again by the child
+        flush_std_streams()  # what the launcher printed is not printed again by the child
         self.args = args
         self.returncode: int | None = None
         with warnings.catch_warnings():  # Python 3.12+ warns of forking a process with threads (the agent's store)
@@ -94,12 +95,6 @@ class ForkedProcess:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def python_command(args: tuple) -> tuple[str, list[str], bool] | None:
@@ -134,11 +129,10 @@ def _child(args: tuple, env: dict[str, str], stdout: Any, stderr: Any) -> NoRetu
         sys.stdout = _unbuffered(1, sys.stdout)
         sys.stderr = _unbuffered(2, sys.stderr)
         entry, argv, is_module = python_command(args)
+        sys.argv = [entry, *argv]
         if is_module:
-            sys.argv = [entry, *argv]
             runpy.run_module(entry, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [entry, *argv]
             sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
             runpy.run_path(entry, run_name="__main__")
         code = 0
@@ -149,11 +143,7 @@ def _child(args: tuple, env: dict[str, str], stdout: Any, stderr: Any) -> NoRetu
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_std_streams()
         os._exit(code)
 
 

@@ -269,7 +269,7 @@ def launch(
     """Run ``entry argv`` (a module with ``module``, else a script path) as a torchrun worker group; return
     the exit code to end with. Prints the first failure as described in the module docstring; workers that
     stopped on SIGTERM/SIGUSR1 end it with ``preemption.EXIT_CODE``. Workers that are forked
-    (``--start-method``) find imported what ``warm`` imports, beside the engine."""
+    (``--start-method``) find imported what ``warm`` imports (the command line's: the engine, the task)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
