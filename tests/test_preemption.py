@@ -237,6 +237,22 @@ def test_ranks_that_do_not_stop_are_ended_within_the_process_group_timeout(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_failing_while_the_group_stops_still_ends_with_143(tmp_path):
+    """SIGTERM reaches ranks that then fail instead of saving (here: 3 s into a hung step; a collective's timeout
+    does the same): the job was preempted all the same, so the launcher ends with 143 and names the failure in one
+    line, without a traceback."""
+    proc = start(*FLAGS, *DP_TWO, env={"HANG_AT": "4", "HANG_FOR": "3"})
+    earlier = wait_for(proc, r"rank 0 hangs in iteration 4")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, earlier)
+    assert code == EXIT_CODE, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("rapidlite:")]
+    assert "SIGTERM: not every rank stopped cleanly (rank" in line and "gave up hanging" in line, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attempts,least", [pytest.param(1, 1, id="once"), pytest.param(8, 3, marks=pytest.mark.soak, id="8-times")]
 )
