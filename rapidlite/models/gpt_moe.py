@@ -61,14 +61,18 @@ class Router(nn.Module):
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward on this device type and dtype (a small probe,
-    once per process)."""
+    once per process). The probe is the first forward's, which may be under ``no_grad`` (evaluation) or inside
+    activation checkpointing: it runs with gradients on and its saved tensors apart, or the checkpoint would count
+    them in the forward and not in the recomputation."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    apart = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     try:
-        x = torch.randn(8, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offsets).backward(torch.ones(8, 16, device=device_type, dtype=dtype))
+        with torch.inference_mode(False), torch.enable_grad(), apart:
+            x = torch.randn(8, 16, device=device_type, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
+            torch._grouped_mm(x, w, offs=offsets).backward(torch.ones(8, 16, device=device_type, dtype=dtype))
         return True
     except (RuntimeError, NotImplementedError):
         return False
