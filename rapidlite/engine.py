@@ -195,6 +195,8 @@ class RapidliteEngine:
         self._count_flops(model)  # the whole model, before any split
         disable_kv_cache(lora.unwrap(model))
         self.strategy.router_loss = moe.router_loss(model, self.settings.moe, self.settings.given, self._main_logger)
+        if self.strategy.router_loss is not None:
+            self.strategy.router_loss.load_group = self.dist.reduce_group  # the ranks that hold the same routers
         composed, wrapped = self.strategy.setup(model, optimizer, dynamic_shapes)
         self._composed.update((given, model))
         self._optimizer = wrapped

@@ -1,15 +1,25 @@
-"""Expert parallelism (``--expert-model-parallel-size``, ``rapidlite.parallel.expert_parallel``): on the built-in
-MoE GPT, EP2 on 2 ranks, EP2 with ZeRO-3 and EP2 x DP2 on 4 ranks train as one process (losses, gradient norms,
-router losses, loads), a checkpoint of EP2 resumes on one process and on EP2 x DP2 continuing the same curve,
-and the export gathers the experts; Qwen3-MoE's EP2 and EP2 x DP2 with ZeRO-3 train as one process; what is
-not built is one line."""
+"""Expert parallelism (``--expert-model-parallel-size``, ``rapidlite.parallel.expert_parallel``) and pipeline
+parallelism of the built-in MoE GPT: EP2 on 2 ranks, EP2 with ZeRO-1 (the experts stepped apart from
+ZeroRedundancyOptimizer) and with ZeRO-3, EP2 x DP2, PP2 on 2 ranks and PP2 x EP2 with ZeRO-3 on 4 train as one
+process (losses, gradient norms, router losses, loads: each stage's router loss reaches its gradients, the metrics
+are the whole model's, the expert bias moves by its own stage's load), a checkpoint of EP2 resumes on one process,
+on EP2 with ZeRO-1, on EP2 x DP2 and on PP2 continuing the same curve, and the export gathers the experts;
+Qwen3-MoE's EP2 and EP2 x DP2 with ZeRO-3 train as one process; what is not built is one line."""
 
 import pytest
 import torch
 from test_moe import args, build_assets
 from test_moe_gpt import FLAGS
 
-from helpers import assert_same_metrics, layout_runs, rapidlite, rapidlite_captured, stopped_copy, write_tiny_corpus
+from helpers import (
+    assert_same_metrics,
+    layout_runs,
+    rapidlite,
+    rapidlite_captured,
+    read_metrics,
+    stopped_copy,
+    write_tiny_corpus,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -24,7 +34,13 @@ LAYOUTS = {
     "ep2": EP2,
     "ep2_zero3": [*EP2, "--zero-3-memory-optimization", "--moe-grouped-gemm"],
     "ep2_dp2_zero2": ["--nproc-per-node", "4", "--expert-model-parallel-size", "2", "--zero-2-memory-optimization"],
-}
+    "ep2_zero1": [*EP2, "--zero-1-memory-optimization"],
+    "pp2": ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
+    "pp2_ep2_zero3": [
+        "--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", *EP2[2:], "--zero-3-memory-optimization",
+        "--moe-grouped-gemm", "--checkpoint-activations",
+    ],
+}  # fmt: skip
 KEYS = ["loss", "grad_norm", "moe_aux_loss", "moe/load_max_over_mean"]
 
 
@@ -40,9 +56,14 @@ def runs(corpus, tmp_path_factory):
     return layout_runs(tmp_path_factory.mktemp("runs"), [*FLAGS, "--data-path", corpus, *RUN], LAYOUTS)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2_zero3", "ep2_dp2_zero2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2_zero1", "ep2_zero3", "ep2_dp2_zero2", "pp2", "pp2_ep2_zero3"])
 def test_expert_parallel_trains_as_one_process(runs, layout):
-    assert_same_metrics(runs(layout), runs("single"), KEYS, rel=1e-5, at_least=20)
+    keys = (
+        KEYS
+        if not layout.startswith("pp")
+        else [*KEYS, "moe/layer_0/load_max_over_mean", "moe/layer_1/load_max_over_mean"]
+    )
+    assert_same_metrics(runs(layout), runs("single"), keys, rel=1e-5, at_least=20)
 
 
 def test_the_experts_are_split_and_the_export_gathers_them(runs):
@@ -64,7 +85,20 @@ def test_the_experts_are_split_and_the_export_gathers_them(runs):
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("then", ["single", "ep2_dp2_zero2"])
+def test_zero1_shards_the_shared_weights_state_and_keeps_each_ranks_experts(runs):
+    """EP2 with ZeRO-1 against EP2 with DDP, on the same 2 ranks (measured): the optimizer state of the weights both
+    ranks hold is split between them, that of the rank's own experts is whole there."""
+
+    def state(layout):
+        return next(r for r in read_metrics(runs(layout)) if r.get("split") == "model_state")
+
+    ddp, zero1 = state("ep2"), state("ep2_zero1")
+    experts = 2 * 2 * (48 * 32 + 32 * 24)  # 2 layers x this rank's 2 experts x (gate_up + down), in elements
+    shared_state = ddp["optimizer_bytes"] - 8 * experts  # AdamW: two fp32 moments (and step counts)
+    assert 8 * experts < zero1["optimizer_bytes"] <= ddp["optimizer_bytes"] - 0.3 * shared_state, (ddp, zero1)
+
+
+@pytest.mark.parametrize("then", ["single", "ep2_zero1", "ep2_dp2_zero2", "pp2"])
 def test_a_checkpoint_of_ep2_resumes_on_another_layout(runs, corpus, tmp_path, then):
     """EP2's checkpoint of iteration 3 resumed on one process and on EP2 x DP2 (ZeRO-2): iterations 4-6 are
     those of the uninterrupted run."""
@@ -87,7 +121,6 @@ BAD = {
         "--expert-model-parallel-size 2 does not divide the 3 data-parallel ranks",
     ),
     "DeepSpeed": ([*EP2, "--deepspeed"], "--expert-model-parallel-size 2: DeepSpeed's engine does not split"),
-    "ZeRO-1": ([*EP2, "--zero-1-memory-optimization"], "--expert-model-parallel-size 2 with --zero-1-memory"),
     "a dense model": (
         [*EP2, "--num-experts", None, "--moe-ffn-hidden-size", None],
         "--expert-model-parallel-size 2: the built-in GPT is dense (no experts to split); add --num-experts N",

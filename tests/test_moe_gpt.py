@@ -56,6 +56,30 @@ def test_the_grouped_matmul_equals_the_loop(swiglu):
         torch.testing.assert_close(grouped_grads[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("first_call", ["checkpointed", "no_grad"])
+def test_the_grouped_matmuls_probe_leaves_no_trace_in_its_first_forward(first_call):
+    """The probe of whether torch._grouped_mm runs is made by the first forward: inside activation checkpointing it
+    saves nothing the recomputation would not (it raised CheckpointError), and under no_grad it still finds that
+    the grouped matmul runs (it answered no for the whole process)."""
+    from rapidlite.models import gpt_moe
+
+    model = model_of(moe_grouped_gemm=True)
+    ids = torch.randint(0, 64, (2, 16))
+    gpt_moe.grouped_mm_runs.cache_clear()
+    try:
+        if first_call == "no_grad":
+            with torch.no_grad():
+                model(ids)
+            assert gpt_moe.grouped_mm_runs("cpu", torch.float32)
+            return
+        layer = model.layers[0].mlp
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+        assert x.grad is not None
+    finally:
+        gpt_moe.grouped_mm_runs.cache_clear()
+
+
 @pytest.mark.parametrize("policy,kept", [("probs", [False, True, True, True]), ("position", [True, True, False, True])])
 def test_a_capacity_keeps_each_experts_best_pairs(policy, kept):
     """4 tokens, top-1 of 2 experts, factor 1: each expert takes ceil(4 / 2) = 2; expert 0, chosen thrice, drops
@@ -244,10 +268,6 @@ BAD = {
     "tensor parallelism": (
         ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
         "--tensor-model-parallel-size 2: the built-in GPT's experts (--num-experts) are not split that way",
-    ),
-    "pipeline parallelism": (
-        ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
-        "--pipeline-model-parallel-size 2: the built-in GPT's experts (--num-experts) are not split that way",
     ),
     "a Hugging Face model": (  # its config's sizes, the built-in's architecture flags dropped
         ["--pretrained-model-name-or-path", "gpt2-like", "--num-experts", "8"],

@@ -134,19 +134,15 @@ def test_batching_is_the_batch_arithmetic_and_the_flat_view_agrees():
     assert (args.gradient_accumulation_steps, args.global_batch_size) == (3, 12)
 
 
-def test_megatrons_distributed_optimizer_with_expert_parallelism_is_zero2():
-    """ZeRO-1's optimizer would broadcast one rank's experts over another's: Megatron's flag, which
-    reduce-scatters the gradients in Megatron too, runs as ZeRO-2 there, and says so; the explicit ZeRO-1 flag
-    is refused in one line."""
+def test_megatrons_distributed_optimizer_is_zero1_with_expert_parallelism_too():
+    """ZeRO-1 steps the experts with an optimizer of their own (``Zero1WithExperts``): Megatron's flag is ZeRO-1
+    with or without experts, as the explicit flag is."""
     moe = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
     args = parse_args([*BASE, "--nproc-per-node", "2", *moe, "--use-distributed-optimizer"])
-    assert args.sections.topology == Topology(world_size=2, dp=2, ep=2, zero_stage=2)
-    assert any(
-        n.startswith("--use-distributed-optimizer with --expert-model-parallel-size 2: ZeRO-2") for n in args.notices
-    )
-    assert _layout("--use-distributed-optimizer")[0].zero_stage == 1  # without experts: ZeRO-1, as before
-    with pytest.raises(ConfigError, match="with --zero-1-memory-optimization: the sharded optimizer"):
-        _layout(*moe, "--zero-1-memory-optimization")
+    assert args.sections.topology == Topology(world_size=2, dp=2, ep=2, zero_stage=1)
+    assert not any(n.startswith("--use-distributed-optimizer") for n in args.notices)
+    assert _layout("--use-distributed-optimizer")[0].zero_stage == 1
+    assert _layout(*moe, "--zero-1-memory-optimization")[0] == Topology(world_size=2, dp=2, ep=2, zero_stage=1)
 
 
 def test_conflicting_spellings_keep_their_one_line_refusals():

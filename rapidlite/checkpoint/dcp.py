@@ -73,11 +73,14 @@ def _one_process_is_fine():
         yield
 
 
-def _zero1_local(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The optimizer over this rank's share of the parameters, for ZeRO-1's sharded optimizer. Its module is
-    loaded where one was built: without it (every other layout), no import just to answer no."""
+def _zero1_local(optimizer: Any) -> list[torch.optim.Optimizer] | None:
+    """The optimizers over this rank's share of the parameters, for ZeRO-1's sharded optimizer (with expert
+    parallelism, also the one over this rank's experts: ``Zero1WithExperts``). Its module is loaded where one
+    was built: without it (every other layout), no import just to answer no."""
     zero = sys.modules.get("torch.distributed.optim")
-    return optimizer.optim if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else None
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return [optimizer.optim]
+    return getattr(optimizer, "local_optimizers", None)
 
 
 def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
@@ -99,13 +102,16 @@ def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _optimizer_tensors(model: torch.nn.Module, optimizer: Any, materialize: bool) -> dict[str, Any]:
     """``{name: {state_key: tensor}}`` for the parameters whose state lives on this rank."""
-    local = _zero1_local(optimizer)
-    if local is None:
+    locals_ = _zero1_local(optimizer)
+    if locals_ is None:
         return get_optimizer_state_dict(model, optimizer)["state"]
-    if materialize:
-        _materialize_state(local)
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: dict(s) for p, s in local.state.items()}
+    state = {}
+    for local in locals_:
+        if materialize:
+            _materialize_state(local)
+        state.update({names[id(p)]: dict(s) for p, s in local.state.items()})
+    return state
 
 
 def _flatten(model_sd: dict[str, Any], optim_state: dict[str, Any] | None) -> dict[str, torch.Tensor]:

@@ -88,20 +88,17 @@ def check_built_in_experts(ep: int, moe: MoEConfig) -> None:
         raise ConfigError(f"{flag} does not divide the {moe.num_experts} experts of each layer (--num-experts)")
 
 
-def check_expert_parallel(ep: int, tp: int, pp: int, zero_stage: int, deepspeed: bool) -> None:
+def check_expert_parallel(ep: int, tp: int, deepspeed: bool) -> None:
     """One line for a layout expert parallelism does not compose with (yet)."""
     if ep <= 1:
         return
     flag = f"--expert-model-parallel-size {ep}"
     if deepspeed:
         raise ConfigError(f"{flag}: DeepSpeed's engine does not split rapidlite's experts; drop --deepspeed")
-    if tp > 1 or pp > 1:
-        other = "--tensor-model-parallel-size" if tp > 1 else "--pipeline-model-parallel-size"
-        raise ConfigError(f"{flag} with {other}: not built; split the experts over data-parallel ranks only")
-    if zero_stage == 1:
+    if tp > 1:
         raise ConfigError(
-            f"{flag} with --zero-1-memory-optimization: the sharded optimizer would broadcast one rank's experts "
-            "over another's; use --zero-2-memory-optimization or --zero-3-memory-optimization (FSDP2), or none"
+            f"{flag} with --tensor-model-parallel-size: not built; split the experts over data-parallel "
+            "(and pipeline) ranks only"
         )
 
 
@@ -121,10 +118,10 @@ ARCHITECTURE = (
 )
 
 
-def check(moe: MoEConfig, given: frozenset[str], pretrained: str | None, tp: int, pp: int) -> None:
+def check(moe: MoEConfig, given: frozenset[str], pretrained: str | None, tp: int) -> None:
     """One line for an MoE flag that cannot hold: a built-in architecture flag on a Hugging Face model or on a
-    dense built-in GPT, a top-k above the expert count, a negative rate, tensor or pipeline parallelism of the
-    built-in MoE (not built)."""
+    dense built-in GPT, a top-k above the expert count, a negative rate, tensor parallelism of the built-in MoE
+    (not built)."""
     named = [name for name in ARCHITECTURE if name in given]
     if named and pretrained:
         raise ConfigError(
@@ -145,12 +142,11 @@ def check(moe: MoEConfig, given: frozenset[str], pretrained: str | None, tp: int
         value = getattr(moe, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-    for size, name in ((tp, "--tensor-model-parallel-size"), (pp, "--pipeline-model-parallel-size")):
-        if size > 1:
-            raise ConfigError(
-                f"{name} {size}: the built-in GPT's experts (--num-experts) are not split that way; train it with "
-                "data parallelism and ZeRO (--zero-3-memory-optimization)"
-            )
+    if tp > 1:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}: the built-in GPT's experts (--num-experts) are not split that way; "
+            "train it with data or pipeline parallelism and ZeRO (--zero-3-memory-optimization)"
+        )
     factor = moe.moe_expert_capacity_factor
     if factor is not None and not factor > 0:
         raise ConfigError(f"--moe-expert-capacity-factor {factor:g}: must be > 0 (leave it out to drop no token)")

@@ -223,7 +223,7 @@ def save_for_transformers(model: Any, state: dict[str, torch.Tensor], directory:
     said in one line."""
     if hf_layout(model.config) is None:
         logging.getLogger(LOGGER_NAME).warning(
-            f"{_why_not(model.config)}: {directory} holds rapidlite's own format (GPTModel.from_pretrained loads it)"
+            f"{_why_not(model.config)}: the export is rapidlite's own format (GPTModel.from_pretrained loads it)"
         )
         model.save_pretrained(directory, state_dict=state)
         return

@@ -23,6 +23,11 @@ the gradients on every layout and task.
   seq_aux_loss``; none for ``none``) and its z-loss, summed over the layers. With
   ``--moe-router-enable-expert-bias`` its routers' bias is moved after every optimizer step
   (``update_expert_bias``) towards the experts that got fewer tokens.
+- **Pipeline parallelism** (the built-in GPT): each stage's routers' losses travel with its activations to the
+  last stage, which adds them to the micro-batch's loss weighted as above (``stage_losses``,
+  ``carried_penalty``); each stage counts its own layers' loads, and the metrics are summed over the stages
+  (``report``). The expert bias moves by the load summed over the ranks that hold the same router
+  (``load_group``: the data- and context-parallel ones of the stage).
 - **Load**: per routed layer, the tokens each expert received (the router's own choice), as
   ``moe/layer_{i}/load_max_over_mean`` (1 is perfectly even; the expert count means one expert got every
   token) and their mean over layers, ``moe/load_max_over_mean``.
@@ -117,14 +122,25 @@ class RouterLoss:
         self.top_k, self.aux_coeff, self.z_coeff = layout.top_k(config), aux_coeff, z_coeff
         self.per_layer, self.balancing = layout.per_layer, layout.balancing(config)
         self.layers = [index for index, _ in found]
+        self._layer_of = {id(router): index for index, router in found}
         # The built-in GPT's MoE layers (the routers' parents) say what a capacity dropped (``dropped``).
         parents = {id(child): module for module in model.modules() for child in module.children()}
-        self._moe_layers = [parents.get(id(router)) for _, router in found]
+        self._moe_layers = {index: parents.get(id(router)) for index, router in found}
         # Routers balanced by their bias (the built-in GPT's --moe-router-enable-expert-bias): moved after a step.
-        self._biased = [r for _, r in found if getattr(r, "expert_bias", None) is not None]
+        self._biased = [(i, r) for i, r in found if getattr(r, "expert_bias", None) is not None]
         self.bias_rate = bias_rate
-        self._step_load: torch.Tensor | None = None
+        # The ranks whose tokens one router's load sums (data- and context-parallel: None, every rank), and under
+        # pipeline parallelism the stages whose metrics make the model's (``report``).
+        self.load_group: Any = None
+        self.pp_group: Any = None
+        self._step_load: dict[int, torch.Tensor] = {}
+        # Under pipeline parallelism, what each (stage, micro-batch) kept and the router loss of each micro-batch,
+        # committed after the schedule (``commit``).
+        self._pending: dict[Any, tuple[dict, dict]] = {}
+        self._pending_losses: dict[int, tuple[torch.Tensor, float]] = {}
+        self._sink: tuple[dict, dict] | None = None
         self._logits: list[torch.Tensor] = []
+        self._kept: list[int] = []  # the block index of each router output kept
         self._chosen: list[torch.Tensor] = []
         self._sequences: list[int] = []
         self._mask: torch.Tensor | None = None
@@ -149,6 +165,7 @@ class RouterLoss:
     def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._training(module):
             self._logits.append(output[0])
+            self._kept.append(self._layer_of[id(module)])
             self._chosen.append(output[2].detach())
             self._sequences.append(args[0].shape[0] if args[0].dim() == 3 else 1)  # [batch, seq, hidden]
 
@@ -189,56 +206,127 @@ class RouterLoss:
         if z is not None:
             total = total + self.z_coeff * z
             self._add("moe_z_loss", z.detach() * weight, weight)
-        experts = self._logits[0].shape[-1]
-        loads, balance = [], []
-        for layer, chosen in zip(self.layers, self._chosen, strict=False):
-            picks = chosen if mask is None else chosen[mask.bool()]
-            loads.append(torch.bincount(picks.reshape(-1), minlength=experts).float())
-            balance.append(loads[-1].max() / loads[-1].mean().clamp_min(1e-9))
-            self._add(f"moe/layer_{layer}/load_max_over_mean", balance[-1], 1.0)
-        self._add("moe/load_max_over_mean", torch.stack(balance).mean(), 1.0)
-        dropped = [getattr(module, "dropped", None) for module in self._moe_layers]
-        if any(d is not None for d in dropped):
-            for layer, share in zip(self.layers, dropped, strict=True):
-                self._add(f"moe/layer_{layer}/dropped_tokens", share if share is not None else torch.zeros(()), 1.0)
-            self._add("moe/dropped_tokens", torch.stack([d for d in dropped if d is not None]).mean(), 1.0)
-            for module in self._moe_layers:
-                module.dropped = None
-        if self._biased:
-            load = torch.stack(loads)
-            self._step_load = load if self._step_load is None else self._step_load + load
-        self._logits, self._chosen, self._sequences, self._mask = [], [], [], None
+        self._count_load(mask)
         return total * weight
+
+    def _count_load(self, mask: torch.Tensor | None) -> None:
+        """Each routed layer's load (and what a capacity dropped) in the metrics and the step's load; the forward's
+        router outputs are then let go."""
+        experts = self._logits[0].shape[-1]
+        for layer, chosen in zip(self._kept, self._chosen, strict=True):
+            picks = chosen if mask is None else chosen[mask.bool()]
+            load = torch.bincount(picks.reshape(-1), minlength=experts).float()
+            balance = load.max() / load.mean().clamp_min(1e-9)
+            self._add(f"moe/layer_{layer}/load_max_over_mean", balance, 1.0)
+            self._add("moe/load_max_over_mean", balance, 1.0)  # the mean over layers (and micro-batches)
+            if any(i == layer for i, _ in self._biased):
+                loads = self._sink[1] if self._sink is not None else self._step_load
+                loads[layer] = loads.get(layer, 0) + load
+            module = self._moe_layers[layer]
+            if getattr(module, "dropped", None) is not None:
+                self._add(f"moe/layer_{layer}/dropped_tokens", module.dropped, 1.0)
+                self._add("moe/dropped_tokens", module.dropped, 1.0)
+                module.dropped = None
+        self._logits, self._chosen, self._sequences, self._mask, self._kept = [], [], [], None, []
+
+    # ------------------------------------------------------------------ pipeline parallelism
+    def stage_losses(self, key: Any) -> torch.Tensor | None:
+        """After a pipeline stage's forward: ``[load-balancing loss, z-loss]`` of its routers (the built-in GPT's
+        are sums over layers; 0 where off), which the stages carry to the last one (``carried_penalty``); None
+        when no router ran in training. Its loads count once per ``key`` (stage, micro-batch), the key's last
+        forward, at ``commit``: torch's pipelining runs a stage once more on the first micro-batch to learn its
+        shapes."""
+        if not self._logits:
+            return None
+        aux, z = self._losses(None)
+        zero = torch.zeros((), device=self._logits[0].device)
+        self._sink = ({}, {})
+        try:
+            self._count_load(None)
+        finally:
+            self._pending[key], self._sink = self._sink, None
+        return torch.stack([aux if aux is not None else zero, z if z is not None else zero]).float()
+
+    def carried_penalty(self, carried: torch.Tensor, items: int | None, index: int) -> torch.Tensor:
+        """On the last stage: the router loss of every stage (``carried``, from ``stage_losses``) to add to
+        micro-batch ``index``'s loss, weighted as that loss (``items``: its item count for a summed loss). Logged
+        at ``commit``, once per micro-batch."""
+        weight = float(items) if items is not None else 1.0
+        self._pending_losses[index] = (carried.detach(), weight)
+        return (self.aux_coeff * carried[0] + self.z_coeff * carried[1]) * weight
+
+    def commit(self) -> None:
+        """After a pipeline schedule's training run: what each (stage, micro-batch) kept joins the step's metrics
+        and load."""
+        for sums, loads in self._pending.values():
+            for name, (total, count) in sums.items():
+                self._add(name, total, count)
+            for layer, load in loads.items():
+                self._step_load[layer] = self._step_load.get(layer, 0) + load
+        for carried, weight in self._pending_losses.values():
+            if not self.per_layer or self.balancing != "none":
+                self._add("moe_aux_loss", carried[0] * weight, weight)
+            if self.z_coeff:
+                self._add("moe_z_loss", carried[1] * weight, weight)
+        self._pending.clear()
+        self._pending_losses.clear()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """After an optimizer step, with ``--moe-router-enable-expert-bias``: each router's bias moves by the
-        rate towards the experts that got fewer tokens than the mean over the step (summed over the
-        data-parallel ranks, so every rank moves its bias the same), as DeepSeek-V3 and Megatron do."""
-        load, self._step_load = self._step_load, None
-        if load is None or not self._biased:
+        rate towards the experts that got fewer tokens than the mean over the step (summed over the ranks that
+        hold the same router, ``load_group``, so each moves its bias the same), as DeepSeek-V3 and Megatron do.
+        Under pipeline parallelism each stage moves its own routers'."""
+        kept, self._step_load = self._step_load, {}
+        biased = [(i, router) for i, router in self._biased if i in kept]
+        if not biased:
             return
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(load)
+        load = torch.stack([kept[i] for i, _ in biased])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.load_group) > 1:
+            dist.all_reduce(load, group=self.load_group)
         step = self.bias_rate * torch.sign(load.mean(-1, keepdim=True) - load)
-        for router, delta in zip(self._biased, step, strict=True):
+        for (_, router), delta in zip(biased, step, strict=True):
             router.expert_bias.add_(delta.to(router.expert_bias.device))
 
     def _add(self, name: str, value: torch.Tensor, count: float) -> None:
-        old, n = self._sums.get(name, (0.0, 0.0))
-        self._sums[name] = (old + value.detach().double(), n + count)
+        sums = self._sink[0] if self._sink is not None else self._sums
+        old, n = sums.get(name, (0.0, 0.0))
+        sums[name] = (old + value.detach().double(), n + count)
 
     def report(self, add: Callable[[str, Any, float], None]) -> None:
-        """Hand the values kept since the last report to ``add(name, sum, count)`` (the step metrics)."""
-        for name, (total, count) in self._sums.items():
+        """Hand the values kept since the last report to ``add(name, sum, count)`` (the step metrics). Under
+        pipeline parallelism each stage kept its own layers': they are summed over the stages first (a
+        collective of the pipeline's ranks), so every rank reports the whole model's."""
+        sums, self._sums = self._sums, {}
+        if self.pp_group is not None:
+            sums = _over_stages(sums, self.pp_group)
+        for name, (total, count) in sums.items():
             add(name, total, count)
-        self._sums.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _over_stages(sums: dict[str, tuple[Any, float]], group: Any) -> dict[str, tuple[torch.Tensor, float]]:
+    """``name: (sum, count)`` summed over the pipeline's stages, each of which kept its own layers' names."""
+    import torch.distributed as dist
+
+    names: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, sorted(sums), group=group)
+    union = sorted({name for part in names for name in part})
+    values = torch.zeros(2, len(union), dtype=torch.float64)
+    for j, name in enumerate(union):
+        if name in sums:
+            total, count = sums[name]
+            values[0, j], values[1, j] = float(total), float(count)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    values = values.to(device)
+    dist.all_reduce(values, group=group)
+    values = values.cpu()
+    return {name: (values[0, j], float(values[1, j])) for j, name in enumerate(union)}
 
 
 def router_loss(model: nn.Module, settings: MoEConfig, given: Callable[[str], bool], logger: Any) -> RouterLoss | None:

@@ -106,12 +106,18 @@ def optimizer_state_bytes(cfg: OptimizerConfig, sizes: Iterable[int]) -> int:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimizerConfig, zero1_group: Any = None, *, allow_apex: bool = True
+    model: torch.nn.Module,
+    cfg: OptimizerConfig,
+    zero1_group: Any = None,
+    *,
+    allow_apex: bool = True,
+    apart: frozenset[int] = frozenset(),
 ) -> torch.optim.Optimizer:
     """AdamW or SGD over decay groups, fused where the device has the kernels: Apex's FusedAdam for AdamW on
     CUDA when Apex is installed (see ``apex_adamw_class``; ``allow_apex=False`` keeps torch's), else torch's
     fused or foreach kernels; bitsandbytes' 8-bit AdamW (``eight_bit``) over the same groups. With
-    ``zero1_group`` the optimizer state is sharded over that process group (ZeRO-1)."""
+    ``zero1_group`` the optimizer state is sharded over that process group (ZeRO-1), but for the parameters whose
+    ids are in ``apart`` (this rank's experts under expert parallelism)."""
     groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.loraplus_lr_ratio)
     if not groups:
         raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
@@ -141,5 +147,5 @@ def build_optimizer(
     if zero1_group is not None:
         from rapidlite.parallel.data_parallel import build_zero1_optimizer
 
-        return build_zero1_optimizer(groups, cls, zero1_group, lr=cfg.lr, **defaults, **kernels)
+        return build_zero1_optimizer(groups, cls, zero1_group, apart, lr=cfg.lr, **defaults, **kernels)
     return cls(groups, lr=cfg.lr, **defaults, **kernels)

@@ -39,9 +39,11 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     cpu_offload: bool,
     edp_mesh: Any = None,
+    experts: list[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
     """``fully_shard`` each transformer block, then the root (which takes the remaining parameters); with expert
-    parallelism (``edp_mesh``) each experts module first, over the ranks that hold the same experts."""
+    parallelism (``edp_mesh``) each experts module first (``experts``, else the model's), over the ranks that hold
+    the same experts."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Gradients are reduced in fp32 whatever the compute dtype, so the sum over ranks loses nothing.
@@ -50,9 +52,10 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
     if edp_mesh is not None:
-        from rapidlite.parallel.expert_parallel import shard_experts
+        from rapidlite.parallel.expert_parallel import expert_modules, shard_experts
 
-        shard_experts(model, edp_mesh, {**kwargs, "offload_policy": offload})
+        modules = experts if experts is not None else expert_modules(model)
+        shard_experts(modules, edp_mesh, {**kwargs, "offload_policy": offload})
     blocks = find_blocks(model)
     for block in blocks or ():
         fully_shard(block, offload_policy=offload, **kwargs)
@@ -72,16 +75,23 @@ def apply_ddp(model: torch.nn.Module, mesh: Any, ignored: list[torch.nn.Module] 
 
 
 def apply_data_parallel(
-    model: torch.nn.Module, mesh: Any, topology: Topology, param_dtype: torch.dtype | None, edp_mesh: Any = None
+    model: torch.nn.Module,
+    mesh: Any,
+    topology: Topology,
+    param_dtype: torch.dtype | None,
+    edp_mesh: Any = None,
+    experts: list[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
     """DDP, or FSDP2 for ZeRO-2/3, over ``mesh`` (the data-parallel one), as ``topology``'s stage asks; with
-    expert parallelism (``edp_mesh``) the experts apart (``rapidlite.parallel.expert_parallel``)."""
+    expert parallelism (``edp_mesh``) the experts (``experts``, else the model's) apart
+    (``rapidlite.parallel.expert_parallel``)."""
     if topology.fully_sharded:
-        return apply_fsdp(model, mesh, topology.zero_stage == 3, param_dtype, topology.cpu_offload, edp_mesh)
+        zero3, offload = topology.zero_stage == 3, topology.cpu_offload
+        return apply_fsdp(model, mesh, zero3, param_dtype, offload, edp_mesh, experts)
     if edp_mesh is not None:
         from rapidlite.parallel.expert_parallel import expert_modules
 
-        return apply_ddp(model, mesh, expert_modules(model))
+        return apply_ddp(model, mesh, experts if experts is not None else expert_modules(model))
     return apply_ddp(model, mesh)
 
 
@@ -100,12 +110,23 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def build_zero1_optimizer(
-    param_groups: list[dict[str, Any]], optimizer_class: type, group: Any, **defaults: Any
+    param_groups: list[dict[str, Any]],
+    optimizer_class: type,
+    group: Any,
+    apart: frozenset[int] = frozenset(),
+    **defaults: Any,
 ) -> torch.optim.Optimizer:
     """ZeRO-1: each rank keeps the optimizer state of its share of the parameters and steps only those;
-    the updated parameters are broadcast from their owners."""
+    the updated parameters are broadcast from their owners. The parameters whose ids are in ``apart`` (this
+    rank's own experts under expert parallelism) are stepped by a plain optimizer beside it
+    (``Zero1WithExperts``)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    if apart:
+        shared = [{**g, "params": [p for p in g["params"] if id(p) not in apart]} for g in param_groups]
+        own = [{**g, "params": [p for p in g["params"] if id(p) in apart]} for g in param_groups]
+        zero = build_zero1_optimizer([g for g in shared if g["params"]], optimizer_class, group, **defaults)
+        return Zero1WithExperts(zero, optimizer_class([g for g in own if g["params"]], **defaults))
     first, *rest = param_groups
     optimizer = ZeroRedundancyOptimizer(
         first["params"],
@@ -142,6 +163,51 @@ def gradient_averager(group: Any, size: int) -> Any:
     return average
 
 
+class Zero1WithExperts(torch.optim.Optimizer):
+    """ZeRO-1 under expert parallelism: ``zero`` (``ZeroRedundancyOptimizer``) over the weights every
+    data-parallel rank holds, and ``experts``, a plain optimizer over this rank's own experts, whose state is
+    split by expert already (ZeRO-1's broadcast of each rank's share would copy one rank's experts over
+    another's). The step, the learning-rate schedule and checkpoints see one optimizer: ``param_groups`` are the
+    two optimizers' own dicts, ``state`` this rank's state of both (``local_optimizers``)."""
+
+    def __init__(self, zero: torch.optim.Optimizer, experts: torch.optim.Optimizer) -> None:
+        # Not Optimizer.__init__, which would make groups of its own: the two optimizers keep theirs.
+        self.zero, self.experts = zero, experts
+        self.defaults = dict(zero.defaults)
+        self.param_groups = zero.param_groups + experts.param_groups
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+
+    @property
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that hold this rank's state: ZeRO-1's share of the shared weights, and the experts'."""
+        return [self.zero.optim, self.experts]
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return {**self.zero.optim.state, **self.experts.state}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = self.zero.step(closure)
+        self.experts.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad(set_to_none=set_to_none)
+        self.experts.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("ZeRO-1 with expert parallelism is checkpointed by rapidlite.checkpoint.dcp")
+
+    def __repr__(self) -> str:
+        return f"Zero1WithExperts({self.zero.optim.__class__.__name__})"
+
+
 def is_zero1(optimizer: Any) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -170,6 +236,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     params = list(model.parameters())
     local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
     state = [v for s in local_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # (Zero1WithExperts' state is this rank's already.)
     return {
         "param_bytes": _bytes(params),
         "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),

@@ -147,13 +147,13 @@ def _routed_forward(experts: nn.Module, dispatch: Dispatch) -> Callable:
     return forward
 
 
-def shard_experts(model: nn.Module, edp_mesh: Any, fsdp_kwargs: dict[str, Any]) -> None:
-    """ZeRO-2/3: each experts module sharded by FSDP2 over ``edp`` (before the blocks, which then leave it out);
-    FSDP averages its gradients there (``expert_gradient_averager`` does the rest). ``fsdp_kwargs``: the
-    blocks'."""
+def shard_experts(modules: list[nn.Module], edp_mesh: Any, fsdp_kwargs: dict[str, Any]) -> None:
+    """ZeRO-2/3: each experts module of ``modules`` sharded by FSDP2 over ``edp`` (before the blocks, which then
+    leave it out); FSDP averages its gradients there (``expert_gradient_averager`` does the rest).
+    ``fsdp_kwargs``: the blocks'."""
     from torch.distributed.fsdp import fully_shard
 
-    for experts in expert_modules(model):
+    for experts in modules:
         fully_shard(experts, **{**fsdp_kwargs, "mesh": edp_mesh})
 
 

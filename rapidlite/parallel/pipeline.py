@@ -24,6 +24,12 @@ How a model comes apart into stages is its family's pipeline split (``ModelSpec.
 ``rapidlite/models/families/`` with the building blocks of ``rapidlite.models.staging``); a family without
 one is refused with one line.
 
+A mixture of experts' router loss (the built-in MoE GPT's, ``models.moe``) is each layer's, so each stage sums its
+routers' and passes the running sum on with its activations (two numbers: load-balancing and z-loss). The last
+stage adds it to the micro-batch's loss, weighted as that loss is (by its item count for a summed loss), so
+the schedule's backward brings each router its gradient, as on one process. Its metrics are summed over the
+stages once per step.
+
 A tied input/output embedding (the built-in GPT's default, GPT-2) lives on the first and the last stage,
 as in Megatron: both copies start equal, their gradients are summed over the two stages before each
 step, and the gradient norm counts the weight once, so they stay equal and train as one weight.
@@ -118,6 +124,9 @@ class StageModule(nn.Module):
     def forward(self, *activations: torch.Tensor, microbatch: torch.Tensor) -> Any:
         runner = self._runner[0]
         call = runner.calls[int(microbatch)]
+        # A mixture of experts' router loss in training: each stage adds its routers' to what it received, and the
+        # last stage's loss takes the sum (``PipelineRunner._loss``).
+        carry = runner.router_loss is not None and torch.is_grad_enabled()
         x = call.inputs if self.first else activations[0]
         if self.last and call.output_forward is not None:  # the chunked output layer's log-probabilities
             head, forward = call.output_forward
@@ -131,6 +140,11 @@ class StageModule(nn.Module):
         if self.last and hasattr(out, "to_local"):  # vocabulary-sharded logits cross stages as local shards
             runner.sharded_logits = True
             out = out.to_local()
+        if carry:  # the running sum goes last, after the stage's own output (a tuple's elements)
+            received = activations[-1] if not self.first else torch.zeros(2, device=runner.device)
+            own = runner.router_loss.stage_losses((id(self), int(microbatch)))
+            runner.single_output = not isinstance(out, tuple)
+            return (*((out,) if runner.single_output else out), received if own is None else received + own)
         return out
 
 
@@ -183,6 +197,8 @@ class PipelineRunner:
         self._schedules: dict[tuple[int, bool], Any] = {}
         self.loss_scale = 1.0
         self.sharded_logits = False
+        self.router_loss: Any = None  # a mixture of experts' (``models.moe.RouterLoss``)
+        self.single_output = True  # the last stage's output is one tensor (else a tuple), when it carries
         self.stages: list[StageModule] = []
         model.forward = self._dispatch  # the forward step's call is recorded, then replayed by the schedule
 
@@ -252,8 +268,12 @@ class PipelineRunner:
             raise ConfigError("under pipeline parallelism run_forward_step must call the model it is given")
         return self._recorded
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         index = int(target)
+        carried = None
+        if self.router_loss is not None and torch.is_grad_enabled():  # the router losses of every stage, last
+            *parts, carried = output
+            output = parts[0] if self.single_output else tuple(parts)
         if self.sharded_logits:  # the last stage's logits went out as local vocabulary shards
             from torch.distributed.tensor import DTensor, Shard
 
@@ -265,6 +285,8 @@ class PipelineRunner:
             self._phase, self._replay_output, self._replay_call = None, None, None
         loss, items = unpack_loss(result)
         self.results[index] = (loss.detach().float(), items)
+        if carried is not None:  # weighted as the micro-batch's loss, now that its item count is known
+            loss = loss + self.router_loss.carried_penalty(carried, items, index)
         return loss * self.loss_scale if torch.is_grad_enabled() else loss
 
     # ---------------------------------------------------------------- running
@@ -288,6 +310,8 @@ class PipelineRunner:
                 with torch.no_grad():
                     schedule.eval(microbatch=index, target=index, return_outputs=False)
         self.calls, self._replays = [], []
+        if self.router_loss is not None and train:
+            self.router_loss.commit()
         return [self.results[i] for i in range(n)] if self.has_last else []
 
     # ---------------------------------------------------------------- export

@@ -14,7 +14,6 @@ from rapidlite.config.settings import SECTION_NAMES, Sections
 from rapidlite.config.tasks import TaskSpec, check_options, context_parallel_tasks, get_task, task_names
 from rapidlite.config.topology import Batching, Topology, check_context_parallel
 from rapidlite.errors import ConfigError
-from rapidlite.resolve.topology import zero_stage
 from rapidlite.runtime.environ import env_int, launch_value
 from rapidlite.runtime.world import num_nodes
 
@@ -62,10 +61,10 @@ def check_ranges(args: argparse.Namespace) -> None:
 
 def check_rest(args: argparse.Namespace) -> None:
     pretrained = args.pretrained_model_name_or_path
-    tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
-    moe_flags.check(section_of(args, "moe"), args.explicit_flags or frozenset(), pretrained, tp, pp)
+    tp = args.tensor_model_parallel_size or 1
+    moe_flags.check(section_of(args, "moe"), args.explicit_flags or frozenset(), pretrained, tp)
     ep = args.expert_model_parallel_size
-    moe_flags.check_expert_parallel(ep, tp, pp, zero_stage(args), args.deepspeed)
+    moe_flags.check_expert_parallel(ep, tp, args.deepspeed)
     for name in ("mask_prob", "short_seq_prob"):
         if not 0 <= getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1)")

@@ -155,7 +155,7 @@ def resolve(namespace: argparse.Namespace, require_task: bool = True) -> RunConf
     args.dataset_name = args.data_name
 
     notices += megatron_flags.check_megatron_flags(args)
-    notices += adopt_distributed_optimizer(args)
+    adopt_distributed_optimizer(args)
     args.precision = precision_of_flags(args)
     resolve_recompute(args)
     # A DeepSpeed file may decide the precision, the batch and the ZeRO stage: it is read before anything is

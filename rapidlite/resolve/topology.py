@@ -54,25 +54,17 @@ def zero_stage(args: argparse.Namespace) -> int:
     return max((stage for dest, stage in ZERO_STAGE_FLAGS.items() if getattr(args, dest)), default=0)
 
 
-def adopt_distributed_optimizer(args: argparse.Namespace) -> list[str]:
-    """Megatron's ``--use-distributed-optimizer`` in the ZeRO flags' spelling: ZeRO-1, unless ZeRO-2/3 shard the
-    optimizer state already; with expert parallelism ZeRO-2 (FSDP2), as Megatron's own reduce-scatters the
-    gradients (ZeRO-1's optimizer would broadcast one rank's experts over another's). Returns its notice."""
+def adopt_distributed_optimizer(args: argparse.Namespace) -> None:
+    """Megatron's ``--use-distributed-optimizer`` in the ZeRO flags' spelling: ZeRO-1 (with expert parallelism
+    beside the experts' own optimizer), unless ZeRO-2/3 shard the optimizer state already."""
     if not args.use_distributed_optimizer or zero_stage(args) >= 2:
-        return []
+        return
     if args.tensor_model_parallel_size > 1:
         raise ConfigError(
             "--use-distributed-optimizer is ZeRO-1 here, which does not combine with tensor parallelism; with "
             "it use --zero-2-memory-optimization (FSDP2 over the data-parallel ranks)"
         )
-    if args.expert_model_parallel_size > 1 and not args.deepspeed:
-        args.zero_2_memory_optimization = True
-        return [
-            f"--use-distributed-optimizer with --expert-model-parallel-size {args.expert_model_parallel_size}: "
-            "ZeRO-2 (FSDP2 shards the optimizer state and reduce-scatters the gradients, as Megatron's does)"
-        ]
     args.zero_1_memory_optimization = True
-    return []
 
 
 def adopt_user_config(args: argparse.Namespace, config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

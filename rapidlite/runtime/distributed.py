@@ -260,12 +260,15 @@ def init_distributed(
 
 
 def expert_mesh(device_type: str, topology: Topology) -> Any:
-    """Expert parallelism's mesh of the data-parallel ranks, ``("edp", "ep")``: ``ep`` neighbouring ranks split
-    the experts (tensor and pipeline parallelism are refused with it, so the world is data-parallel)."""
+    """Expert parallelism's mesh of each pipeline stage's data-parallel ranks, ``("edp", "ep")`` (``("pp", "edp",
+    "ep")`` with pipeline parallelism, its stages outermost as in the world's mesh): ``ep`` neighbouring ranks
+    split the experts (tensor parallelism is refused with it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (topology.dp * topology.cp // topology.ep, topology.ep)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep"))
+    shape, names = (topology.dp * topology.cp // topology.ep, topology.ep), ("edp", "ep")
+    if topology.pp > 1:
+        shape, names = (topology.pp, *shape), ("pp", *names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def device_mesh(device_type: str, topology: Topology) -> Any:

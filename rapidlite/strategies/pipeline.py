@@ -49,13 +49,17 @@ class Pipeline(DataParallel):
             tp_mesh=dist.tp_mesh,
         )
         runner.embedding_group = embedding_groups(dist.mesh, dist.topology.pp) if runner.tied else None
+        if self.router_loss is not None:  # carried to the last stage; the metrics are summed over the stages
+            runner.router_loss, self.router_loss.pp_group = self.router_loss, dist.pp_group
         self.pipeline = runner
 
     def _wrap(self, model: torch.nn.Module) -> None:
         """Stage modules over the rank's blocks: autocast per stage, or FSDP per stage under ZeRO-2/3."""
         for stage in self.pipeline.build_stages():
             if self.topology.fully_sharded:
-                apply_data_parallel(stage, self.dist.dp_mesh, self.topology, self.precision.dtype)
+                experts = [m for m in self.expert_modules if any(m is s for s in stage.modules())]
+                dtype, edp = self.precision.dtype, self.dist.edp_mesh
+                apply_data_parallel(stage, self.dist.dp_mesh, self.topology, dtype, edp, experts)
             else:
                 self.precision.apply(stage)
 

@@ -87,7 +87,8 @@ class DataParallel(Strategy):
 
     def _optimizer(self, model: torch.nn.Module, optimizer: Any) -> RapidliteOptimizer:
         zero1_group = self.dist.reduce_group if self.dist.initialized and self.topology.zero_stage == 1 else None
-        optimizer = optimizer or build_optimizer(model, self.config.optim, zero1_group)
+        experts = frozenset(id(p) for module in self.expert_modules for p in module.parameters())
+        optimizer = optimizer or build_optimizer(model, self.config.optim, zero1_group, apart=experts)
         scaler = LossScaler.of(self.config.precision) if self.precision.name == "fp16" else None
         hooks, warn = self.step_hooks(), self.ctx.is_main_process
         return RapidliteOptimizer(
@@ -110,14 +111,25 @@ class DataParallel(Strategy):
     def _replica_averager(self) -> Any:
         """The gradient average over data-parallel replicas where no wrapper does it (model parallelism, and the
         experts under DDP with expert parallelism)."""
+        average = None
         if self.model_parallel and not self.topology.fully_sharded and self.topology.reduce_size > 1:
-            return gradient_averager(self.dist.reduce_group, self.topology.reduce_size)
-        if self.expert_modules:
-            from rapidlite.parallel.expert_parallel import expert_gradient_averager
+            average = gradient_averager(self.dist.reduce_group, self.topology.reduce_size)
+        if not self.expert_modules:
+            return average
+        from rapidlite.parallel.expert_parallel import expert_gradient_averager
 
-            group = None if self.topology.fully_sharded else self.dist.edp_mesh.get_group()
-            return expert_gradient_averager(self.expert_modules, group, self.topology.ep, self.dist.dp_size)
-        return None
+        group = None if self.topology.fully_sharded else self.dist.edp_mesh.get_group()
+        experts = expert_gradient_averager(self.expert_modules, group, self.topology.ep, self.dist.dp_size)
+        if average is None:
+            return experts
+        # Pipeline parallelism under DDP: the experts apart from the other weights (their ranks hold other experts).
+        expert_ids = {id(p) for module in self.expert_modules for p in module.parameters()}
+
+        def both(params: list[torch.Tensor]) -> None:
+            average([p for p in params if id(p) not in expert_ids])
+            experts(params)
+
+        return both
 
     def model_state_bytes(self, model: Any, optimizer: Any) -> dict[str, int]:
         return model_state_bytes(model, optimizer.optimizer)

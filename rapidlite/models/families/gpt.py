@@ -102,8 +102,6 @@ class GPTSplit:
     name = "built-in GPT"
 
     def unsupported(self, model: nn.Module) -> str | None:
-        if model.config.num_experts:
-            return "its experts (--num-experts) are not split into stages; train it with data parallelism and ZeRO"
         return None
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
