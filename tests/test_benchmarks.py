@@ -116,15 +116,17 @@ def test_packing_benchmark_quick():
 
 @pytest.mark.slow
 def test_step_time_benchmark_quick():
-    """A torchtitan row and a Megatron-LM row planned from their published set-ups and predicted (the
-    calibration row lands on its published figure by construction)."""
+    """A torchtitan row, a Megatron-LM row and the mixture-of-experts row planned from their published set-ups
+    and predicted (the calibration row lands on its published figure by construction; the MoE row, counted as
+    Megatron counts its FLOPs, within 25%)."""
     proc = run_quick("step_time.py", "--calibrate", timeout=300)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| torchtitan") or line.startswith("| Meg")]
-    assert len(rows) == 2, proc.stdout
+    assert len(rows) == 3, proc.stdout
     calibration = rows[0].split("|")
     assert "(calibration row)" in calibration[2] and float(calibration[5]) == pytest.approx(1.0, abs=0.02)
     assert "calibration: matched at matmul_efficiency" in proc.stdout
     assert float(rows[1].split("|")[5]) > 0
+    assert "Mixtral 8x7B" in rows[2] and abs(float(rows[2].split("|")[5]) - 1) <= 0.25
 
 
 def test_checkpoint_hashing_benchmark_quick():

@@ -158,6 +158,27 @@ def test_context_parallelism_halves_the_compute_and_counts_its_transfers():
     assert ring.terms["context parallel"] < across.step.terms["context parallel"]
 
 
+def test_expert_parallelism_reduces_a_ranks_own_experts_over_their_edp_ranks_only():
+    """EP2 on 4 ranks: a rank's own experts (4 of 8, in each of 4 layers) are counted apart; ZeRO-1 gathers the
+    updated shared weights only (the experts are each rank's own), and DDP's exposed reduction holds the experts'
+    all-reduce over their 2 edp ranks, after the backward pass."""
+    profile = device_profile("a100-80g")
+    moe = ["--num-experts", "8", "--moe-ffn-hidden-size", "128", "--nproc-per-node", "4", "--global-batch-size", "8"]
+    moe += ["--mixed-precision", "--expert-model-parallel-size", "2"]
+    ddp_plan = _plan(*moe)
+    rank = ddp_plan.ranks[0]
+    experts = 4 * 4 * 2 * 128 * 256  # layers x the rank's experts x (up, down) of 128 x 256
+    assert rank.expert_params == rank.trainable_expert_params == experts
+    link = profile.intra_node_bandwidth, profile.intra_node_latency
+    ddp = step_time(ddp_plan, profile, 8).step
+    zero1 = step_time(_plan(*moe, "--zero-1-memory-optimization"), profile, 8).step
+    gathered = all_gather((rank.compute_params - experts) * 4, 4, *link)
+    assert zero1.terms["data parallel"] - ddp.terms["data parallel"] == pytest.approx(gathered)
+    experts_reduced = all_reduce(experts * 4, 2, *link)
+    shared = all_reduce((rank.trainable_params - experts) * 4, 4, *link)
+    assert experts_reduced < ddp.terms["data parallel"] <= experts_reduced + shared
+
+
 def test_a_backends_slower_gather_and_scatter_cost_fsdp_and_sequence_parallelism_not_ddp():
     """gloo's all-gather and reduce-scatter into one tensor run slower than its all-reduce: the profile's
     slowdowns multiply what FSDP2 and sequence parallelism spend in them, and leave DDP's all-reduce as it is."""

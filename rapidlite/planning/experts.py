@@ -45,3 +45,27 @@ def expert_counts(model: torch.nn.Module) -> dict[str, int]:
         return {}
     params = sum(p.numel() for m in modules for p in m.parameters())
     return {"moe_layers": len(modules), "moe_top_k": layout.top_k(model.config), "expert_params": params}
+
+
+def rank_counts(
+    module: torch.nn.Module, params: list, trainable: int, stepped: list[int], whole: int, ep: int
+) -> dict[str, int]:
+    """``RankPlan``'s element counts: what the rank computes with (FSDP2's shards are local here, ``whole``
+    of them make a weight; an expert's over ``edp`` only), trains and steps, and of those its own experts."""
+    from rapidlite.parallel.expert_parallel import expert_modules
+
+    def _elems(p: torch.Tensor) -> int:
+        return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+    experts = {id(p) for m in expert_modules(module) for p in m.parameters()} if ep > 1 else set()
+    edp_whole = max(whole // ep, 1) if experts else whole
+    own = [p for p in params if id(p) in experts]
+    shared = sum(_elems(p) for p in params) - sum(_elems(p) for p in own)
+    trainable_own = sum(_elems(p) for p in own if p.requires_grad)
+    return {
+        "compute_params": shared * whole + sum(_elems(p) for p in own) * edp_whole,
+        "trainable_params": (trainable - trainable_own) * whole + trainable_own * edp_whole,
+        "stepped_params": sum(stepped),
+        "expert_params": sum(_elems(p) for p in own) * edp_whole,
+        "trainable_expert_params": trainable_own * edp_whole,
+    }

@@ -55,7 +55,7 @@ from rapidlite.planning.activations import (
     profile_activations,
     stage_activations,
 )
-from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes
+from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes, rank_counts
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 from rapidlite.planning.task_terms import count_generation, count_reference
 
@@ -86,6 +86,9 @@ class RankPlan:
     compute_params: int = 0
     trainable_params: int = 0
     stepped_params: int = 0
+    # Of which the experts under expert parallelism (the rank's own, reduced over ``edp`` only).
+    expert_params: int = 0
+    trainable_expert_params: int = 0
 
     @property
     def model_states(self) -> int:
@@ -396,17 +399,14 @@ def _rank_plan(
         param_bytes //= dp if zero >= 3 else 1
         grad_elems //= dp if zero >= 2 else 1
         stepped = [trainable // (dp if zero >= 1 else 1)]  # one flat partition
-    else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters, FSDP's shards
-        local = getattr(optimizer.optimizer, "optim", optimizer.optimizer)
-        stepped = [_local(p).numel() for g in local.param_groups for p in g["params"] if p.requires_grad]
+    else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters (and, with expert parallelism,
+        # the rank's own experts beside it), FSDP's shards
+        inner = optimizer.optimizer
+        locals_ = getattr(inner, "local_optimizers", None) or [getattr(inner, "optim", inner)]
+        stepped = [_local(p).numel() for o in locals_ for g in o.param_groups for p in g["params"] if p.requires_grad]
     grads = grad_elems * 4
     optimizer = optimizer_state_bytes(settings.optim, stepped)
-    whole = dp if not deepspeed and zero >= 2 else 1  # FSDP2's shards are local here; the rank computes with all
-    counts = {
-        "compute_params": sum(_local(p).numel() for p in params) * whole,
-        "trainable_params": trainable * whole,
-        "stepped_params": sum(stepped),
-    }
+    counts = rank_counts(module, params, trainable, stepped, dp if not deepspeed and zero >= 2 else 1, dims.ep)
     host = 0
     if settings.topology.cpu_offload:
         host, optimizer = optimizer, 0

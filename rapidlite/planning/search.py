@@ -152,7 +152,7 @@ def _open_choices(
         dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
         if not dp or heads % tp or pp > layers or global_batch % (micro * dp):
             continue
-        if ep > 1 and (dp % ep or experts % ep or tp > 1 or pp > 1 or strategy == "ZeRO-1"):
+        if ep > 1 and (dp % ep or experts % ep or tp > 1):
             continue  # what expert parallelism does not divide or combine with
         if dp * cp == 1 and strategy != "DDP":  # nothing to shard over
             continue
@@ -199,6 +199,8 @@ def _estimate(base: Any, settings: Any, profile: DeviceProfile, per_node: int) -
         compute_params=base.total_params // (tp * pp) - split_experts,
         trainable_params=trainable,
         stepped_params=trainable // (dp * topology.cp if zero >= 1 else 1),
+        expert_params=base.expert_params // topology.ep if topology.ep > 1 else 0,
+        trainable_expert_params=base.expert_params // topology.ep if topology.ep > 1 else 0,
     )
     return step_time(replace(base, settings=settings, ranks=[rank]), profile, per_node)
 

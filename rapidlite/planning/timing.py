@@ -30,7 +30,9 @@ A step is the sum of terms, each shown so a user sees what dominates:
   with the last micro-batch's backward pass but the last bucket (ZeRO-1 then all-gathers the updated
   parameters); FSDP2's ZeRO-2 gathers the parameters once per micro-batch and reduce-scatters the gradients,
   ZeRO-3 gathers them again for the backward pass; FSDP2's prefetching overlaps them with the compute, so only
-  what exceeds it is exposed.
+  what exceeds it is exposed. With expert parallelism a rank's own experts go over their ``edp`` ranks only
+  (``dp / ep``): under DDP and ZeRO-1 all-reduced in the optimizer step, after the backward pass, and not
+  gathered by ZeRO-1.
 - **optimizer**: the rank's stepped parameters at the profile's AdamW rate; with ``--cpu-offload`` on the host,
   plus the gradients' and parameters' trips over the host link.
 
@@ -228,19 +230,30 @@ def _data_parallel(
     micro-batch they can hide behind (0 where collectives take the compute's cores)."""
     if dp <= 1:
         return 0.0, 0.0
-    grads = r.trainable_params * 4  # fp32 gradients, reduced as they are kept
+    # With expert parallelism the rank's own experts are reduced (and gathered) over edp = dp / ep only.
+    edp = max(dp // dims.ep, 1)
+    expert_grads = getattr(r, "trainable_expert_params", 0) * 4
+    grads = r.trainable_params * 4 - expert_grads  # fp32 gradients, reduced as they are kept
+    expert_compute = getattr(r, "expert_params", 0)
     backward = per_micro * 2 / 3  # the last micro-batch's backward pass, which the reduction overlaps
     if dims.deepspeed or dims.zero_stage <= 1:
         total = all_reduce(grads, dp, *link)
-        after = all_gather(r.compute_params * 4, dp, *link) if dims.zero_stage == 1 else 0.0
+        # ZeRO-1 gathers the updated shared weights (the experts are each rank's own).
+        after = all_gather((r.compute_params - expert_compute) * 4, dp, *link) if dims.zero_stage == 1 else 0.0
         # The bucket holding the first layers' gradients is reduced after the backward pass ends.
         last_bucket = all_reduce(min(grads, DDP_BUCKET_BYTES), dp, *link)
         exposed = min(total, max(total - backward, last_bucket))
-        return exposed + after, total - exposed
-    gathered = r.compute_params * _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
-    gather = profile.all_gather_slowdown * all_gather(gathered, dp, *link)
+        # DDP leaves the experts out: they are averaged over edp in the optimizer step, after the backward pass.
+        experts = all_reduce(expert_grads, edp, *link) if expert_grads else 0.0
+        return exposed + after + experts, total - exposed
+    element = _ACT_BYTES.get(precision, 4)  # FSDP2 gathers in the compute dtype
+    gather = profile.all_gather_slowdown * (
+        all_gather((r.compute_params - expert_compute) * element, dp, *link)
+        + all_gather(expert_compute * element, edp, *link)
+    )
     gathers = (2 if dims.zero_stage == 3 else 1) * m * gather
-    total = gathers + profile.reduce_scatter_slowdown * all_gather(grads, dp, *link)  # the summed gradients
+    scatter = all_gather(grads, dp, *link) + all_gather(expert_grads, edp, *link)  # the summed gradients
+    total = gathers + profile.reduce_scatter_slowdown * scatter
     exposed = max(0.0, total - m * per_micro)
     return exposed, total - exposed
 
