@@ -128,6 +128,9 @@ LAYOUTS = {
                       "--zero-3-memory-optimization"],
     "cp2_tp2": ["--micro-batch-size", "4", "--nproc-per-node", "4", "--context-parallel-size", "2",
                 "--tensor-model-parallel-size", "2"],
+    # Each stage's attention over the 2 ranks of its sequence: 2 micro-batches of 4 through 2 stages.
+    "cp2_pp2_a2a": ["--micro-batch-size", "4", "--nproc-per-node", "4", "--context-parallel-size", "2",
+                "--pipeline-model-parallel-size", "2", "--cp-comm-type", "a2a", "--zero-2-memory-optimization"],
 }  # fmt: skip
 
 
@@ -144,11 +147,11 @@ def runs(tmp_path_factory, data):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["cp2_p2p", "cp2_a2a", "cp2_dp2_zero3", "cp2_tp2"])
+@pytest.mark.parametrize("layout", ["cp2_p2p", "cp2_a2a", "cp2_dp2_zero3", "cp2_tp2", "cp2_pp2_a2a"])
 def test_context_parallel_trains_like_one_process(runs, layout):
-    """The built-in GPT, each sequence split over 2 ranks (and with 2 data-parallel replicas under ZeRO-3, or 2
-    tensor-parallel shards, on 4 ranks): the same losses, gradient norms, evaluation and parameters as one
-    process."""
+    """The built-in GPT, each sequence split over 2 ranks (and with 2 data-parallel replicas under ZeRO-3, 2
+    tensor-parallel shards, or 2 pipeline stages under ZeRO-2, on 4 ranks): the same losses, gradient norms,
+    evaluation and parameters as one process."""
 
     reference, run = runs("single"), runs(layout)
     comm = "a2a" if "a2a" in layout else "p2p"
@@ -235,8 +238,6 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process(runs, data, tmp_pa
         (["--attention-dropout", "0.1"], "attention dropout 0.1 is not split over ranks; add --attention-dropout 0"),
         (["--num-attention-heads", "1", "--hidden-size", "32", "--cp-comm-type", "a2a"],
          "1 attention heads are not all divisible by 2; use --cp-comm-type p2p"),
-        (["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2"],
-         "with --pipeline-model-parallel-size: context parallelism does not combine with pipeline parallelism yet"),
         (["--nproc-per-node", "3"], "is not divisible by tensor x pipeline x context parallel size 1 x 1 x 2"),
     ],
 )  # fmt: skip
@@ -247,6 +248,16 @@ def test_what_context_parallelism_cannot_split_is_one_line(data, flags, message)
     proc = (rapidlite if launched else rapidlite_captured)(*argv)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_hugging_face_decoder_in_a_pipeline_is_refused(data, llama):
+    """The pipeline's stages pass the built-in GPT's documents (segment ids) on; a Hugging Face decoder's split is
+    not built: one line before any process starts."""
+    argv = [*COMMON, *llama, *data, *CP2, "--nproc-per-node", "4", "--pipeline-model-parallel-size", "2"]
+    proc = rapidlite_captured(*argv, "--train-iters", "1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--context-parallel-size 2 with --pipeline-model-parallel-size 2: built for the built-in GPT" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -295,4 +306,4 @@ def test_a_user_script_is_refused(tmp_path):
     proc = rapidlite_captured("--user-script", str(script), *CP2[2:])
     assert proc.returncode == 2, proc.stderr
     assert "--context-parallel-size is read by the tasks that cut sequences" in proc.stderr
-    assert "(causal_lm, dpo, kto, pretraining)" in proc.stderr
+    assert "(causal_lm, dpo, grpo, kto, pretraining, rloo)" in proc.stderr

@@ -86,6 +86,9 @@ LAYOUTS = {
     "lora_deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization", "--lora-rank", "4", "--lr", "1.0"],
     "mu2_one": ["--micro-batch-size", "4", "--num-iterations", "2", "--beta", "0.1"],
     "mu2_ddp": [*TWO, "--num-iterations", "2", "--beta", "0.1"],
+    # Each sequence split over the 2 ranks (ring attention), each rank sampling the whole batch.
+    "mu2_cp2": ["--micro-batch-size", "4", "--nproc-per-node", "2", "--context-parallel-size", "2",
+                "--num-iterations", "2", "--beta", "0.1"],
     "rloo_one": ["--micro-batch-size", "8"],
     "rloo_ddp": TWO,
 }  # fmt: skip
@@ -180,6 +183,15 @@ def test_two_iterations_a_rollout_with_a_reference_train_as_one_process(runs):
     assert_same_run(runs("mu2_ddp"), runs("mu2_one"))
     steps = [r for r in read_metrics(runs("mu2_one")) if "split" not in r and "loss" in r]
     assert all("kl" in r for r in steps) and steps[-1]["kl"] > 0
+
+
+@pytest.mark.distributed
+def test_context_parallelism_samples_whole_sequences_and_trains_their_shards_as_one_process(runs):
+    """CP2: both ranks sample the whole rollout with full attention (the same keys: the same completions), then
+    score and train each sequence split over them, the rollout policy's and the reference's log-probabilities
+    included; the losses, the KL and every metric are one process's."""
+    assert_same_run(runs("mu2_cp2"), runs("mu2_one"))
+    assert_same_metrics(runs("mu2_cp2"), runs("mu2_one"), ("kl", "grad_norm"), rel=1e-5, at_least=4)
 
 
 @pytest.mark.distributed

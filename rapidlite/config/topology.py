@@ -125,7 +125,6 @@ def check_context_parallel(
     flag = f"--context-parallel-size {cp}"
     others = [
         (topology.deepspeed, "--deepspeed", "DeepSpeed's engine"),
-        (topology.pp > 1, "--pipeline-model-parallel-size", "pipeline parallelism"),
         (topology.ep > 1, "--expert-model-parallel-size", "expert parallelism"),
         (sequence_parallel, "--sequence-parallel", "tensor parallelism's sequence split"),
     ]

@@ -17,6 +17,8 @@ document, on top of the causal mask.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,12 +83,15 @@ def split_output_logps(
     group: Any,
     chunked: bool,
     stats: bool = False,
+    temperature: float = 1.0,
 ) -> Any:
-    """``output_logps(model, inputs, labels, shift=True[, stats])`` of right-padded (or packed) rows, computed on
-    this rank's shard of each and gathered whole ``[rows, length]``: position t scores label t+1. The gather's
-    backward sums every rank's gradient of its shard, so a loss every rank of ``group`` computes alike from the
-    whole log-probabilities (a preference pair's sums) trains as one process once the replicas' averaging
-    (over dp x cp) divides it. ``stats`` (entropy, mean logit: no gradient) are gathered the same way."""
+    """``output_logps(model, inputs, labels, shift=True[, stats, temperature])`` of right-padded (or packed) rows,
+    computed on this rank's shard of each and gathered whole ``[rows, length]``: position t scores label t+1. The
+    gather's backward sums every rank's gradient of its shard, so a loss every rank of ``group`` computes alike
+    from the whole log-probabilities (a preference pair's sums) trains as one process once the replicas'
+    averaging (over dp x cp) divides it. ``stats`` (entropy, mean logit: no gradient) are gathered the same way.
+    Rows whose ``position_ids`` restart at 0 (packed rows, or left padding: each padding token a document of its
+    own) keep attention inside each document."""
     from torch.distributed.nn.functional import all_gather
 
     from rapidlite.models.head import output_logps
@@ -96,7 +101,15 @@ def split_output_logps(
     if "position_ids" in inputs:
         batch["position_ids"] = inputs["position_ids"]
     local, targets = shard_causal_batch(batch, cp, rank, pad_token_id=0)  # padding is never a target
-    out = output_logps(model, {**local, "use_cache": False}, targets, shift=False, chunked=chunked, stats=stats)
+    out = output_logps(
+        model,
+        {**local, "use_cache": False},
+        targets,
+        shift=False,
+        chunked=chunked,
+        stats=stats,
+        temperature=temperature,
+    )
     per_token, found = out if stats else (out, None)
     whole = unshard(list(all_gather(per_token.contiguous(), group=group)))[:, : labels.shape[1]]
     if not stats:
@@ -117,10 +130,12 @@ HF_ATTENTION = "rapidlite_context_parallel"
 @dataclass(frozen=True)
 class ContextParallel:
     """The attention of one context-parallel group, as the models call it: ``cp(q, k, v, causal, segment_ids,
-    scale)`` on the rank's shard (SDPA's layout, ``[b, heads, s_local, d]``)."""
+    scale)`` on the rank's shard (SDPA's layout, ``[b, heads, s_local, d]``). ``previous_attention``: a Hugging
+    Face model's attention implementation before (``whole_sequences`` puts it back for a while)."""
 
     group: Any
     comm_type: str
+    previous_attention: str | None = None
 
     @property
     def size(self) -> int:
@@ -146,8 +161,8 @@ def apply_context_parallel(model: torch.nn.Module, group: Any, comm_type: str) -
     """Route ``model``'s attention through context parallelism over ``group``: the built-in GPT's attention
     modules and a Hugging Face decoder's (through transformers' ``AttentionInterface``) call ``ContextParallel``
     on their shard. A model whose attention neither takes is refused with one line naming it."""
-    cp = ContextParallel(group, comm_type)
     hf = getattr(model, "config", None) is not None and hasattr(model, "set_attn_implementation")
+    cp = ContextParallel(group, comm_type, getattr(model.config, "_attn_implementation", None) if hf else None)
     targets = [m for m in model.modules() if hasattr(m, "context_parallel")]  # the built-in GPT's attention
     if hf:
         targets = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling")]
@@ -176,6 +191,28 @@ def apply_context_parallel(model: torch.nn.Module, group: Any, comm_type: str) -
         AttentionInterface.register(HF_ATTENTION, hf_attention)
         model.set_attn_implementation(HF_ATTENTION)  # no mask is built for it: the shards' mask is implicit
     return cp
+
+
+@contextlib.contextmanager
+def whole_sequences(model: torch.nn.Module) -> Iterator[None]:
+    """Around forwards of whole sequences that every rank of the group runs alike (sampling a rollout): the model's
+    attention as it was before ``apply_context_parallel``; nothing to do for a model it was not applied to."""
+    targets = [m for m in model.modules() if getattr(m, "context_parallel", None) is not None]
+    if not targets:
+        yield
+        return
+    cp = targets[0].context_parallel
+    for module in targets:
+        module.context_parallel = None
+    if cp.previous_attention is not None:
+        model.set_attn_implementation(cp.previous_attention)
+    try:
+        yield
+    finally:
+        for module in targets:
+            module.context_parallel = cp
+        if cp.previous_attention is not None:
+            model.set_attn_implementation(HF_ATTENTION)
 
 
 def hf_attention(

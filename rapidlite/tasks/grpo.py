@@ -31,8 +31,8 @@ from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.generation.rollout import completion_metrics, rollout_batch
 from rapidlite.generation.sampling import SamplingSettings, completion_key, sample
 from rapidlite.generation.vllm import sync_weights
-from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_tokenizer
+from rapidlite.parallel.context_parallel import whole_sequences
 from rapidlite.tasks.causal_lm import choose_pad
 from rapidlite.tasks.dpo import DPOFinetuner
 from rapidlite.tasks.grpo_spec import RolloutOptions, online_reference
@@ -41,6 +41,7 @@ from rapidlite.tasks.rl_losses import ClipSettings, group_advantages, loss_numer
 from rapidlite.tasks.rollout_state import (
     Rollout,
     as_reward_functions,
+    completion_logps,
     completion_row,
     gather_ids,
     real_tokens,
@@ -210,7 +211,9 @@ class GRPOFinetuner(DPOFinetuner):
         module.eval()
         eos = self.eos_token_ids()
         try:
-            with strategy.gathered_for_generation(self.model), torch.no_grad(), self.engine.autocast():
+            # Under context parallelism each rank of the group samples the same whole sequences (the same keys).
+            gathered = strategy.gathered_for_generation(self.model)
+            with gathered, whole_sequences(module), torch.no_grad(), self.engine.autocast():
                 out = sample(
                     module, [p.ids for p in prompts], keys, self.sampling, eos, self.pad_id,
                     all_finished=self.all_finished,
@@ -371,18 +374,8 @@ class GRPOFinetuner(DPOFinetuner):
     # ------------------------------------------------------------------ forward
     def completion_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each completion token's log-probability ``[B, C]`` at the sampling temperature, and its entropy."""
-        width = batch["completion_mask"].shape[1]
-        prompt_width = batch["input_ids"].shape[1] - width
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        labels[:, :prompt_width] = -100
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-        logps, (entropy, _) = output_logps(
-            model, {**inputs, "use_cache": False}, labels, shift=True, chunked=self.settings.model.chunked_loss,
-            stats=True, temperature=self.settings.task_options.temperature,
-        )  # fmt: skip
-        # With shift, position t scores token t + 1: the completion's tokens are scored one position earlier.
-        span = slice(prompt_width - 1, prompt_width - 1 + width)
-        return logps[:, span], entropy[:, span]
+        chunked, temperature = self.settings.model.chunked_loss, self.settings.task_options.temperature
+        return completion_logps(model, batch, chunked, temperature, self.engine.dist.cp_group)
 
     def reference_completion_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.ref_model is not None:

@@ -142,6 +142,11 @@ def check_rollout(settings: Sections, task: str) -> None:
     if not 0 < o.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"--vllm-gpu-memory-utilization {o.vllm_gpu_memory_utilization}: must be in (0, 1]")
     if o.use_vllm:
+        if settings.topology.cp > 1:
+            raise ConfigError(
+                f"--use-vllm with --context-parallel-size {settings.topology.cp}: not built; sample with the "
+                "training model (drop --use-vllm), which samples whole sequences and trains their shards"
+            )
         check_vllm()
 
 
@@ -190,6 +195,8 @@ def online_rl_task(**own: Any) -> TaskSpec:
         generation=generation,
         ignored=IGNORED,
         chunked_loss="tokens",
+        # The training step's and the scoring's forwards split each sequence; the rollout samples it whole.
+        context_parallel=True,
         **own,
     )
 

@@ -88,6 +88,12 @@ def check_context_parallel(settings: Sections, model: str | None) -> None:
     flag = f"--context-parallel-size {cp}"
     if model_family(model) == "bert":
         raise ConfigError(f"{flag}: BERT is an encoder; context parallelism splits decoders' causal attention")
+    pp = settings.topology.pp
+    if model is not None and pp > 1:
+        raise ConfigError(
+            f"{flag} with --pipeline-model-parallel-size {pp}: built for the built-in GPT; split a Hugging Face "
+            "decoder's sequences with data or tensor parallelism around it, or drop one of the two"
+        )
     if model is None:
         dropout = settings.model.attention_dropout
         if dropout is None or dropout > 0:

@@ -18,6 +18,34 @@ from rapidlite.generation.rollout import RolloutBatch
 from rapidlite.tasks.rewards import RewardFunction, load_reward_functions
 
 
+def completion_logps(
+    model: Any, batch: dict[str, torch.Tensor], chunked: bool, temperature: float, cp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability ``[B, C]`` in a rollout batch (``batch_of``: left-padded prompts,
+    right-padded completions) at the sampling ``temperature``, and its entropy. Under context parallelism
+    (``cp_group``) each rank scores its shard of every row and the values are gathered whole; the left padding
+    restarts the positions, so no real token attends it there either."""
+    from rapidlite.models.head import output_logps
+    from rapidlite.parallel.context_parallel import split_output_logps
+
+    width = batch["completion_mask"].shape[1]
+    prompt_width = batch["input_ids"].shape[1] - width
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[:, :prompt_width] = -100
+    if cp_group is not None:
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        logps, (entropy, _) = split_output_logps(model, inputs, labels, cp_group, chunked, True, temperature)
+    else:
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        logps, (entropy, _) = output_logps(
+            model, {**inputs, "use_cache": False}, labels, shift=True, chunked=chunked, stats=True,
+            temperature=temperature,
+        )  # fmt: skip
+    # With shift, position t scores token t + 1: the completion's tokens are scored one position earlier.
+    span = slice(prompt_width - 1, prompt_width - 1 + width)
+    return logps[:, span], entropy[:, span]
+
+
 @dataclass
 class Rollout:
     """One rollout, whole (every rank holds all of it): per completion its prompt and completion tokens, advantage

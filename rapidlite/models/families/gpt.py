@@ -132,7 +132,7 @@ class GPTSplit:
         return getattr(getattr(stage, "embedding", None), "word_embeddings", None)
 
     def bind(self, model: nn.Module, args: tuple, kwargs: dict) -> Call:
-        names = ("input_ids", "position_ids", "attention_mask", "labels", "loss_mask")
+        names = ("input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "segment_ids")
         values = bind_call(GPTModel.forward.__get__(model), args, kwargs, names, self.name)
         input_ids = values["input_ids"]
         b, s = input_ids.shape
@@ -148,16 +148,19 @@ class GPTSplit:
         labels = values["labels"]
         loss = {"labels": labels, "loss_mask": values["loss_mask"], "per_token": model.per_token_loss}
         loss["chunked"] = chunks_loss(model.output, labels, model.chunked_loss)  # read on the last stage
-        return Call(input_ids, {"position_ids": position_ids, "attention_mask": mask}, loss)
+        # Under context parallelism each stage's attention reads the shard's documents (``segment_ids``).
+        stage = {"position_ids": position_ids, "attention_mask": mask, "segment_ids": values["segment_ids"]}
+        return Call(input_ids, stage, loss)
 
     def run(self, stage: nn.Module, x: torch.Tensor, call: Call) -> torch.Tensor:
         c = stage.config
         position_ids, mask = call.stage_kwargs["position_ids"], call.stage_kwargs["attention_mask"]
+        segment_ids = call.stage_kwargs["segment_ids"]
         if stage.first:
             x = stage.embedding(x, position_ids)
         rope = rope_angles(position_ids, c.head_dim, c.rotary_base) if c.position_embedding_type == "rope" else None
         for layer in stage.layers.values():
-            x = layer(x, rope, mask)
+            x = layer(x, rope, mask, segment_ids)
         if not stage.last:
             return x
         hidden, loss = stage.final_norm(x), call.loss_kwargs
