@@ -276,6 +276,12 @@ def test_precomputed_reference_trains_as_the_live_one(runs):
     _assert_same_run(runs("precomputed", "--micro-batch-size", "8", "--precompute-ref-logprobs"), runs("one"))
 
 
+def test_padding_free_trains_as_the_padded_rows(runs):
+    """``--padding-free``: each micro-batch's completions packed into one row and its KL sequences into another,
+    kept apart by their restarting positions: the same losses and metrics as the padded rows."""
+    _assert_same_run(runs("padding_free", "--padding-free"), runs("one"))
+
+
 TWO_RANKS = {
     "ddp": [],
     "zero3_offload": ["--zero-3-memory-optimization", "--cpu-offload"],

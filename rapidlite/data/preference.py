@@ -451,14 +451,25 @@ class UnpairedCollator:
     """Batches of KTO samples, TRL's ``DataCollatorForUnpairedPreference``: ``input_ids``, ``attention_mask``,
     ``labels`` ``[batch, length]`` of prompt + completion, each cut to ``max_length`` then right-padded (labels -100
     outside the completion); ``label`` ``[batch]`` (desirable); the same three as ``kl_*`` for the KL sequences (each
-    prompt with its ``kl_completion_ids``); ``ref_logps`` ``[batch, 2]`` (completion, KL) when precomputed."""
+    prompt with its ``kl_completion_ids``); ``ref_logps`` ``[batch, 2]`` (completion, KL) when precomputed.
+    ``padding_free``: the completions packed into one row and the KL sequences into another (``input_ids``,
+    ``labels``, ``position_ids`` restarting at each; ``kl_*`` the same), ``sequences_per_sample`` 1."""
 
-    def __init__(self, pad_token_id: int, max_length: int) -> None:
+    def __init__(self, pad_token_id: int, max_length: int, packed: bool = False) -> None:
         self.pad_token_id = pad_token_id
         self.max_length = max_length
+        self.packed = packed
+
+    def padding_free(self) -> UnpairedCollator:
+        """The packing twin of this collator (``--padding-free``): the trainer asks for it."""
+        twin = copy.copy(self)
+        twin.packed = True
+        return twin
 
     def _pad(self, seqs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
         seqs = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in seqs]
+        if self.packed:  # each sequence's first label -100: the one before it must not learn to predict it
+            return flatten_rows([{"input_ids": ids, "labels": labels} for ids, labels in seqs], shift_labels=True)
         length = max(len(ids) for ids, _ in seqs)
         out = {
             "input_ids": torch.full((len(seqs), length), self.pad_token_id, dtype=torch.int64),
@@ -477,6 +488,8 @@ class UnpairedCollator:
             kl = self._pad([_sequences(s, ("kl_completion_ids",))[0] for s in samples])
             batch.update({f"kl_{k}": v for k, v in kl.items()})
         batch["label"] = torch.tensor([bool(s["label"]) for s in samples])
+        if self.packed:
+            batch["sequences_per_sample"] = torch.tensor(1)
         if "ref_logps" in samples[0]:
             batch["ref_logps"] = torch.tensor([s["ref_logps"] for s in samples], dtype=torch.float32)
         return batch

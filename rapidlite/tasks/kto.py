@@ -130,13 +130,19 @@ class KTOFinetuner(DPOFinetuner):
         chunked output layer where it serves the model (``output_logps``)."""
         ids, labels = batch[f"{prefix}input_ids"], batch[f"{prefix}labels"]
         chunked, group = self.settings.model.chunked_loss, self.engine.dist.cp_group
-        if group is not None:  # each rank's shard of every (right-padded) row, gathered whole
+        positions = batch.get(f"{prefix}position_ids")
+        rows = len(batch["label"])
+        if positions is not None:  # --padding-free: one row, each sequence kept apart by its restarting positions
+            inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
+            out = output_logps(model, inputs, labels, shift=True, chunked=chunked, stats=stats)
+            segments = (positions == 0).long().cumsum(-1) - 1
+        elif group is not None:  # each rank's shard of every (right-padded) row, gathered whole
             out = split_output_logps(model, {"input_ids": ids}, labels, group, chunked, stats=stats)
+            segments = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
         else:
             inputs = {"input_ids": ids, "attention_mask": batch[f"{prefix}attention_mask"], "use_cache": False}
             out = output_logps(model, inputs, labels, shift=True, chunked=chunked, stats=stats)
-        rows = ids.shape[0]
-        segments = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
+            segments = torch.arange(rows, device=ids.device)[:, None].expand_as(ids)
         logps, tokens = sequence_sums(out[0] if stats else out, labels, segments, rows)
         if not stats:
             return logps, tokens

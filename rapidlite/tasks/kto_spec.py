@@ -31,10 +31,6 @@ def check(settings: Sections) -> None:
     for name, value in dataclasses.asdict(settings.task_options).items():  # beta and the two weights
         if value <= 0:
             raise ConfigError(f"{option(name)} {value}: must be positive")
-    if settings.data.padding_free:
-        raise ConfigError(
-            "--padding-free: --task kto runs each completion and its KL sequence as padded rows; drop --padding-free"
-        )
     check_split_sequences(settings)
     if settings.data.group_by_length:
         raise ConfigError(
