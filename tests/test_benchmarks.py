@@ -129,6 +129,19 @@ def test_step_time_benchmark_quick():
     assert "Mixtral 8x7B" in rows[2] and abs(float(rows[2].split("|")[5]) - 1) <= 0.25
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dry_run_sweep_quick():
+    """Six small configurations drawn at random (task, shape, layout, options), each planned and then trained: a
+    row each and the distribution; a run that fails (not a one-line refusal) fails the script. The targets are
+    the full sweep's (docs/guides/dry-run.md)."""
+    proc = run_quick("dry_run_sweep.py", timeout=900)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 6, proc.stdout
+    assert all(0.5 < float(row.split("|")[-2]) < 2 for row in rows), proc.stdout
+    assert "6 configurations:" in proc.stdout and "median" in proc.stdout
+
+
 def test_checkpoint_hashing_benchmark_quick():
     proc = run_quick("checkpoint_hashing.py", timeout=300)
     for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):
