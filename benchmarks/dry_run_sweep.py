@@ -163,27 +163,6 @@ def _rows(task: str, rng: random.Random, words: list[str], n: int, seq: int) -> 
     return rows
 
 
-def _tokenizer(directory: Path, words: list[str], bert: bool):
-    """A word-level tokenizer over ``words``: BERT's special tokens and template, or a causal model's."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if bert else ["<pad>", "<unk>", "<s>", "</s>"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token=specials[1]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if bert:
-        tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-        )
-        names = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
-        names["mask_token"] = "[MASK]"
-    else:
-        names = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=2048, **names)
-    wrapped.save_pretrained(directory)
-    return wrapped
-
-
 def _model(directory: Path, config: Config) -> str:
     """A tokenizer over the configuration's vocabulary and its model, saved in ``directory``."""
     from transformers import (
@@ -195,7 +174,9 @@ def _model(directory: Path, config: Config) -> str:
         T5ForConditionalGeneration,
     )
 
-    tok = _tokenizer(directory, _words(config.vocab), config.family == "bert")
+    from helpers import word_tokenizer
+
+    tok = word_tokenizer(directory, _words(config.vocab), config.family == "bert")
     h, n, k = config.hidden, config.layers, config.heads
     ids = {"pad_token_id": tok.pad_token_id}
     if config.family == "bert":

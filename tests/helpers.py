@@ -289,6 +289,28 @@ def bert_run_args(root, num_layers=2, vocab_size=None):
     ]  # fmt: skip
 
 
+def word_tokenizer(directory, words, bert: bool, model_max_length: int = 2048):
+    """A word-level tokenizer over ``words``, saved in ``directory``: BERT's special tokens and template
+    (``bert``), or a causal model's (pad, unk, bos, eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if bert else ["<pad>", "<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token=specials[1]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bert:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
+        names = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
+        names["mask_token"] = "[MASK]"
+    else:
+        names = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length, **names)
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
 def write_jsonl(directory, split, rows):
     """``directory/{split}.jsonl``, one row a line (the directory made); returns the directory."""
     directory = Path(directory)

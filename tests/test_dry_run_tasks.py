@@ -13,7 +13,7 @@ import re
 import pytest
 from test_dry_run import plans
 
-from helpers import rapidlite, write_jsonl, write_tiny_corpus
+from helpers import rapidlite, word_tokenizer, write_jsonl, write_tiny_corpus
 
 WORDS = [f"w{i}" for i in range(8300)]
 SEQ, HIDDEN = 256, 384
@@ -33,28 +33,6 @@ RUN = [
 COMMON = ["--seq-length", str(SEQ), *RUN]
 
 
-def _tokenizer(directory, style):
-    """A word-level tokenizer over ``WORDS``: BERT's special tokens and template, or a causal model's."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if style == "bert" else ["<pad>", "<unk>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate([*specials, *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[1]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    if style == "bert":
-        tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-        )
-        names = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
-        names["mask_token"] = "[MASK]"
-    else:
-        names = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=1024, **names)
-    wrapped.save_pretrained(directory)
-    return wrapped
-
-
 def _model(directory, family, **extra):
     from transformers import (
         BertConfig,
@@ -67,7 +45,7 @@ def _model(directory, family, **extra):
         T5ForConditionalGeneration,
     )
 
-    tok = _tokenizer(directory, "bert" if family == "bert" else "causal")
+    tok = word_tokenizer(directory, WORDS, family == "bert", model_max_length=1024)
     ids = {"pad_token_id": tok.pad_token_id}
     if family == "bert":
         model = BertForMaskedLM(BertConfig(vocab_size=len(tok), max_position_embeddings=512, **BERT, **ids, **extra))
