@@ -232,9 +232,9 @@ def _data_parallel(
         return 0.0, 0.0
     # With expert parallelism the rank's own experts are reduced (and gathered) over edp = dp / ep only.
     edp = max(dp // dims.ep, 1)
-    expert_grads = getattr(r, "trainable_expert_params", 0) * 4
+    expert_grads = r.trainable_expert_params * 4
     grads = r.trainable_params * 4 - expert_grads  # fp32 gradients, reduced as they are kept
-    expert_compute = getattr(r, "expert_params", 0)
+    expert_compute = r.expert_params
     backward = per_micro * 2 / 3  # the last micro-batch's backward pass, which the reduction overlaps
     if dims.deepspeed or dims.zero_stage <= 1:
         total = all_reduce(grads, dp, *link)
