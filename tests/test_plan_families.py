@@ -8,9 +8,9 @@ import random
 
 import pytest
 from test_dry_run import plans
-from test_dry_run_tasks import _rows, _tokenizer
+from test_dry_run_tasks import WORDS, _rows
 
-from helpers import write_jsonl
+from helpers import word_tokenizer, write_jsonl
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 DECODER = {**SIZES, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -79,7 +79,10 @@ def _model_dir(root, model_type, index, tokenizers):
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    tokenizers = {style: _tokenizer(root / f"tokenizer-{style}", style) for style in ("bert", "causal")}
+    tokenizers = {
+        style: word_tokenizer(root / f"tokenizer-{style}", WORDS, style == "bert", model_max_length=1024)
+        for style in ("bert", "causal")
+    }
     (root / "reward.py").write_text(REWARD)
     rng, data, argvs = random.Random(0), {}, {}
     for task in {*DECODER_TASKS, *ENCODER_TASKS}:
