@@ -191,9 +191,24 @@ def run_tokenizer(settings: Sections) -> Any:
         if settings.data.tokenizer_type is not None:
             return tokenizer_of(settings).hf_tokenizer()
         name = settings.model.pretrained_model_name_or_path
+        if name and _vision(name):  # a vision-language model is exported with its processor
+            from rapidlite.models.vision import load_processor
+
+            return load_processor(name)
         return load_tokenizer(name) if name else None
     except RapidliteError:
         return None
+
+
+def _vision(name: str) -> bool:
+    from transformers import AutoConfig
+
+    from rapidlite.models.vision import is_vision_config
+
+    try:
+        return is_vision_config(AutoConfig.from_pretrained(name))
+    except (OSError, ValueError):
+        return False
 
 
 def probe_ids(model: torch.nn.Module) -> torch.Tensor:

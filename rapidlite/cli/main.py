@@ -140,7 +140,7 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
 
     task = get_task(config.task)
     if config.demo:
-        task.demo_run().prepare()  # after every check, before any worker starts (workers find it done)
+        task.demo_run(config.demo).prepare()  # after every check, before any worker starts (workers find it done)
     if config.dry_run:
         return dry_run(config, argv)
     code = launch_or_join(config.sections.parallel, "rapidlite", argv, module=True, warm=lambda: _warm(config, task))

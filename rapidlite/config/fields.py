@@ -30,6 +30,7 @@ class FlagSpec:
     metavar: str | None = None
     negatable: bool = False
     group: str | None = None
+    const: Any = None  # the flag may stand without a value, which then is this
 
 
 def flag(
@@ -42,10 +43,11 @@ def flag(
     metavar: str | None = None,
     negatable: bool = False,
     group: str | None = None,
+    const: Any = None,
 ) -> Any:
     """A settings field that is a flag. ``type``: a converter where the annotation's is not enough (a
     comma-separated list); ``group``: its ``--help`` group when not its section's."""
-    spec = FlagSpec(help, aliases, type, choices, metavar, negatable, group)
+    spec = FlagSpec(help, aliases, type, choices, metavar, negatable, group, const)
     return dataclasses.field(default=default, metadata={"flag": spec})
 
 
@@ -92,6 +94,8 @@ def argparse_kwargs(f: dataclasses.Field, spec: FlagSpec, annotation: Any) -> di
             kwargs["type"] = converter
         if spec.choices is not None:
             kwargs["choices"] = spec.choices
+        if spec.const is not None:
+            kwargs["nargs"], kwargs["const"] = "?", spec.const
         if spec.metavar is not None:
             kwargs["metavar"] = spec.metavar
     if spec.help is not None:

@@ -134,6 +134,8 @@ def _tokens(option: str, action: argparse.Action, value: Any, where: str, key: s
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key}: is a switch: expects true or false, got {value!r}")
         return [option] if value else []
+    if action.nargs == "?" and action.const is not None and isinstance(value, bool):  # demo: true, or a name
+        return [option] if value else []
     if isinstance(action, argparse._CountAction):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{where}: {key}: expects a count (0, 1, 2, ...), got {value!r}")

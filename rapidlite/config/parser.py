@@ -35,6 +35,7 @@ GROUPS: dict[str, str | None] = {
     sections.LORA: None,
     sections.PREFERENCE: None,
     sections.MOE: None,
+    sections.IMAGES: None,
     sections.DATA: None,
     sections.CHECKPOINTS_AND_LOGGING: None,
     sections.DISTRIBUTED: None,

@@ -29,6 +29,8 @@ DEEPSPEED = "DeepSpeed backend (pip install 'rapidlite[deepspeed]')"
 LORA = "LoRA and quantisation (peft; 4-bit/8-bit: pip install 'rapidlite[quant]')"
 PREFERENCE = "preference training (dpo, kto)"
 MOE = "mixture of experts"
+DEFAULT_DEMO = "default"  # --demo without a name: the task's own
+IMAGES = "images (vision-language models: causal_lm and dpo on data with images)"
 DATA = "data"
 CHECKPOINTS_AND_LOGGING = "checkpoints, logging and evaluation"
 DISTRIBUTED = "distributed"
@@ -87,8 +89,13 @@ class TaskConfig:
     user_script: str | None = flag(
         None, "run a user's Finetuner/PreTrainer script (white box)", metavar="PATH", group=TASK_AND_MODEL
     )
-    demo: bool = flag(
-        False, "run the task on an embedded offline default (tiny model and generated data)", group=TASK_AND_MODEL
+    demo: str | None = flag(
+        None,
+        "run the task on an embedded offline default (tiny model and generated data); a NAME picks another of the "
+        "task's demos (--task causal_lm --demo vision)",
+        const=DEFAULT_DEMO,
+        metavar="NAME",
+        group=TASK_AND_MODEL,
     )
     demo_defaults: frozenset[str] = derived(frozenset(), "the flags whose values the embedded demo chose")
     prompt_template: str = flag(

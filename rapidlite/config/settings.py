@@ -20,6 +20,7 @@ from rapidlite.config.sections import (
 )
 from rapidlite.config.tasks import find_task, registered, task_options
 from rapidlite.config.topology import Batching, Topology
+from rapidlite.config.vision import VisionConfig
 
 SECTIONS: tuple[type, ...] = (
     TaskConfig,
@@ -34,6 +35,7 @@ SECTIONS: tuple[type, ...] = (
     LoraConfig,
     PreferenceConfig,
     MoEConfig,
+    VisionConfig,
 )
 
 
@@ -50,6 +52,7 @@ SECTION_NAMES = (
     "lora",
     "preference",
     "moe",
+    "vision",
 )
 
 
@@ -69,6 +72,7 @@ class Sections:
     lora: LoraConfig
     preference: PreferenceConfig
     moe: MoEConfig
+    vision: VisionConfig
     # The running task's own options (its TaskSpec.options, e.g. QuestionAnsweringOptions); None for a task
     # without options of its own, or a user script.
     task_options: Any = None

@@ -60,6 +60,8 @@ class TaskSpec:
     pipeline: bool = False  # pipeline parallelism is supported (fixed-length samples)
     demo: str | None = None  # "module:function" returning the Demo of the embedded offline run
     demo_without_data: bool = False  # the embedded run also starts when --data-path is absent
+    # More embedded runs, by the name --demo NAME gives: "module:function" each, as demo.
+    named_demos: Mapping[str, str] = field(default_factory=dict)
     # The task's values of flags left unset, by destination: each a value or a function of the otherwise
     # resolved settings (Sections), applied by resolve.
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -71,6 +73,9 @@ class TaskSpec:
     # pretraining does), which the planner builds on the meta device.
     auto_class: str | None = None
     auto_class_by_model_type: Mapping[str, str] = field(default_factory=dict)
+    # Data with images makes the run a vision-language one: a vision-language config's model is then built with
+    # AutoModelForImageTextToText (rapidlite.tasks.vision_language).
+    images: bool = False
     inputs_per_sample: int = 1  # sequences one sample feeds the model (a multiple-choice question: one a choice)
     # The model is built from a config and trained from scratch (weights only with --load-pretrained-weights): the
     # size flags reshape the config, the position table grows to --seq-length; without a model name, the built-in GPT.
@@ -105,11 +110,16 @@ class TaskSpec:
         """The trainer class for the resolved settings (``Sections``; the table imports nothing above it)."""
         return _import(self.trainer)(settings)
 
-    def demo_run(self) -> Demo:
-        """The embedded offline run (torch-free: nothing is built until ``prepare``)."""
-        if self.demo is None:
-            raise ConfigError(f"--task {self.name} has no embedded demo; give its data and model flags")
-        return _import(self.demo)()
+    def demo_run(self, name: Any = None) -> Demo:
+        """The embedded offline run ``--demo NAME`` picks (torch-free: nothing is built until ``prepare``)."""
+        if name in (None, True, "default"):
+            if self.demo is None:
+                raise ConfigError(f"--task {self.name} has no embedded demo; give its data and model flags")
+            return _import(self.demo)()
+        if name not in self.named_demos:
+            known = ", ".join(["default", *self.named_demos]) if self.demo is not None else "none"
+            raise ConfigError(f"--demo {name}: --task {self.name} has no such demo; its demos: {known}")
+        return _import(self.named_demos[name])()
 
     def option_names(self) -> tuple[str, ...]:
         """The destinations of the task's own flags."""

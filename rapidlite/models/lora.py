@@ -270,6 +270,9 @@ def target_modules(model: nn.Module, settings: LoraConfig) -> list[str]:
     if ALL_LINEAR in requested:
         return [n for n in linears if n not in heads]
     chosen = [n for n in linears if n.rsplit(".", 1)[-1] in requested or n in requested]
+    vision = spec_of(model).vision
+    if vision is not None and defaulted:  # the family's default adapts the language model, not the image encoder
+        chosen = [n for n in chosen if vision.part(n) == "language"]
     missing = [r for r in requested if not any(n.rsplit(".", 1)[-1] == r or n == r for n in linears)]
     if missing and not defaulted:
         raise ConfigError(

@@ -133,6 +133,30 @@ class MoELayout:
 
 
 @dataclass(frozen=True)
+class VisionLayout:
+    """Where a vision-language family keeps its parts, as qualified module names: the vision ``tower`` (the
+    image encoder), the ``projector`` into the language model's embeddings (a module, or parameters such as
+    LLaVA-NeXT's ``image_newline``) and the ``language_model`` (its blocks are the family's ``blocks``).
+    ``projector_inside_tower``: the projector is a child of the tower (Qwen2-VL's ``visual.merger``), so the
+    tower's parameters are those under ``tower`` outside ``projector``."""
+
+    tower: str
+    projector: tuple[str, ...]
+    language_model: str
+    projector_inside_tower: bool = False
+
+    def part(self, name: str) -> str:
+        """``tower``, ``projector`` or ``language`` (the language model and the output head): the part a
+        parameter of the model (qualified name, a peft wrapper's prefix allowed) belongs to."""
+        dotted = f".{name}"
+        if any(f".{p}." in dotted or dotted.endswith(f".{p}") for p in self.projector):
+            return "projector"
+        if f".{self.tower}." in dotted:
+            return "tower"
+        return "language"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family.
 
@@ -147,6 +171,8 @@ class ModelSpec:
     - ``save``: writes the model's full weights as a Hugging Face model directory, for the export
       (``save(model, state_dict, directory)``); None: the model's own ``save_pretrained`` does.
     - ``moe``: where a mixture-of-experts family keeps its router and experts (None: a dense family).
+    - ``vision``: where a vision-language family keeps its image encoder, projector and language model (None:
+      a text-only family).
     """
 
     family: str
@@ -162,6 +188,7 @@ class ModelSpec:
     lora_targets: tuple[str, ...] = ()
     save: Callable[[nn.Module, dict[str, Any], str], None] | None = None
     moe: MoELayout | None = None
+    vision: VisionLayout | None = None
 
     def layers_and_hidden(self, config: Any) -> tuple[int | None, int | None]:
         """(layers, hidden size) of the FLOPs formula's attention term, from a model's config (None where the

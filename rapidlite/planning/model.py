@@ -25,6 +25,8 @@ def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
     """The class the task builds from ``config`` (its ``TaskSpec``), else the config's own architecture."""
     import transformers
 
+    if spec is not None and spec.images and getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
     name = spec.model_class_name(getattr(config, "model_type", None)) if spec is not None else None
     if name is not None:
         return getattr(transformers, name)

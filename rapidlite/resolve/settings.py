@@ -206,7 +206,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
     task = get_task(namespace.task)
     if not (namespace.demo or (task.demo_without_data and namespace.data_path is None)):
         return namespace
-    demo = task.demo_run()
+    demo = task.demo_run(namespace.demo)
     args = argparse.Namespace(**vars(namespace))
     given = args.explicit_flags
     for dest, value in demo.defaults.items():
@@ -220,7 +220,7 @@ def with_embedded_demo(namespace: argparse.Namespace) -> argparse.Namespace:
         args.explicit_flags = given | frozenset(demo.defaults) | frozenset(demo.assets)
         if given & {"train_iters", "train_samples", "train_tokens", "epochs"} and "time_budget" not in given:
             args.time_budget = None  # the demo's budget gives way to the length asked for
-    args.demo = True
+    args.demo = namespace.demo if isinstance(namespace.demo, str) else "default"
     return args
 
 

@@ -27,6 +27,7 @@ from rapidlite.data.instruction import (
 from rapidlite.data.packing import Packer
 from rapidlite.data.streaming import TokenStream, Unpacked, first_row, stream_source, validation_rows
 from rapidlite.data.tabular import load_raw_datasets
+from rapidlite.data.vision import has_images
 from rapidlite.errors import ConfigError
 from rapidlite.models import lora
 from rapidlite.models.head import output_logps
@@ -34,6 +35,7 @@ from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, posit
 from rapidlite.models.padding_free import POSITIONS, TOKEN, PackedPlan, packs_exactly
 from rapidlite.observe.progress import hf_datasets_progress
 from rapidlite.parallel.context_parallel import shard_causal_batch
+from rapidlite.tasks.vision_language import VisionLanguage, data_has_images
 from rapidlite.trainer import Finetuner
 from rapidlite.trainer.base import perplexity
 
@@ -115,7 +117,7 @@ def _strip_end(text: str) -> str:
     return text.split(_CHATML_END)[0].strip()
 
 
-class CausalLMFinetuner(Finetuner):
+class CausalLMFinetuner(VisionLanguage, Finetuner):
     """Supervised fine-tuning of a causal language model; the loss trains the labelled (response) tokens."""
 
     task_name = "causal_lm"  # whose TaskSpec gives the default sequence length
@@ -131,7 +133,7 @@ class CausalLMFinetuner(Finetuner):
         )
         has_tokenizer = self.adapter is not None and (self.adapter / "tokenizer_config.json").is_file()
         self.tokenizer = load_tokenizer(str(self.adapter) if has_tokenizer else self.base_name)
-        config = model_config(self.base_name)
+        config = self.model_config_ = model_config(self.base_name)
         pad_id = self.pad_token_id = choose_pad(self.tokenizer, config_vocab_size(config), self.logger)
         set_chat_template(self.tokenizer, settings.task.chat_template)
         seq_length = causal_seq_length(
@@ -150,6 +152,9 @@ class CausalLMFinetuner(Finetuner):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         if settings.data.streaming:
             return self.streamed_data(seq_length, pad_id)
+        self.images = data_has_images(raw)
+        if self.images:
+            return self.vision_data(raw, seq_length, pad_id)
         self.data = build_instruction_data(
             raw,
             self.tokenizer,
@@ -186,7 +191,10 @@ class CausalLMFinetuner(Finetuner):
         ``encode_row``, packed in order with ``--packing``), and the held-out validation file encoded up front."""
         settings, task, options = self.settings, self.settings.task, self.settings.task_options
         source = stream_source(settings.data.data_path[0])
-        fmt = detect_format(list(first_row(source.train)), options.prompt_key, options.response_key)
+        row = first_row(source.train)
+        if has_images(row):
+            raise ConfigError("--streaming: not built for data with images yet; drop --streaming")
+        fmt = detect_format(list(row), options.prompt_key, options.response_key)
         encode = functools.partial(
             row_pieces,
             fmt=fmt,
@@ -229,14 +237,15 @@ class CausalLMFinetuner(Finetuner):
         # A subclass may provide its own data: the adapter and base then follow from the flag alone.
         adapter = getattr(self, "adapter", lora.adapter_directory(self.settings.model.pretrained_model_name_or_path))
         base_name = lora.adapter_base(adapter) if adapter else self.settings.model.pretrained_model_name_or_path
-        model = load_causal_lm(base_name, **self.pretrained_load_kwargs())
+        images = getattr(self, "images", False)
+        model = self.vision_model(base_name) if images else load_causal_lm(base_name, **self.pretrained_load_kwargs())
         if adapter is not None:
             model = lora.load_adapter(model, adapter)
             self.logger.info(f"LoRA adapter {adapter} on its base {base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
-        if self.settings.task.packing and not honours_packed_positions(model):
+        if self.settings.task.packing and not images and not honours_packed_positions(model):
             raise ConfigError(
                 f"--packing: {type(model).__name__} does not keep attention inside packed samples (it ignores "
                 "restarting position ids); drop --packing"
@@ -298,7 +307,9 @@ class CausalLMFinetuner(Finetuner):
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         metrics = super().run_compute_metrics(model, eval_dataloader)
         metrics["ppl"] = perplexity(metrics["loss"])
-        if self.settings.task.eval_generate and self.data.prompts:
+        if self.settings.task.eval_generate and getattr(self, "images", False):
+            metrics["exact_match"] = self.vision_generate_and_score(model[0], self.settings.task.eval_generate)
+        elif self.settings.task.eval_generate and self.data.prompts:
             metrics["exact_match"] = self.generate_and_score(
                 model[0], self.data.prompts[: self.settings.task.eval_generate]
             )

@@ -51,6 +51,7 @@ TASK = TaskSpec(
     required=("--pretrained-model-name-or-path", "--data-path"),
     options=CausalLmOptions,
     demo="rapidlite.tasks.causal_lm_demo:demo",
+    named_demos={"vision": "rapidlite.tasks.vision_demo:demo"},
     defaults={"seq_length": 512},
     load_model_dir=True,
     eval_only=True,
@@ -60,4 +61,5 @@ TASK = TaskSpec(
     streaming=True,
     check=check_split_sequences,
     context_parallel=True,
+    images=True,
 )

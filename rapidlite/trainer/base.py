@@ -51,6 +51,7 @@ class BaseTrainer:
         self.optimizer = None
         self.lr_scheduler = None
         self.tokenizer: Any = None  # set it to have the tokenizer exported with a Hugging Face model
+        self.processor: Any = None  # a multimodal model's processor: exported in the tokenizer's place
         self.iteration = 0
         self.consumed_samples = 0
         self.train_stream: TokenStream | None = None  # --streaming's training data: its position is saved
@@ -293,7 +294,8 @@ class BaseTrainer:
         if self.settings.checkpoint.save is not None:
             self.checkpointing.save()
             with hf_transformers_progress(self.show_progress):  # save_pretrained's bars: on a terminal only
-                out = self.engine.strategy.export(self.model, f"{self.settings.checkpoint.save}/hf", self.tokenizer)
+                preprocessor = self.processor if self.processor is not None else self.tokenizer
+                out = self.engine.strategy.export(self.model, f"{self.settings.checkpoint.save}/hf", preprocessor)
             if out is not None:
                 self.logger.info(f"exported Hugging Face model to {out}")
         self.monitor.close(plot=True)

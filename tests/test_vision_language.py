@@ -1,0 +1,292 @@
+"""Vision-language fine-tuning (``--task causal_lm`` on data with images): the data layouts, TRL's SFTTrainer as the
+reference for the batch and the loss, freezing, the layouts against one process, and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import assert_same_metrics, rapidlite, rapidlite_captured, read_metrics
+from rapidlite import RapidliteEngine
+from rapidlite.resolve import parse_args
+from rapidlite.tasks.causal_lm import CausalLMFinetuner
+from rapidlite.tasks.vision_build import save_tiny_vlm
+
+trl = pytest.importorskip("trl")
+
+WORDS = "what colour is the shape square circle red blue green describe it a".split()
+COLOURS = ("red", "blue", "green")
+SHAPES = ("square", "circle")
+TOL = {"rel": 1e-5, "abs": 1e-6}
+
+
+def _image(i):
+    from PIL import Image, ImageDraw
+
+    colour, shape = COLOURS[i % 3], SHAPES[(i // 3) % 2]
+    image = Image.new("RGB", (32 + 5 * (i % 6), 32 + 7 * (i % 4)), "white")
+    pen = ImageDraw.Draw(image)
+    (pen.rectangle if shape == "square" else pen.ellipse)((3, 3, 22, 22), fill=colour)
+    return image, f"{colour} {shape}"
+
+
+def _rows(layout, n, start=0):
+    """``n`` rows of one layout: one image and one question each (the image opens the user turn)."""
+    rows = []
+    for i in range(start, start + n):
+        path, answer = f"images/{i}.png", _image(i)[1]
+        question = "describe the shape" if i % 2 else "what colour is it"
+        answer = answer if i % 2 else answer.split()[0]
+        if layout == "factory":  # LLaMA-Factory: <image> in the text, paths in images
+            messages = [{"role": "user", "content": f"<image>{question}"}, {"role": "assistant", "content": answer}]
+            rows.append({"messages": messages, "images": [path]})
+        elif layout == "content":  # TRL/axolotl content lists with the path in the image item
+            user = [{"type": "image", "path": path}, {"type": "text", "text": question}]
+            answer_items = [{"type": "text", "text": answer}]
+            rows.append(
+                {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer_items}]}
+            )
+        elif layout == "trl":  # TRL's conversational prompt/completion, images before the first user turn
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": question}],
+                    "completion": [{"role": "assistant", "content": answer}],
+                    "images": [path],
+                }
+            )
+    return rows
+
+
+def _write(directory, rows_by_split):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "images").mkdir(exist_ok=True)
+    for i in range(24):
+        _image(i)[0].save(directory / "images" / f"{i}.png")
+    for split, rows in rows_by_split.items():
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    models = {family: root / family for family in ("llava", "qwen2_vl")}
+    for family, directory in models.items():
+        save_tiny_vlm(directory, family, WORDS)
+    data = {
+        layout: _write(root / layout, {"train": _rows(layout, 16), "validation": _rows(layout, 4, start=16)})
+        for layout in ("factory", "content", "trl")
+    }
+    return models, data
+
+
+def _args(model, data, *extra):
+    return [
+        "--task", "causal_lm", "--pretrained-model-name-or-path", str(model), "--data-path", str(data),
+        "--micro-batch-size", "4", "--log-interval", "1", "--seq-length", "128", *extra,
+    ]  # fmt: skip
+
+
+def _trainer(model, data, *extra):
+    trainer = CausalLMFinetuner(RapidliteEngine(args=parse_args(_args(model, data, *extra))))
+    train, _, _, collate = trainer.train_valid_test_datasets_provider()
+    return trainer, train, collate
+
+
+def test_the_layouts_give_the_same_tensors(assets):
+    models, data = assets
+    batches = {}
+    for layout in ("factory", "content", "trl"):
+        _, train, collate = _trainer(models["qwen2_vl"], data[layout])
+        batches[layout] = collate([train[i] for i in range(6)])
+    reference = batches["factory"]
+    assert set(reference) >= {"input_ids", "labels", "attention_mask", "pixel_values", "image_grid_thw"}
+    for layout in ("content", "trl"):
+        assert set(batches[layout]) == set(reference)
+        for key, value in reference.items():
+            assert torch.equal(batches[layout][key], value), (layout, key)
+
+
+def _trl_sft(model_dir, rows, model):
+    """TRL's SFTTrainer batch of ``rows`` (prompt/completion with PIL images) and its loss on it."""
+    from datasets import Dataset
+
+    processor = _processor(model_dir)
+    config = trl.SFTConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=None)
+    trainer = trl.SFTTrainer(
+        model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=processor
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    model.train()
+    return batch, float(trainer.compute_loss(model, batch))
+
+
+def _processor(model_dir):
+    from rapidlite.models.vision import load_processor
+
+    return load_processor(str(model_dir))
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_the_batch_labels_and_loss_equal_trls_sft_trainer(assets, family):
+    """The processed inputs, the labels (prompt, image tokens and padding masked) and the loss equal TRL 1.16's
+    SFTTrainer on the same prompt/completion rows (completion-only loss, its default for such data)."""
+    from PIL import Image
+
+    models, data = assets
+    trainer, train, collate = _trainer(models[family], data["trl"])
+    ours = collate([train[i] for i in range(4)])
+    model = trainer.model_optimizer_lr_scheduler_provider()[0]
+    for p in model.parameters():
+        p.requires_grad_(True)  # TRL trains the whole model; the loss does not depend on it
+    rows = _rows("trl", 4)
+    for row in rows:
+        row["images"] = [Image.open(data["trl"] / p).convert("RGB") for p in row["images"]]
+    theirs, trl_loss = _trl_sft(models[family], rows, model)
+    for key in ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw"):
+        if key in theirs:
+            assert torch.equal(ours[key], theirs[key]), key
+    assert (ours["labels"] != -100).sum() < (ours["attention_mask"] == 1).sum() // 2  # the prompt is masked
+    model.train()
+    loss_sum, count = trainer.run_forward_step(ours, model)
+    assert float(loss_sum) / count == pytest.approx(trl_loss, **TOL)
+
+
+def _tower(directory):
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    return {k: v for k, v in weights.items() if ".visual." in f".{k}" and ".merger." not in k}
+
+
+def test_the_tower_is_frozen_by_default_and_trains_without_it(assets, tmp_path):
+    models, data = assets
+    before = _tower(models["qwen2_vl"])
+    for name, flags in (("frozen", []), ("trained", ["--no-freeze-vision-tower"])):
+        proc = rapidlite_captured(
+            *_args(models["qwen2_vl"], data["factory"], "--train-iters", "2", "--lr", "1e-2", *flags),
+            "--save", str(tmp_path / name),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        after = _tower(tmp_path / name / "hf")
+        assert after.keys() == before.keys() and after
+        same = all(torch.equal(after[k], before[k]) for k in before)
+        assert same == (name == "frozen"), name
+    out = proc.stdout + proc.stderr
+    assert "vision tower" in out and "language model" in out
+    # The export holds the processor: transformers reloads both, and gives the checkpoint's logits on an image.
+    from transformers import AutoModelForImageTextToText
+
+    exported = tmp_path / "trained" / "hf"
+    processor = _processor(exported)
+    model = AutoModelForImageTextToText.from_pretrained(exported).eval()
+    image, _ = _image(3)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe the shape"}]}],
+        add_generation_prompt=True,
+    )
+    inputs = processor(text=[text], images=[[image]], return_tensors="pt")
+    logits = model(**inputs).logits
+    assert torch.isfinite(logits).all() and logits.shape[1] == inputs["input_ids"].shape[1]
+
+
+TWO = ["--micro-batch-size", "2", "--nproc-per-node", "2"]
+LAYOUTS = {
+    "one": ["--micro-batch-size", "4"],
+    "accumulation": ["--micro-batch-size", "2"],
+    "ddp": TWO,
+    "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
+    "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
+    "lora_one": ["--micro-batch-size", "4", "--lora-rank", "4"],
+    "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    models, data = assets
+    root = tmp_path_factory.mktemp("vision-layouts")
+    done = {}
+
+    def get(name):
+        if name not in done:
+            common = ["--train-iters", "2", "--global-batch-size", "4", "--optimizer", "sgd", "--lr", "0.05"]
+            run = rapidlite if "--nproc-per-node" in LAYOUTS[name] else rapidlite_captured
+            args = _args(models["qwen2_vl"], data["factory"], *common, *LAYOUTS[name], "--save", str(root / name))
+            proc = run(*args)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = root / name
+        return done[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["accumulation", "ddp", "zero3_offload", "deepspeed_zero3", "lora_zero3"])
+def test_a_layout_equals_one_process(runs, name):
+    if name == "deepspeed_zero3":
+        pytest.importorskip("deepspeed")
+    reference = runs("lora_one" if name.startswith("lora") else "one")
+    assert_same_metrics(runs(name), reference, ("loss", "grad_norm"), rel=1e-5, at_least=3)
+    losses = [r["loss"] for r in read_metrics(runs(name)) if "lr" in r]
+    assert losses[1] != losses[0]  # the step moved the model
+
+
+def _fails(capsys_args, *extra):
+    proc = rapidlite_captured(*capsys_args, *extra)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return proc.returncode, lines
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no such file"),
+        ("not_an_image", "not an image"),
+        ("placeholders", "2 image placeholders"),
+        ("text_only_model", "is a text-only model"),
+        ("packing", "--packing: the data has images"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, case, expected):
+    models, data = assets
+    rows = _rows("factory", 4)
+    model = models["qwen2_vl"]
+    extra = []
+    if case == "missing":
+        rows[2]["images"] = ["images/nowhere.png"]
+    elif case == "not_an_image":
+        rows[1]["images"] = ["bad.png"]
+    elif case == "placeholders":
+        rows[3]["messages"][0]["content"] = "<image><image>what colour is it"
+    elif case == "text_only_model":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = tmp_path / "llama"
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2)).save_pretrained(model)  # fmt: skip
+        _processor(models["qwen2_vl"]).tokenizer.save_pretrained(model)
+    elif case == "packing":
+        extra = ["--packing"]
+    directory = _write(tmp_path / "data", {"train": rows, "validation": rows[:1]})
+    (directory / "bad.png").write_text("not an image")
+    save = tmp_path / "out"
+    code, lines = _fails(_args(model, directory, "--train-iters", "1", "--save", str(save), *extra))
+    assert code == 2, lines
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not save.exists()
+
+
+def test_skip_bad_images_leaves_out_rows_whose_image_is_missing(assets, tmp_path):
+    models, _ = assets
+    rows = _rows("factory", 8)
+    rows[5]["images"] = ["images/nowhere.png"]
+    directory = _write(tmp_path / "data", {"train": rows, "validation": rows[:2]})
+    proc = rapidlite_captured(
+        *_args(models["llava"], directory, "--train-iters", "1", "--skip-bad-images", "--save", str(tmp_path / "o"))
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 rows left out with a missing image" in proc.stdout + proc.stderr
