@@ -40,7 +40,8 @@ FLAGS = """
 --moe-shared-expert-intermediate-size --moe-router-load-balancing-type --moe-router-enable-expert-bias
 --moe-router-bias-update-rate --moe-grouped-gemm --moe-token-dispatcher-type --expert-model-parallel-size
 --context-parallel-size --cp-comm-type
---image-max-pixels --image-min-pixels --skip-bad-images --freeze-vision-tower --no-freeze-vision-tower --freeze-projector
+--image-max-pixels --image-min-pixels --skip-bad-images --freeze-vision-tower --no-freeze-vision-tower
+--freeze-projector
 --eval-only --overwrite --max-skipped-steps
 --keep-last --streaming
 --dry-run --memory-budget

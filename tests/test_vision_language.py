@@ -290,3 +290,96 @@ def test_skip_bad_images_leaves_out_rows_whose_image_is_missing(assets, tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 rows left out with a missing image" in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ dpo
+
+
+def _pairs(layout, n, start=0):
+    """Preference pairs with one image: the right answer against a wrong colour."""
+    rows = []
+    for i in range(start, start + n):
+        answer = _image(i)[1]
+        wrong = answer.replace(answer.split()[0], COLOURS[(COLOURS.index(answer.split()[0]) + 1) % 3])
+        if layout == "trl":
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": "describe the shape"}],
+                    "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": wrong}],
+                    "images": [f"images/{i}.png"],
+                }
+            )
+        else:  # LLaMA-Factory's: the prompt turns in messages, one assistant message each
+            rows.append(
+                {
+                    "messages": [{"role": "user", "content": "<image>describe the shape"}],
+                    "chosen": {"role": "assistant", "content": answer},
+                    "rejected": {"role": "assistant", "content": wrong},
+                    "images": [f"images/{i}.png"],
+                }
+            )
+    return rows
+
+
+def test_dpo_with_images_equals_trls_dpo_trainer(assets, tmp_path):
+    """The same pairs in TRL's and LLaMA-Factory's layouts give the same batch, and its DPO loss equals TRL 1.16's
+    DPOTrainer's on it (the policy moved off its reference, so the loss is not log 2)."""
+    import copy
+
+    from datasets import Dataset
+    from PIL import Image
+
+    from rapidlite.tasks.dpo import DPOFinetuner
+
+    models, _ = assets
+    model_dir = models["qwen2_vl"]
+    batches = {}
+    for layout in ("trl", "factory"):
+        directory = _write(tmp_path / layout, {"train": _pairs(layout, 4), "validation": _pairs(layout, 2, 4)})
+        args = _args(model_dir, directory)
+        args[1] = "dpo"
+        trainer = DPOFinetuner(RapidliteEngine(args=parse_args(args)))
+        train, _, _, collate = trainer.train_valid_test_datasets_provider()
+        batches[layout] = collate([train[i] for i in range(4)])
+    for key, value in batches["trl"].items():
+        assert torch.equal(batches["factory"][key], value), key
+    batch = batches["trl"]
+    ref = trainer.model_optimizer_lr_scheduler_provider()[0].eval()
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            p.requires_grad_(True)
+    trainer.ref_model = ref
+    policy.train()
+    loss_sum, pairs = trainer.run_forward_step(batch, policy)
+    rows = _pairs("trl", 4)
+    for row in rows:
+        row["images"] = [Image.open(tmp_path / "trl" / p).convert("RGB") for p in row["images"]]
+    config = trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False, max_length=None)
+    theirs = trl.DPOTrainer(
+        model=copy.deepcopy(policy), ref_model=ref, args=config, train_dataset=Dataset.from_list(rows),
+        processing_class=_processor(model_dir),
+    )  # fmt: skip
+    trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
+    theirs.model.train()
+    trl_loss = float(theirs.compute_loss(theirs.model, trl_batch))
+    assert float(loss_sum) / pairs == pytest.approx(trl_loss, **TOL)
+    assert abs(trl_loss - 0.6931) > 1e-3
+
+
+@pytest.mark.slow
+def test_dpo_with_images_on_two_ranks_equals_one_process(assets, tmp_path):
+    models, _ = assets
+    directory = _write(tmp_path / "pairs", {"train": _pairs("factory", 8), "validation": _pairs("factory", 2, 8)})
+    common = ["--train-iters", "2", "--global-batch-size", "4", "--optimizer", "sgd", "--lr", "0.05"]
+    saves = {}
+    for name, layout in (("one", ["--micro-batch-size", "4"]), ("ddp", TWO)):
+        args = _args(models["qwen2_vl"], directory, *common, *layout, "--save", str(tmp_path / name))
+        args[1] = "dpo"
+        proc = (rapidlite if name == "ddp" else rapidlite_captured)(*args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saves[name] = tmp_path / name
+    assert_same_metrics(saves["ddp"], saves["one"], ("loss", "grad_norm", "rewards/margins"), rel=1e-5, at_least=3)

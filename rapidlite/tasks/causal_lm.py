@@ -145,6 +145,11 @@ class CausalLMFinetuner(VisionLanguage, Finetuner):
             raw = load_raw_datasets(
                 *settings.data.source, settings.training.seed, eval_only=settings.training.eval_only
             )
+        if not get_task(self.task_name).images and data_has_images(raw):
+            raise ConfigError(
+                f"--task {self.task_name}: the data has images, which this task does not read; images train with "
+                "--task causal_lm and --task dpo"
+            )
         return raw, seq_length, pad_id
 
     def train_valid_test_datasets_provider(self):

@@ -35,6 +35,7 @@ import torch
 
 from rapidlite.config.settings import Sections
 from rapidlite.data.preference import Counts, PairCollator, encode_pairs, encode_splits, pair_layout, read_pair
+from rapidlite.data.vision_pairs import repeated_images
 from rapidlite.errors import ConfigError
 from rapidlite.evaluation.metrics import MeanMetrics
 from rapidlite.models import lora
@@ -44,6 +45,7 @@ from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.dpo_spec import preference_reference
 from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
+from rapidlite.tasks.vision_language import data_has_images
 
 
 def _segments(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -79,9 +81,12 @@ def forward_inputs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     def flat(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(0, 1).reshape(-1, x.shape[-1])
 
-    return {"input_ids": flat(batch["input_ids"]), "attention_mask": flat(batch["attention_mask"])}, flat(
-        batch["labels"]
-    )
+    inputs = {"input_ids": flat(batch["input_ids"]), "attention_mask": flat(batch["attention_mask"])}
+    for key in ("token_type_ids", "mm_token_type_ids"):  # a vision-language model's token types
+        if key in batch:
+            inputs[key] = flat(batch[key])
+    inputs.update(repeated_images(batch))  # the prompts' images, for the chosen rows and again the rejected
+    return inputs, flat(batch["labels"])
 
 
 def _sequence_labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -107,6 +112,9 @@ class DPOFinetuner(CausalLMFinetuner):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         self.max_length = seq_length
         layout = pair_layout(raw["train"].column_names)
+        self.images = data_has_images(raw)
+        if self.images:
+            return self.vision_pair_data(raw, seq_length)
 
         def encode(name: str, rows: Any, counts: Counts) -> list[dict[str, Any]]:
             pair_layout(rows.column_names)

@@ -96,4 +96,5 @@ TASK = TaskSpec(
     reference=preference_reference,
     chunked_loss="tokens",
     eval_harness=True,
+    images=True,
 )

@@ -23,6 +23,7 @@ from rapidlite.data.vision import (
     image_path,
     vision_sample,
 )
+from rapidlite.data.vision_pairs import VisionPairCollator, VisionPairDataset, VisionPairEncoder, vision_pair
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import vision
 
@@ -97,6 +98,23 @@ def checked_split(split: Any, base: str, skip_bad: bool, name: str) -> VisionSpl
     return out
 
 
+def missing_image(sample: VisionSample, base: str, name: str, index: int) -> None:
+    """One line for an image file of ``sample`` that is not there."""
+    for source in sample.images:
+        path = image_path(source, base)
+        if path is not None and not os.path.isfile(path):
+            raise DataError(f"{name} row {index}: image {path}: no such file (relative paths start at {base})")
+
+
+def opened_up_front(name: str, samples: list[Any], rows: list[int], encoder: Any) -> None:
+    """The first rows encoded whole (images opened) at start-up: a bad image stops the run before any step."""
+    for i in range(min(CHECK_ROWS, len(samples))):
+        try:
+            encoder(samples[i], rows[i])
+        except BadImage as e:
+            raise DataError(f"{name} {e}") from None
+
+
 def _chat(row: dict[str, Any]) -> bool:
     return any(isinstance(row.get(k), list) for k in ("messages", "conversations", "prompt"))
 
@@ -106,6 +124,67 @@ class VisionLanguage:
     its tower and projector frozen as the flags say."""
 
     def vision_data(self, raw: Any, seq_length: int, pad_id: int) -> tuple[Any, Any, Any, VisionCollator]:
+        settings: Sections = self.settings
+        options = settings.vision
+        encoder = self.vision_encoder(seq_length)
+        base = encoder.base
+        splits: dict[str, Any] = {}
+        missing = 0
+        for name in ("train", "validation", "test"):
+            if name not in raw:
+                continue
+            checked = checked_split(undecoded(raw[name]), base, options.skip_bad_images, name)
+            missing += checked.missing
+            splits[name] = VisionDataset(checked.samples, checked.rows, encoder, options.skip_bad_images)
+            opened_up_front(name, checked.samples, checked.rows, encoder)
+        self.collator = VisionCollator(self.tokenizer.pad_token_id)
+        counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
+        images = sum(len(s.images) for s in splits["train"].samples) if "train" in splits else 0
+        self.logger.info(
+            f"data: images and text ({counts} samples, {images} training images, encoded as they are read), "
+            f"processor {type(self.processor).__name__}, images scaled to {options.image_min_pixels:,d}-"
+            f"{options.image_max_pixels:,d} pixels"
+            + (f", {missing} rows left out with a missing image (--skip-bad-images)" if missing else "")
+        )
+        self.data = None
+        self.vision_validation = splits.get("validation")
+        return splits.get("train"), splits.get("validation"), splits.get("test"), self.collator
+
+    def vision_pair_data(self, raw: Any, seq_length: int) -> tuple[Any, Any, Any, VisionPairCollator]:
+        """``--task dpo``'s pairs with images (``rapidlite.data.vision_pairs``)."""
+        settings: Sections = self.settings
+        for given, flag_name in (
+            (settings.task.eval_generate, "--eval-generate"),
+            (settings.preference.precompute_ref_logprobs, "--precompute-ref-logprobs"),
+        ):
+            if given:
+                raise ConfigError(f"{flag_name}: not built for preference data with images yet; drop {flag_name}")
+        encoder = VisionPairEncoder(self.vision_encoder(seq_length))
+        splits: dict[str, Any] = {}
+        for name in ("train", "validation", "test"):
+            if name not in raw:
+                continue
+            split = undecoded(raw[name])
+            pairs = [vision_pair(split[i], i) for i in range(len(split))]
+            for i, pair in enumerate(pairs):
+                missing_image(pair.prompt, encoder.base.base, name, i)
+            splits[name] = VisionPairDataset(pairs, list(range(len(pairs))), encoder)
+            opened_up_front(name, pairs, splits[name].rows, encoder)
+        counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
+        self.logger.info(
+            f"data: preference pairs with images ({counts} pairs, encoded as they are read), processor "
+            f"{type(self.processor).__name__}"
+        )
+        self.eval_prompts = []
+        return (
+            splits.get("train"),
+            splits.get("validation"),
+            splits.get("test"),
+            VisionPairCollator(self.tokenizer.pad_token_id),
+        )
+
+    def vision_encoder(self, seq_length: int) -> VisionEncoder:
+        """The checks every task's image data goes through, the processor, and the sample encoder."""
         settings: Sections = self.settings
         options = settings.vision
         if settings.task.packing:
@@ -133,40 +212,14 @@ class VisionLanguage:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
-        base = data_directory(settings)
-        encoder = VisionEncoder(
+        return VisionEncoder(
             self.processor,
             seq_length,
-            base,
+            data_directory(settings),
             options.image_min_pixels,
             options.image_max_pixels,
-            train_on_prompt=settings.task_options.train_on_prompt,
+            train_on_prompt=getattr(settings.task_options, "train_on_prompt", False),
         )
-        splits: dict[str, Any] = {}
-        missing = 0
-        for name in ("train", "validation", "test"):
-            if name not in raw:
-                continue
-            checked = checked_split(undecoded(raw[name]), base, options.skip_bad_images, name)
-            missing += checked.missing
-            splits[name] = VisionDataset(checked.samples, checked.rows, encoder, options.skip_bad_images)
-            for i in range(min(CHECK_ROWS, len(checked.samples))):  # opened now: a bad image stops the run here
-                try:
-                    encoder(checked.samples[i], checked.rows[i])
-                except BadImage as e:
-                    raise DataError(f"{name} {e}") from None
-        self.collator = VisionCollator(self.tokenizer.pad_token_id)
-        counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
-        images = sum(len(s.images) for s in splits["train"].samples) if "train" in splits else 0
-        self.logger.info(
-            f"data: images and text ({counts} samples, {images} training images, encoded as they are read), "
-            f"processor {type(self.processor).__name__}, images scaled to {options.image_min_pixels:,d}-"
-            f"{options.image_max_pixels:,d} pixels"
-            + (f", {missing} rows left out with a missing image (--skip-bad-images)" if missing else "")
-        )
-        self.data = None
-        self.vision_validation = splits.get("validation")
-        return splits.get("train"), splits.get("validation"), splits.get("test"), self.collator
 
     def vision_model(self, name: str) -> Any:
         settings: Sections = self.settings
