@@ -82,7 +82,7 @@ def task_model(settings: Sections, device: torch.device, pretrained: bool = Fals
         from rapidlite.models.hf import load_error, load_hf_model
 
         try:
-            return load_hf_model(auto.from_pretrained, name).to(device)
+            return _frozen_parts(load_hf_model(auto.from_pretrained, name).to(device), settings, spec)
         except Exception as e:  # transformers raises OSError/ValueError/HTTP errors for missing models
             raise load_error("model", name, e) from None
     # Auto classes build from a config with from_config; a model class named by the config's architectures
@@ -90,11 +90,21 @@ def task_model(settings: Sections, device: torch.device, pretrained: bool = Fals
     build = getattr(auto, "from_config", None) or auto._from_config
     try:
         with device:
-            return build(config)
+            return _frozen_parts(build(config), settings, spec)
     except ValueError as e:  # no class of the task's kind for this model type
         from rapidlite.models.hf import load_error
 
         raise load_error("model", name, e) from None
+
+
+def _frozen_parts(model: torch.nn.Module, settings: Sections, spec: TaskSpec | None) -> torch.nn.Module:
+    """A vision-language model's tower and projector frozen as the run freezes them (``--freeze-vision-tower``,
+    ``--freeze-projector``)."""
+    if spec is not None and spec.images and getattr(getattr(model, "config", None), "vision_config", None):
+        from rapidlite.models.vision import freeze
+
+        freeze(model, settings.vision.freeze_vision_tower, settings.vision.freeze_projector)
+    return model
 
 
 def forward_loss(

@@ -144,15 +144,17 @@ def tiny_config(family: str, processor: Any, **sizes: Any) -> Any:
     return getattr(transformers, CONFIG_CLASSES[family])(**config_kwargs(family, processor, **sizes))
 
 
-def save_tiny_vlm(directory: Any, family: str, words: Sequence[str], seed: int = 0, **sizes: Any) -> Any:
-    """A randomly initialised tiny model of ``family`` with its processor, saved in ``directory``; returns the
-    processor."""
+def save_tiny_vlm(
+    directory: Any, family: str, words: Sequence[str], seed: int = 0, image_side: int = IMAGE_SIDE, **sizes: Any
+) -> Any:
+    """A randomly initialised tiny model of ``family`` with its processor (``image_side``: ``tiny_processor``'s),
+    saved in ``directory``; returns the processor."""
     import torch
     import transformers
 
     from rapidlite.models.hf import plain_save
 
-    processor = tiny_processor(family, words)
+    processor = tiny_processor(family, words, image_side)
     config = tiny_config(family, processor, **sizes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -94,7 +94,7 @@ def token_config(processor: Any) -> dict[str, Any]:
 
 # fmt: off
 DEMO_FLAGS = {
-    "micro_batch_size": 16, "lr": 2e-3, "epochs": 5, "seq_length": 64, "log_interval": 25, "weight_decay": 0.0,
+    "micro_batch_size": 16, "lr": 2e-3, "epochs": 6, "seq_length": 64, "log_interval": 25, "weight_decay": 0.0,
     "clip_grad": 1.0, "eval_generate": 60, "freeze_vision_tower": False,
 }
 demo = DemoSpec(
