@@ -443,3 +443,59 @@ def test_the_dry_run_counts_the_images(tmp_path):
     predicted = rank["peak_bytes"] / 2**20
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
     assert rank["activation_bytes"] / 2**20 > 0.3 * measured  # the images are most of the activations
+
+
+@pytest.mark.slow
+def test_the_vision_demo_answers_unseen_images(tmp_path, monkeypatch):
+    """``--task causal_lm --demo vision`` as the docs run it: no validation image answered before training, at least
+    0.9 of them exactly after it."""
+    from helpers import run_cli
+
+    monkeypatch.setenv("RAPIDLITE_CACHE", str(tmp_path / "cache"))
+    proc = run_cli("--task", "causal_lm", "--demo", "vision", "--save", str(tmp_path / "run"), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in read_metrics(tmp_path / "run") if r.get("split") == "validation"]
+    assert evals[0]["iteration"] == 0 and evals[0]["exact_match"] == 0.0
+    assert evals[-1]["exact_match"] >= 0.9, evals
+
+
+def test_rapidlite_eval_scores_image_rows(assets, tmp_path, capsys):
+    """rapidlite-eval on the exported model: a chat file's perplexity is the run's last validation loss, and
+    multiple choice over the colours reads the images; on two ranks the same."""
+    from rapidlite.cli.evaluate import main as evaluate
+
+    models, data = assets
+    proc = rapidlite_captured(
+        *_args(models["qwen2_vl"], data["factory"], "--train-iters", "2", "--lr", "1e-2", "--save", str(tmp_path / "o"))
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = [r for r in read_metrics(tmp_path / "o") if r.get("split") == "validation"][-1]
+    model = str(tmp_path / "o" / "hf")
+    assert evaluate(["--model", model, "--data", str(data["factory"] / "validation.jsonl")]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["task"] == "perplexity" and scored["loss"] == pytest.approx(last["loss"], rel=1e-5)
+    rows = [
+        {"context": "<image>what colour is it", "endings": list(COLOURS), "label": i % 3, "images": [f"images/{i}.png"]}
+        for i in range(6)
+    ]
+    choices = data["factory"] / "choices.jsonl"
+    choices.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert evaluate(["--model", model, "--data", str(choices)]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["task"] == "multiple_choice" and one["n"] == 6
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["--model", model, "--data", str(choices), "--nproc-per-node", "2", "--micro-batch-size", "2"]
+    two = subprocess.run(
+        [sys.executable, "-m", "rapidlite.cli.evaluate", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    two = json.loads(two.stdout.strip().splitlines()[-1])
+    assert two["world_size"] == 2 and two["acc"] == one["acc"] and two["acc_norm"] == one["acc_norm"]
+    # rapidlite export writes the processor beside the checkpoint's model, checked on an image and a question.
+    exported = rapidlite_captured("export", str(tmp_path / "o"), "--out", str(tmp_path / "exported"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "the model (an image and a question): max |logit difference| 0 " in exported.stdout + exported.stderr
+    assert (tmp_path / "exported" / "processor_config.json").is_file()

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="model",
         required=True,
         metavar="DIR_OR_NAME",
-        help="an AutoModelForCausalLM directory (or cached name) with its tokenizer (--task reward: a reward model's)",
+        help="an AutoModelForCausalLM directory (or cached name) with its tokenizer (--task reward: a reward model's; "
+        "rows with images: an AutoModelForImageTextToText with its processor)",
     )
     p.add_argument(
         "--data",
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="data",
         required=True,
         metavar="FILE",
-        help="jsonl rows: context/endings/label (multiple choice), text (perplexity), prompt/chosen/rejected (reward)",
+        help="jsonl rows: context/endings/label (multiple choice), text (perplexity), prompt/chosen/rejected (reward); "
+        "with images (multiple choice, or chats for perplexity): a vision-language model's",
     )
     p.add_argument("--task", choices=tuple(TASK_FIELDS), default=None, help="default: from the rows' fields")
     p.add_argument(
@@ -136,8 +138,15 @@ def run(argv: Sequence[str]) -> int:
     from rapidlite.runtime.world import target_world_size
 
     ctx = init_distributed(Topology.split(target_world_size(parallel)), parallel)
-    load = load_reward_scorer if task == REWARD else load_scorer
-    scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
+    from rapidlite.evaluation.vision import has_image_items, load_vision_scorer
+
+    if has_image_items(items):  # rows with images: a vision-language model and its processor
+        scorer = load_vision_scorer(
+            args.model, args.data, args.seq_length, args.micro_batch_size, args.bf16, ctx.device
+        )
+    else:
+        load = load_reward_scorer if task == REWARD else load_scorer
+        scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
     scorer.chunked = not args.no_chunked_loss
     per_pair: list | None = [] if args.scores else None
     results = evaluate(scorer, task, items, ctx if ctx.initialized else None, per_pair)

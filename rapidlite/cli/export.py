@@ -226,9 +226,22 @@ def probe_ids(model: torch.nn.Module) -> torch.Tensor:
     return torch.randint(0, vocab, (PROBES, length), generator=torch.Generator().manual_seed(0))
 
 
+def probe_inputs(model: torch.nn.Module, preprocessor: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The round trip's probe: ``probe_ids``, or for a vision-language model (exported with its processor) a fixed
+    random image and a question, through the processor and its chat template."""
+    if getattr(preprocessor, "image_processor", None) is None:
+        return probe_ids(model)
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (48, 64, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image"}]}]
+    text = preprocessor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return dict(preprocessor(text=[text], images=[[Image.fromarray(pixels.numpy())]], return_tensors="pt"))
+
+
 @torch.no_grad()
-def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(ids)
+def logits(model: torch.nn.Module, ids: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**ids) if isinstance(ids, dict) else model(ids)
     value = getattr(out, "logits", None)
     if value is None:
         value = out[0] if isinstance(out, (tuple, list)) else out
@@ -276,8 +289,9 @@ def export_hf_checked(
     adapters = lora.is_peft_model(model)
     if args.adapter and not adapters:
         raise ConfigError("--adapter: the run trained no LoRA adapters (no --lora-rank); export it without --adapter")
-    ids = probe_ids(model)
+    ids = probe_inputs(model, tokenizer)
     expected = logits(model, ids)
+    on = " (an image and a question)" if isinstance(ids, dict) else ""
     model.to(DTYPES[dtype])
     if export_hf(model, tmp, tokenizer, merge_adapters=adapters and not args.adapter) is None:
         raise ConfigError(f"--format hf: {type(lora.unwrap(model)).__name__} is not a Hugging Face model")
@@ -285,11 +299,11 @@ def export_hf_checked(
     if adapters:
         base = task_model(settings, torch.device("cpu"), pretrained=True)
         with_adapter = lora.load_adapter(base, tmp / "adapter").float().eval()
-        lines.append(compare_logits(expected, logits(with_adapter, ids), dtype, "the base with OUT/adapter"))
+        lines.append(compare_logits(expected, logits(with_adapter, ids), dtype, "the base with OUT/adapter" + on))
     if not args.adapter:
         lines.append(
             compare_logits(
-                expected, logits(reload_hf(tmp), ids), dtype, "the merged model" if adapters else "the model"
+                expected, logits(reload_hf(tmp), ids), dtype, ("the merged model" if adapters else "the model") + on
             )
         )
     return lines

@@ -1,10 +1,11 @@
 """Evaluation data: jsonl rows and the task their fields name, checked before any model is loaded.
 
 A multiple-choice row is ``{"context": str, "endings": [str, ...], "label": int}`` (HellaSwag's layout; a
-label given as a digit string, as the Hugging Face HellaSwag rows have it, is read as its integer). A
-perplexity row is ``{"text": str}``. A reward row is a preference pair, ``{"prompt", "chosen", "rejected"}`` (text
-or conversations; the prompt may be left inside both, as ``--task reward_model`` reads them), scored by a reward
-model. Every row must carry the fields of the file's task.
+label given as a digit string, as the Hugging Face HellaSwag rows have it, is read as its integer), with
+``images`` for a vision-language model. A perplexity row is ``{"text": str}``, or a chat with images in any
+layout ``--task causal_lm`` reads (its assistant turns are scored). A reward row is a preference pair,
+``{"prompt", "chosen", "rejected"}`` (text or conversations; the prompt may be left inside both, as ``--task
+reward_model`` reads them), scored by a reward model. Every row must carry the fields of the file's task.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from rapidlite.data.vision import has_images, row_images, vision_sample
 from rapidlite.errors import DataError
 
 MULTIPLE_CHOICE = "multiple_choice"
@@ -32,6 +34,7 @@ class MultipleChoiceItem:
     context: str
     endings: tuple[str, ...]
     label: int
+    images: tuple = ()  # the context's images (paths relative to the data file, URLs, base64): a vision model's row
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -75,6 +78,12 @@ def detect_task(path: str | os.PathLike, rows: list[dict], task: str | None = No
     """The task the rows are for: ``task`` when given (the rows must have its fields), else the one whose
     fields the first row carries. Every row must carry them."""
     path = os.fspath(path)
+    if (
+        task in (None, PERPLEXITY)
+        and has_images(rows[0])
+        and not all(f in rows[0] for f in TASK_FIELDS[MULTIPLE_CHOICE])
+    ):
+        return PERPLEXITY  # chats with images: their assistant turns are scored (rapidlite.evaluation.vision)
     if task is None:
         task = next((name for name, fields in TASK_FIELDS.items() if all(f in rows[0] for f in fields)), None)
         if task is None:
@@ -106,7 +115,8 @@ def multiple_choice_items(path: str | os.PathLike, rows: list[dict]) -> list[Mul
             raise DataError(f"--data {path}: row {number}: context must be a string")
         if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) and e for e in endings)):
             raise DataError(f"--data {path}: row {number}: endings must be a list of two or more non-empty strings")
-        items.append(MultipleChoiceItem(context, tuple(endings), _label(path, number, row["label"], len(endings))))
+        label = _label(path, number, row["label"], len(endings))
+        items.append(MultipleChoiceItem(context, tuple(endings), label, tuple(row_images(row))))
     return items
 
 
@@ -139,4 +149,17 @@ def load_eval_data(path: str | os.PathLike, task: str | None = None) -> tuple[st
     task = detect_task(path, rows, task)
     if task == MULTIPLE_CHOICE:
         return task, multiple_choice_items(path, rows)
+    if task == PERPLEXITY and has_images(rows[0]):
+        return task, image_chats(path, rows)
     return task, preference_rows(path, rows) if task == REWARD else text_rows(path, rows)
+
+
+def image_chats(path: str | os.PathLike, rows: list[dict]) -> list:
+    """Chats with images (any layout ``--task causal_lm`` reads) as ``VisionSample``s, each checked."""
+    samples = []
+    for number, row in enumerate(rows, 1):
+        try:
+            samples.append(vision_sample(row, number))
+        except DataError as e:
+            raise DataError(f"--data {os.fspath(path)}: {e}") from None
+    return samples
