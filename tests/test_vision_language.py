@@ -499,3 +499,26 @@ def test_rapidlite_eval_scores_image_rows(assets, tmp_path, capsys):
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert "the model (an image and a question): max |logit difference| 0 " in exported.stdout + exported.stderr
     assert (tmp_path / "exported" / "processor_config.json").is_file()
+
+
+def test_the_flops_count_the_vision_encoder_per_image_patch():
+    """N is the language model's; the tower and projector run per patch: 2 N_v forward, 4 N_v of what trains
+    backward. The patches of a batch are counted from Qwen-VL's grid, or the pixels and the patch size."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from rapidlite.models.flops import ModelFlops, matmul_parameters
+    from rapidlite.models.vision import freeze, image_patches
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model("llava"))
+    freeze(model, freeze_tower=True, freeze_projector=False)
+    flops = ModelFlops.of(model)
+    tower = matmul_parameters(model.model.vision_tower)
+    projector = matmul_parameters(model.model.multi_modal_projector)
+    assert flops.vision_params == tower + projector and flops.vision_trained == projector
+    assert flops.matmul_params == matmul_parameters(model) - tower - projector
+    assert flops.per_patch() == 2 * (tower + projector) + 4 * projector
+    assert "per image patch" in flops.describe() and flops.patch_size == 14
+    assert image_patches({"pixel_values": torch.zeros(3, 3, 336, 336)}, 14) == 3 * 24 * 24
+    assert image_patches({"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 2]])}, 14) == 28
+    assert image_patches({"input_ids": torch.zeros(2, 3)}, 14) == 0

@@ -10,6 +10,9 @@ Training FLOPs per token (forward + backward, as in Megatron-LM and PaLM's appen
   Each weight costs 2 FLOPs per token forward and 4 backward.
 - ``12 L d T``: attention scores and weighted values (``L`` layers, hidden size ``d``, ``T`` tokens per
   sequence); not halved for a causal mask, as Megatron and PaLM count it.
+- A vision-language model's image encoder and projector (``N_v``) run per image patch, not per token: ``2 N_v``
+  forward and ``4 N_v,trained`` backward per patch (a frozen tower has no backward: nothing before it trains).
+  The encoder's own attention is not counted.
 
 The same formula holds for decoders (GPT-2, LLaMA-style: the SwiGLU MLP's three matrices are all in ``N``)
 and encoders (BERT: bidirectional attention, MLM head tied to the word embeddings). ``L`` and ``d`` are read
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +66,38 @@ class ModelFlops:
     num_layers: int | None
     hidden_size: int | None
     frozen_params: int = 0
+    # A vision-language model's image encoder and projector, apart from ``N``: they run per image patch, not per
+    # token. ``vision_trained``: of them, those that train; ``patch_size``: the encoder's (for counting patches).
+    vision_params: int = 0
+    vision_trained: int = 0
+    patch_size: int | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelFlops:
-        layers, hidden = spec_of(model).layers_and_hidden(getattr(model, "config", None))
+        spec = spec_of(model)
+        config = getattr(model, "config", None)
+        layers, hidden = spec.layers_and_hidden(config)
         share = active_shares(model)
-        return cls(matmul_parameters(model, share=share), layers, hidden, matmul_parameters(model, True, share))
+        vision: set[int] = set()
+        if spec.vision is not None:
+            vision = {id(p) for n, p in model.named_parameters() if spec.vision.part(n) != "language"}
+        text = lambda p: id(p) not in vision  # noqa: E731
+        image = lambda p: id(p) in vision  # noqa: E731
+        trained = lambda p: id(p) in vision and p.requires_grad  # noqa: E731
+        patch = getattr(getattr(config, "vision_config", None), "patch_size", None) if vision else None
+        return cls(
+            matmul_parameters(model, share=share, keep=text),
+            layers,
+            hidden,
+            matmul_parameters(model, True, share, keep=text),
+            matmul_parameters(model, keep=image),
+            matmul_parameters(model, keep=trained),
+            patch if isinstance(patch, int) else None,
+        )
+
+    def per_patch(self) -> float:
+        """Training FLOPs per image patch: the encoder's forward, and the backward of its weights that train."""
+        return 2.0 * self.vision_params + 4.0 * self.vision_trained
 
     def per_token(self, seq_length: float) -> float:
         """Training FLOPs per token for sequences of ``seq_length`` tokens."""
@@ -81,9 +111,15 @@ class ModelFlops:
         six = "6 N"
         if self.frozen_params:
             six, n = "6 N - 2 N_frozen", f"{n}, N_frozen={self.frozen_params / 1e6:.2f}M"
+        images = ""
+        if self.vision_params:
+            images = (
+                f"; per image patch 2 N_v + 4 N_v,trained (N_v={self.vision_params / 1e6:.2f}M, "
+                f"N_v,trained={self.vision_trained / 1e6:.2f}M)"
+            )
         if self.num_layers and self.hidden_size:
-            return f"{six} + 12 L d T ({n}, L={self.num_layers}, d={self.hidden_size})"
-        return f"{six} ({n}; no layer count or hidden size in the model's config)"
+            return f"{six} + 12 L d T ({n}, L={self.num_layers}, d={self.hidden_size}){images}"
+        return f"{six} ({n}; no layer count or hidden size in the model's config){images}"
 
 
 def _numel(param: torch.Tensor) -> int:
@@ -102,16 +138,21 @@ def active_shares(model: nn.Module) -> dict[int, float]:
     return {id(p): share for n, p in model.named_parameters() if f".{layout.experts}." in f".{n}"}
 
 
-def matmul_parameters(model: nn.Module, frozen: bool = False, share: dict[int, float] | None = None) -> int:
+def matmul_parameters(
+    model: nn.Module,
+    frozen: bool = False,
+    share: dict[int, float] | None = None,
+    keep: Callable[[nn.Parameter], bool] | None = None,
+) -> int:
     """Parameters used in matrix multiplies: all but embedding tables; a tied output layer counts once.
     Sharded parameters (DTensor) count whole; ``frozen``: only those that do not train; ``share``: the part of
-    a parameter a token uses (``active_shares``), where it is not 1."""
+    a parameter a token uses (``active_shares``), where it is not 1; ``keep``: only the parameters it accepts."""
     in_matmul: dict[int, float] = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         for param in module.parameters(recurse=False):
-            if not frozen or not param.requires_grad:
+            if (not frozen or not param.requires_grad) and (keep is None or keep(param)):
                 in_matmul[id(param)] = _numel(param) * (share or {}).get(id(param), 1.0)
     return round(sum(in_matmul.values()))
 

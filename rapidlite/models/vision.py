@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -186,6 +187,19 @@ def tower_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of the vision tower's parameters (what the freezing test compares)."""
     layout = vision_layout(model)
     return {n: p.detach().clone() for n, p in model.named_parameters() if layout.part(n) == "tower"}
+
+
+def image_patches(batch: Any, patch_size: int | None) -> int:
+    """The image patches a batch (or a processor's output) brings to the vision encoder: Qwen-VL's grid, else each
+    image's or crop's (height / patch) x (width / patch); 0 without images."""
+    grid = batch.get("image_grid_thw") if hasattr(batch, "get") else None
+    if isinstance(grid, torch.Tensor):
+        return int(grid.prod(-1).sum())
+    pixels = batch.get("pixel_values") if hasattr(batch, "get") else None
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() < 4 or not patch_size:
+        return 0
+    crops = math.prod(pixels.shape[:-3])
+    return int(crops * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size))
 
 
 def processor_files(directory: str) -> bool:

@@ -169,6 +169,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     seq_length: int | None = None  # the length the activations were measured at
     flops: Any = None  # the model's FLOPs per token (rapidlite.models.flops.ModelFlops, adapters' frozen base counted)
+    image_patches: int = 0  # a vision-language run's planned image patches a sample (the vision encoder's FLOPs)
     # A mixture of experts: its routed layers, the router's top-k and the experts' parameters (whole model).
     moe_layers: int = 0
     moe_top_k: int = 0
@@ -298,11 +299,14 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     notes += count_reference(settings, dims, ranks, total, precision, deepspeed, task)
     if task is not None and task.generation is not None:
         notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
+    image_patches = 0
     if task is not None and task.images and getattr(getattr(model, "config", None), "vision_config", None):
         imaging = lora.prepare(meta_model(settings), unquantised, precision.dtype, torch.device("meta"), None)
         imaging = imaging.to(precision.dtype) if precision.dtype is not None else imaging
         name = settings.model.pretrained_model_name_or_path
-        notes += count_images(settings, ranks, lora.unwrap(imaging), name, precision.dtype)
+        said, patches = count_images(settings, ranks, lora.unwrap(imaging), name, precision.dtype)
+        notes += said
+        image_patches = patches * per_sample  # a preference pair's two sequences each see the prompt's image
     runtime = _runtime_bytes(task) if device.type == "cpu" else 0
     width = precision.dtype.itemsize if precision.dtype is not None else 4
     buffers = context_parallel_bytes(settings, getattr(model, "config", None), local, width)
@@ -313,6 +317,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         **moe,
         flops=flops,
         seq_length=seq,
+        image_patches=image_patches,
         settings=settings,
         world_size=world_size,
         strategy=strategy_name,

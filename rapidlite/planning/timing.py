@@ -142,6 +142,8 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
     attention_time = tokens * attention / (peak * profile.attention_efficiency)
     per_micro = tokens * matmul / (peak * matmul_efficiency) + attention_time
     per_micro /= dims.tp * dims.pp * dims.cp
+    images = micro * plan.image_patches * flops.per_patch()  # the vision encoder, whole on each rank
+    per_micro += images / (peak * matmul_efficiency)
     virtual = _virtual_stages(s, layers, dims.pp)
 
     tp_link = _link(profile, dims.tp, per_node)
@@ -195,7 +197,7 @@ def step_time(plan: Any, profile: DeviceProfile, per_node: int) -> Throughput:
         ranks=ranks,
         tokens_per_step=global_batch * seq,
         world_size=plan.world_size,
-        model_flops_per_step=global_batch * seq * flops.per_token(seq),
+        model_flops_per_step=global_batch * (seq * flops.per_token(seq) + plan.image_patches * flops.per_patch()),
         peak_flops=peak,
         iterations=_iterations(s, global_batch),
         counted_tokens=s.training.train_tokens is not None,

@@ -56,27 +56,17 @@ def image_term(model: torch.nn.Module, name: str, max_pixels: int, dtype: torch.
     ``name``."""
     from PIL import Image
 
-    from rapidlite.models.vision import load_processor
+    from rapidlite.models.vision import image_patches, load_processor
 
     processor = load_processor(name)
     side = math.isqrt(max_pixels)
     inputs = processor.image_processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
     pixels = inputs.pop("pixel_values")
-    patch = getattr(getattr(model.config, "vision_config", None), "patch_size", None) or 14
-    patches = _patches(pixels, inputs, patch)
+    patch = getattr(getattr(model.config, "vision_config", None), "patch_size", None)
+    patches = image_patches({**inputs, "pixel_values": pixels}, patch)
     tokens = _tokens(processor, side)
     saved, largest = _saved(model, pixels.to("meta", dtype or pixels.dtype), inputs)
     return ImageTerm(side, patches, tokens, saved, largest)
-
-
-def _patches(pixels: torch.Tensor, extra: dict[str, torch.Tensor], patch: int) -> int:
-    """The vision encoder's patches for the image: Qwen-VL's grid, else every crop's (height / patch) x (width /
-    patch) (LLaVA-NeXT's and Idefics3's crops, a leading dimension each)."""
-    grid = extra.get("image_grid_thw")
-    if grid is not None:
-        return int(grid.prod(-1).sum())
-    crops = math.prod(pixels.shape[:-3])
-    return int(crops * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch))
 
 
 def _tokens(processor: Any, side: int) -> int:
@@ -115,14 +105,16 @@ class ImageProfileError(Exception):
     """The vision encoder's forward did not run on meta tensors."""
 
 
-def count_images(settings: Any, ranks: list[Any], model: torch.nn.Module, name: str, dtype: Any) -> list[str]:
+def count_images(
+    settings: Any, ranks: list[Any], model: torch.nn.Module, name: str, dtype: Any
+) -> tuple[list[str], int]:
     """A vision-language run's images in each rank's activations (one image a sample, at ``--image-max-pixels``),
-    and the note that says so."""
+    the note that says so, and the image's patches (the vision encoder's FLOPs run on them)."""
     micro = settings.batching.micro_batch_size
     try:
         term = image_term(model, name, settings.vision.image_max_pixels, dtype)
     except ImageProfileError as e:
-        return [f"images NOT counted: the vision encoder's forward could not run on meta tensors ({e})"]
+        return [f"images NOT counted: the vision encoder's forward could not run on meta tensors ({e})"], 0
     for r in ranks:
         r.activations += term.saved * micro
         r.activation_per_sample += term.saved
@@ -132,4 +124,4 @@ def count_images(settings: Any, ranks: list[Any], model: torch.nn.Module, name: 
         f"images: one a sample planned at --image-max-pixels ({term.side} x {term.side}): {term.patches} patches, "
         f"{term.tokens} of the --seq-length tokens; the vision encoder ({frozen}) saves "
         f"{term.saved / 2**20:.2f} MiB an image"
-    ]
+    ], term.patches

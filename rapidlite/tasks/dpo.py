@@ -102,6 +102,7 @@ class DPOFinetuner(CausalLMFinetuner):
     """Direct preference optimisation and its variants (``--loss-type``) on a causal LM."""
 
     task_name = "dpo"
+    image_passes = 2  # the chosen and the rejected rows each see the prompt's images
     ref_model: Any = None  # the frozen copy, when the reference is one
     eval_prompts: list[tuple[str, str]] = []  # --eval-generate's prompts and their chosen responses
     _nll_scale: float | None = None  # this step's pairs / NLL tokens over the global batch (set by before_step)

@@ -16,6 +16,7 @@ from rapidlite.data.streaming import TokenStream
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models.losses import unpack_loss
 from rapidlite.models.padding_free import fit_padding_free
+from rapidlite.models.vision import image_patches
 from rapidlite.trainer.base import BaseTrainer
 from rapidlite.trainer.providers import split_datasets
 
@@ -34,6 +35,8 @@ class Finetuner(BaseTrainer):
     """
 
     variable_length_batches = True
+    # How many times a forward runs each image of a batch (a preference pair's chosen and rejected rows: twice).
+    image_passes = 1
     # False: the training data is read in its order (a task whose global batches are made up front, as KTO's are).
     shuffle_training_data = True
     train_dataloader = None
@@ -106,7 +109,9 @@ class Finetuner(BaseTrainer):
         return self.log_evaluation(split, {} if metrics is None else metrics, epoch=round(epoch, 4))
 
     def _forward_batch(self, batch: Any) -> Any:
-        self.monitor.count_batch(*batch_stats(batch))
+        flops = self.engine.model_flops
+        patches = image_patches(batch, flops.patch_size) * self.image_passes if flops and flops.vision_params else 0
+        self.monitor.count_batch(*batch_stats(batch), patches=patches)
         return self.run_forward_step(batch, self.model)
 
     def train(self) -> dict[str, Any]:

@@ -134,10 +134,12 @@ class Monitor:
         self._interval["start"] = time.perf_counter()
         self._first_step_start = time.perf_counter()
 
-    def count_batch(self, samples: int, tokens: int | None) -> None:
-        """Record the data a step consumed (this rank's), for throughput and ``consumed_samples``."""
+    def count_batch(self, samples: int, tokens: int | None, patches: int = 0) -> None:
+        """Record the data a step consumed (this rank's), for throughput and ``consumed_samples``; ``patches``: the
+        image patches its vision encoder ran on (a vision-language model's FLOPs)."""
         interval = self._interval
         interval["samples"] += samples
+        interval["patches"] += patches
         if tokens is None:
             interval["tokens_known"] = False
         else:
@@ -207,14 +209,15 @@ class Monitor:
                 interval["loss"].double().cpu(),
                 torch.tensor(float(interval["samples"]), dtype=torch.float64),
                 torch.tensor(float(tokens), dtype=torch.float64),
+                torch.tensor(float(interval["patches"]), dtype=torch.float64),
             ]
         )
         extra = self.step_metrics.vector() if self.step_metrics else torch.zeros(0, dtype=torch.float64)
         totals = self.engine.all_reduce_sum(torch.cat([base, extra]))
-        loss, samples, tokens = totals[:3].tolist()
+        loss, samples, tokens, patches = totals[:4].tolist()
         # Context-parallel ranks count the same samples and tokens (each trains its shard of them).
         samples, tokens = samples / self.engine.dist.topology.cp, tokens / self.engine.dist.topology.cp
-        task_metrics = self.step_metrics.means(totals[3:]) if self.step_metrics else {}
+        task_metrics = self.step_metrics.means(totals[4:]) if self.step_metrics else {}
         self.step_metrics.clear()
         grad_norm = optimizer.last_grad_norm
         record: dict[str, Any] = {
@@ -228,7 +231,7 @@ class Monitor:
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed if tokens >= 0 else None,
             "step_time_s": elapsed / interval["steps"],
-            **self._flops_rates(samples, tokens, elapsed),
+            **self._flops_rates(samples, tokens, elapsed, patches),
             "peak_memory_mb": peak_memory_bytes(self.engine.device) / 2**20,
             **task_metrics,
         }
@@ -240,13 +243,15 @@ class Monitor:
             self.writer.write(record, "train")
         self._interval = _new_interval()
 
-    def _flops_rates(self, samples: float, tokens: float, elapsed: float) -> dict[str, float]:
+    def _flops_rates(self, samples: float, tokens: float, elapsed: float, patches: float = 0.0) -> dict[str, float]:
         """Model TFLOP/s per device and MFU, from the interval's tokens (summed over data-parallel ranks) and
-        their mean length per sequence (the attention term); every device shares the work."""
+        their mean length per sequence (the attention term), and its image patches; every device shares the
+        work."""
         flops = self.engine.model_flops
         if flops is None or tokens <= 0 or samples <= 0:
             return {}
-        per_device = flops.per_token(tokens / samples) * tokens / elapsed / self.engine.world_size
+        work = flops.per_token(tokens / samples) * tokens + flops.per_patch() * patches
+        per_device = work / elapsed / self.engine.world_size
         rates = {"tflops_per_device": per_device / 1e12}
         if self.engine.peak_flops:
             rates["mfu"] = per_device / self.engine.peak_flops
@@ -269,6 +274,7 @@ def _new_interval() -> dict[str, Any]:
         "samples": 0,
         "tokens": 0,
         "tokens_known": True,
+        "patches": 0,
         "start": time.perf_counter(),
     }
 
