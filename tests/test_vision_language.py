@@ -3,6 +3,8 @@ reference for the batch and the loss, freezing, the layouts against one process,
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 
@@ -49,6 +51,13 @@ def _rows(layout, n, start=0):
             rows.append(
                 {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer_items}]}
             )
+        elif layout == "base64":  # axolotl's base64 image items
+            data = base64.b64encode(_png(i)).decode()
+            user = [{"type": "image", "base64": data}, {"type": "text", "text": question}]
+            rows.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+        elif layout == "datasets":  # a datasets Image column of PIL images, TRL's text-only chat
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            rows.append({"messages": messages, "images": [_image(i)[0]]})
         elif layout == "trl":  # TRL's conversational prompt/completion, images before the first user turn
             rows.append(
                 {
@@ -60,11 +69,29 @@ def _rows(layout, n, start=0):
     return rows
 
 
+def _png(i):
+    out = io.BytesIO()
+    _image(i)[0].save(out, format="PNG")
+    return out.getvalue()
+
+
 def _write(directory, rows_by_split):
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "images").mkdir(exist_ok=True)
     for i in range(24):
         _image(i)[0].save(directory / "images" / f"{i}.png")
+    if rows_by_split and not isinstance(next(iter(rows_by_split.values()))[0].get("images", [""])[0], str):
+        import datasets
+
+        features = datasets.Features(
+            {
+                "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+                "images": datasets.Sequence(datasets.Image()),
+            }
+        )
+        splits = {k: datasets.Dataset.from_list(v, features=features) for k, v in rows_by_split.items()}
+        datasets.DatasetDict(splits).save_to_disk(str(directory / "saved"))
+        return directory / "saved"
     for split, rows in rows_by_split.items():
         (directory / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return directory
@@ -78,7 +105,7 @@ def assets(tmp_path_factory):
         save_tiny_vlm(directory, family, WORDS)
     data = {
         layout: _write(root / layout, {"train": _rows(layout, 16), "validation": _rows(layout, 4, start=16)})
-        for layout in ("factory", "content", "trl")
+        for layout in ("factory", "content", "trl", "base64", "datasets")
     }
     return models, data
 
@@ -99,12 +126,12 @@ def _trainer(model, data, *extra):
 def test_the_layouts_give_the_same_tensors(assets):
     models, data = assets
     batches = {}
-    for layout in ("factory", "content", "trl"):
+    for layout in ("factory", "content", "trl", "base64", "datasets"):
         _, train, collate = _trainer(models["qwen2_vl"], data[layout])
         batches[layout] = collate([train[i] for i in range(6)])
     reference = batches["factory"]
     assert set(reference) >= {"input_ids", "labels", "attention_mask", "pixel_values", "image_grid_thw"}
-    for layout in ("content", "trl"):
+    for layout in ("content", "trl", "base64", "datasets"):
         assert set(batches[layout]) == set(reference)
         for key, value in reference.items():
             assert torch.equal(batches[layout][key], value), (layout, key)
@@ -385,9 +412,17 @@ def test_dpo_with_images_on_two_ranks_equals_one_process(assets, tmp_path):
     assert_same_metrics(saves["ddp"], saves["one"], ("loss", "grad_norm", "rewards/margins"), rel=1e-5, at_least=3)
 
 
-@pytest.mark.parametrize(
-    "model_type", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm"]
-)
+VISION_TYPES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm"]
+
+
+def test_every_vision_family_is_here():
+    from rapidlite.models.spec import _REGISTRY
+
+    named = {model_type for spec in _REGISTRY if spec.vision is not None for model_type in spec.model_types}
+    assert named == set(VISION_TYPES)
+
+
+@pytest.mark.parametrize("model_type", VISION_TYPES)
 def test_every_family_names_its_tower_projector_and_language_model(model_type):
     """Each family's spec splits the model (its default config, built on the meta device) into the three parts,
     none empty; its blocks are the language model's; LoRA's default targets lie in the language model only."""

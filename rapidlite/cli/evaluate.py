@@ -138,18 +138,20 @@ def run(argv: Sequence[str]) -> int:
     from rapidlite.runtime.world import target_world_size
 
     ctx = init_distributed(Topology.split(target_world_size(parallel)), parallel)
-    from rapidlite.evaluation.vision import has_image_items, load_vision_scorer
+    from rapidlite.evaluation import vision
 
-    if has_image_items(items):  # rows with images: a vision-language model and its processor
-        scorer = load_vision_scorer(
+    per_pair: list | None = [] if args.scores else None
+    if vision.has_image_items(items):  # rows with images: a vision-language model and its processor
+        scorer = vision.load_vision_scorer(
             args.model, args.data, args.seq_length, args.micro_batch_size, args.bf16, ctx.device
         )
+        scorer.chunked = not args.no_chunked_loss
+        results = vision.evaluate(scorer, task, items, ctx if ctx.initialized else None)
     else:
         load = load_reward_scorer if task == REWARD else load_scorer
         scorer = load(args.model, args.seq_length, args.micro_batch_size, args.bf16, ctx.device)
-    scorer.chunked = not args.no_chunked_loss
-    per_pair: list | None = [] if args.scores else None
-    results = evaluate(scorer, task, items, ctx if ctx.initialized else None, per_pair)
+        scorer.chunked = not args.no_chunked_loss
+        results = evaluate(scorer, task, items, ctx if ctx.initialized else None, per_pair)
     if ctx.is_main_process:
         results = {**results, "model": args.model, "data": args.data, "world_size": ctx.world_size}
         print(json.dumps(results), flush=True)

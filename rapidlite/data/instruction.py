@@ -225,6 +225,11 @@ def _message(message: Any) -> dict[str, str]:
         )
     content = message.get("content") if message.get("content") is not None else message.get("value")
     if isinstance(content, list):  # OpenAI's parts: [{"type": "text", "text": ...}, ...]
+        if any(isinstance(p, dict) and p.get("type") == "image" and p.get("text") is None for p in content):
+            raise DataError(
+                "a chat message holds an image, but this run reads the data as text (its first rows brought no "
+                "images); put the rows with images first, or give every image an images column"
+            )
         content = "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
     role = _ROLES.get(str(role).lower(), str(role))
     if role not in CHAT_ROLES:

@@ -127,7 +127,8 @@ def vision_sample(row: dict[str, Any], index: int) -> VisionSample:
             if not isinstance(part, dict):
                 part = {"type": "text", "text": str(part)}
             if part.get("type") == "image":
-                source = next((part[k] for k in IMAGE_SOURCES if part.get(k) is not None), None)
+                key = next((k for k in IMAGE_SOURCES if part.get(k) is not None), None)
+                source = None if key is None else {"base64": part[key]} if key == "base64" else part[key]
                 if source is None:  # a placeholder item: the next of the row's images
                     if not pending:
                         raise _unpaired(index, raw, given)
@@ -181,13 +182,19 @@ def _describe(source: Any) -> str:
     return type(source).__name__
 
 
+# A text source this long with no whitespace is bare base64 image data, not a path (paths are far shorter).
+BASE64_LENGTH = 1024
+
+
+def _is_base64(text: str) -> bool:
+    return text.startswith("data:") or (len(text) >= BASE64_LENGTH and not any(c.isspace() for c in text[:256]))
+
+
 def image_path(source: Any, base: str) -> str | None:
     """The file a path source names (relative to ``base``, the data file's directory), else None."""
     if isinstance(source, dict):
-        source = source.get("path") if source.get("bytes") is None else None
-    if not isinstance(source, str) or source.startswith(("http://", "https://", "data:")):
-        return None
-    if len(source) > 512 and "/" not in source:  # base64 text
+        source = source.get("path") if source.get("bytes") is None and "base64" not in source else None
+    if not isinstance(source, str) or source.startswith(("http://", "https://")) or _is_base64(source):
         return None
     path = os.path.expanduser(source)
     return path if os.path.isabs(path) else os.path.join(base, path)
@@ -204,6 +211,10 @@ def open_image(source: Any, base: str, index: int) -> Any:
     if isinstance(source, Image.Image):
         return source.convert("RGB")
     data: bytes | None = None
+    if isinstance(source, dict) and "base64" in source:  # an image item's base64 (axolotl's key)
+        source = str(source["base64"])
+        if not source.startswith("data:") and len(source) < BASE64_LENGTH:
+            source = "data:," + source  # short, but named base64 by its key
     if isinstance(source, dict) and source.get("bytes") is not None:
         data = source["bytes"]
     elif isinstance(source, str) and source.startswith(("http://", "https://")):
@@ -214,7 +225,7 @@ def open_image(source: Any, base: str, index: int) -> Any:
                 data = response.read()
         except OSError as e:
             raise bad(f"cannot be fetched ({first_line(e, 100)})") from None
-    elif isinstance(source, str) and (source.startswith("data:") or image_path(source, base) is None):
+    elif isinstance(source, str) and _is_base64(source):
         try:
             data = base64.b64decode(source.split(",", 1)[-1], validate=True)
         except (binascii.Error, ValueError):
@@ -377,19 +388,27 @@ def image_token_ids(processor: Any) -> set[int]:
 
 
 class VisionDataset(torch.utils.data.Dataset):
-    """A split's rows, each encoded when the data loader asks for it (images opened in its workers). With
-    ``skip_bad`` a sample whose image cannot be read becomes None (left out of its batch by ``VisionCollator``,
-    counted and warned about); without, that is one line and the run stops."""
+    """The ``rows`` of a split (a ``datasets`` split or a list of rows), each read (``read``: a chat, or a pair)
+    and encoded when the data loader asks for it, its images opened in the loader's workers. With ``skip_bad`` a
+    sample whose image cannot be read becomes None (left out of its batch by the collator, and warned about);
+    without, that is one line and the run stops."""
 
-    def __init__(self, samples: Sequence[VisionSample], rows: Sequence[int], encoder: VisionEncoder, skip_bad: bool):
-        self.samples, self.rows, self.encoder, self.skip_bad = samples, rows, encoder, skip_bad
+    def __init__(
+        self, split: Any, rows: Sequence[int], encoder: Any, skip_bad: bool = False, read: Any = vision_sample
+    ):
+        self.split, self.rows, self.encoder, self.skip_bad, self.read = split, list(rows), encoder, skip_bad, read
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.rows)
+
+    def sample(self, i: int) -> Any:
+        """The ``i``-th row, read."""
+        row = self.rows[i]
+        return self.read(self.split[row], row)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor] | None:
         try:
-            return self.encoder(self.samples[i], self.rows[i])
+            return self.encoder(self.sample(i), self.rows[i])
         except BadImage as e:
             if not self.skip_bad:
                 raise

@@ -115,19 +115,6 @@ class VisionPairEncoder:
         return sample
 
 
-class VisionPairDataset(torch.utils.data.Dataset):
-    """A split's pairs, each encoded when the data loader asks for it."""
-
-    def __init__(self, pairs: Sequence[VisionPair], rows: Sequence[int], encoder: VisionPairEncoder):
-        self.pairs, self.rows, self.encoder = pairs, rows, encoder
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.encoder(self.pairs[i], self.rows[i])
-
-
 @dataclass
 class VisionPairCollator:
     """``[pairs, 2, length]`` batches as ``PairCollator`` makes them (prompt then response, right-padded, labels on
@@ -135,7 +122,10 @@ class VisionPairCollator:
 
     pad_id: int
 
-    def __call__(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+        samples = [s for s in samples if s is not None]  # a pair whose image could not be read (--skip-bad-images)
+        if not samples:
+            raise DataError("--skip-bad-images: every pair of a batch had an unreadable image")
         rows = [[torch.cat([s["prompt_input_ids"], s[k]]) for k in ("chosen_ids", "rejected_ids")] for s in samples]
         length = max(len(r) for pair in rows for r in pair)
         shape = (len(samples), 2, length)

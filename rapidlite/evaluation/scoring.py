@@ -422,11 +422,6 @@ def evaluate(
     """The metrics of ``task`` (``multiple_choice``, ``perplexity`` with a ``CausalLMScorer``; ``reward`` with a
     ``RewardScorer``, and its pairs' scores in ``per_pair``) on ``items`` as ``load_eval_data`` returns them, equal
     on every rank."""
-    from rapidlite.evaluation import vision
-
-    if isinstance(scorer, vision.VisionScorer):  # rows with images
-        score = vision.multiple_choice if task == MULTIPLE_CHOICE else vision.perplexity
-        return {"task": task, **score(scorer, items, ctx)}
     if task == REWARD:
         metrics = reward(scorer, items, ctx, per_pair)
     elif task == MULTIPLE_CHOICE:

@@ -107,6 +107,14 @@ def multiple_choice(scorer: VisionScorer, items: Sequence[MultipleChoiceItem], c
     }
 
 
+def evaluate(scorer: VisionScorer, task: str, items: Sequence[Any], ctx: Any = None) -> dict[str, Any]:
+    """The metrics of ``task`` (multiple choice or perplexity) on image rows, equal on every rank."""
+    from rapidlite.evaluation.data import MULTIPLE_CHOICE
+
+    score = multiple_choice if task == MULTIPLE_CHOICE else perplexity
+    return {"task": task, **score(scorer, items, ctx)}
+
+
 def has_image_items(items: Sequence[Any]) -> bool:
     """Whether ``load_eval_data``'s items are image rows."""
     first = items[0] if items else None

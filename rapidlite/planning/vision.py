@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rapidlite.errors import first_line
+
+if TYPE_CHECKING:
+    from rapidlite.config.settings import Sections
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class ImageProfileError(Exception):
 
 
 def count_images(
-    settings: Any, ranks: list[Any], model: torch.nn.Module, name: str, dtype: Any
+    settings: Sections, ranks: list[Any], model: torch.nn.Module, name: str, dtype: Any
 ) -> tuple[list[str], int]:
     """A vision-language run's images in each rank's activations (one image a sample, at ``--image-max-pixels``),
     the note that says so, and the image's patches (the vision encoder's FLOPs run on them)."""

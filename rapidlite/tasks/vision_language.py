@@ -23,7 +23,7 @@ from rapidlite.data.vision import (
     image_path,
     vision_sample,
 )
-from rapidlite.data.vision_pairs import VisionPairCollator, VisionPairDataset, VisionPairEncoder, vision_pair
+from rapidlite.data.vision_pairs import VisionPairCollator, VisionPairEncoder, vision_pair
 from rapidlite.errors import ConfigError, DataError
 from rapidlite.models import vision
 
@@ -32,10 +32,17 @@ CHECK_ROWS = 4  # the rows encoded whole at start-up (images opened), so a bad o
 
 
 def data_has_images(raw: Any) -> bool:
-    """Whether the data's training split (else its first split) brings images in its first rows."""
+    """Whether the data's training split (else its first split) brings images: an ``images``/``image`` column with
+    any, or image items in the contents of its first rows (a later row's image item in a text run is refused by
+    the text reader, never dropped)."""
     if raw is None:
         return False
     split = raw["train"] if "train" in raw else next(iter(raw.values()))
+    for column in ("images", "image"):
+        if column in split.column_names:
+            values = undecoded(split.select_columns([column]))[column]
+            if any(v not in (None, [], "") for v in values):
+                return True
     return any(has_images(split[i]) for i in range(min(DETECT_ROWS, len(split))))
 
 
@@ -66,25 +73,30 @@ def undecoded(split: Any) -> Any:
 
 @dataclass
 class VisionSplit:
-    """A split's samples and their row numbers, and the rows left out (a missing image under --skip-bad-images)."""
+    """The rows of a split that train (their numbers), the images they bring, and the rows left out (a missing
+    image under --skip-bad-images)."""
 
-    samples: list[VisionSample]
     rows: list[int]
+    images: int = 0
     missing: int = 0
 
 
-def checked_split(split: Any, base: str, skip_bad: bool, name: str) -> VisionSplit:
-    """Every row of a split as a ``VisionSample``; a row whose placeholders and images do not pair up is one line,
-    as is an image file that is not there (left out and counted with ``skip_bad``)."""
-    out = VisionSplit([], [])
+def prompt_images(sample: Any) -> list[Any]:
+    """The image sources of a chat (``VisionSample``) or a pair (``VisionPair``: its prompt's)."""
+    return sample.images if isinstance(sample, VisionSample) else sample.prompt.images
+
+
+def checked_split(split: Any, base: str, skip_bad: bool, name: str, read: Any = vision_sample) -> VisionSplit:
+    """Every row of a split read as ``read`` reads it (a chat, or a pair); a row whose placeholders and images do
+    not pair up is one line, as is an image file that is not there (left out and counted with ``skip_bad``).
+    Nothing is kept but the row numbers: the rows are read again, and their images opened, as they train."""
+    out = VisionSplit([])
     for index in range(len(split)):
         row = split[index]
-        sample = vision_sample(row, index) if has_images(row) or _chat(row) else None
-        if sample is None:
+        if read is vision_sample and not (has_images(row) or _chat(row)):
             raise DataError(f"{name} row {index}: no chat messages or prompt/completion to train on")
-        missing = next(
-            (p for s in sample.images if (p := image_path(s, base)) is not None and not os.path.isfile(p)), None
-        )
+        images = prompt_images(read(row, index))
+        missing = next((p for s in images if (p := image_path(s, base)) is not None and not os.path.isfile(p)), None)
         if missing is not None:
             if not skip_bad:
                 raise DataError(
@@ -93,24 +105,16 @@ def checked_split(split: Any, base: str, skip_bad: bool, name: str) -> VisionSpl
                 )
             out.missing += 1
             continue
-        out.samples.append(sample)
         out.rows.append(index)
+        out.images += len(images)
     return out
 
 
-def missing_image(sample: VisionSample, base: str, name: str, index: int) -> None:
-    """One line for an image file of ``sample`` that is not there."""
-    for source in sample.images:
-        path = image_path(source, base)
-        if path is not None and not os.path.isfile(path):
-            raise DataError(f"{name} row {index}: image {path}: no such file (relative paths start at {base})")
-
-
-def opened_up_front(name: str, samples: list[Any], rows: list[int], encoder: Any) -> None:
+def opened_up_front(name: str, dataset: VisionDataset) -> None:
     """The first rows encoded whole (images opened) at start-up: a bad image stops the run before any step."""
-    for i in range(min(CHECK_ROWS, len(samples))):
+    for i in range(min(CHECK_ROWS, len(dataset))):
         try:
-            encoder(samples[i], rows[i])
+            dataset.encoder(dataset.sample(i), dataset.rows[i])
         except BadImage as e:
             raise DataError(f"{name} {e}") from None
 
@@ -124,26 +128,16 @@ class VisionLanguage:
     its tower and projector frozen as the flags say."""
 
     def vision_data(self, raw: Any, seq_length: int, pad_id: int) -> tuple[Any, Any, Any, VisionCollator]:
-        settings: Sections = self.settings
-        options = settings.vision
-        encoder = self.vision_encoder(seq_length)
-        base = encoder.base
-        splits: dict[str, Any] = {}
-        missing = 0
-        for name in ("train", "validation", "test"):
-            if name not in raw:
-                continue
-            checked = checked_split(undecoded(raw[name]), base, options.skip_bad_images, name)
-            missing += checked.missing
-            splits[name] = VisionDataset(checked.samples, checked.rows, encoder, options.skip_bad_images)
-            opened_up_front(name, checked.samples, checked.rows, encoder)
+        """``--task causal_lm``'s chats with images (``rapidlite.data.vision``)."""
+        options = self.settings.vision
+        splits, checked = self._vision_splits(raw, self.vision_encoder(seq_length), vision_sample)
         self.collator = VisionCollator(self.tokenizer.pad_token_id)
         counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
-        images = sum(len(s.images) for s in splits["train"].samples) if "train" in splits else 0
+        missing = sum(c.missing for c in checked.values())
         self.logger.info(
-            f"data: images and text ({counts} samples, {images} training images, encoded as they are read), "
-            f"processor {type(self.processor).__name__}, images scaled to {options.image_min_pixels:,d}-"
-            f"{options.image_max_pixels:,d} pixels"
+            f"data: images and text ({counts} samples, {checked['train'].images if 'train' in checked else 0} "
+            f"training images, encoded as they are read), processor {type(self.processor).__name__}, images "
+            f"scaled to {options.image_min_pixels:,d}-{options.image_max_pixels:,d} pixels"
             + (f", {missing} rows left out with a missing image (--skip-bad-images)" if missing else "")
         )
         self.data = None
@@ -160,28 +154,32 @@ class VisionLanguage:
             if given:
                 raise ConfigError(f"{flag_name}: not built for preference data with images yet; drop {flag_name}")
         encoder = VisionPairEncoder(self.vision_encoder(seq_length))
+        splits, checked = self._vision_splits(raw, encoder, vision_pair)
+        counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
+        missing = sum(c.missing for c in checked.values())
+        self.logger.info(
+            f"data: preference pairs with images ({counts} pairs, encoded as they are read), processor "
+            f"{type(self.processor).__name__}"
+            + (f", {missing} rows left out with a missing image (--skip-bad-images)" if missing else "")
+        )
+        self.eval_prompts = []
+        collator = VisionPairCollator(self.tokenizer.pad_token_id)
+        return splits.get("train"), splits.get("validation"), splits.get("test"), collator
+
+    def _vision_splits(self, raw: Any, encoder: Any, read: Any) -> tuple[dict[str, Any], dict[str, VisionSplit]]:
+        """Each split checked (``checked_split``) and its first rows opened, as a lazily encoded dataset."""
+        skip_bad = self.settings.vision.skip_bad_images
+        base = encoder.base if isinstance(encoder, VisionEncoder) else encoder.base.base
         splits: dict[str, Any] = {}
+        checked: dict[str, VisionSplit] = {}
         for name in ("train", "validation", "test"):
             if name not in raw:
                 continue
             split = undecoded(raw[name])
-            pairs = [vision_pair(split[i], i) for i in range(len(split))]
-            for i, pair in enumerate(pairs):
-                missing_image(pair.prompt, encoder.base.base, name, i)
-            splits[name] = VisionPairDataset(pairs, list(range(len(pairs))), encoder)
-            opened_up_front(name, pairs, splits[name].rows, encoder)
-        counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
-        self.logger.info(
-            f"data: preference pairs with images ({counts} pairs, encoded as they are read), processor "
-            f"{type(self.processor).__name__}"
-        )
-        self.eval_prompts = []
-        return (
-            splits.get("train"),
-            splits.get("validation"),
-            splits.get("test"),
-            VisionPairCollator(self.tokenizer.pad_token_id),
-        )
+            checked[name] = checked_split(split, base, skip_bad, name, read)
+            splits[name] = VisionDataset(split, checked[name].rows, encoder, skip_bad, read)
+            opened_up_front(name, splits[name])
+        return splits, checked
 
     def vision_encoder(self, seq_length: int) -> VisionEncoder:
         """The checks every task's image data goes through, the processor, and the sample encoder."""
@@ -261,7 +259,8 @@ class VisionLanguage:
             *_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None)),
         }
         hits, lines = 0, []
-        for sample, row in list(zip(dataset.samples, dataset.rows, strict=True))[:count]:
+        for i in range(min(count, len(dataset))):
+            sample, row = dataset.sample(i), dataset.rows[i]
             last = max(i for i, m in enumerate(sample.messages) if m["role"] == "assistant")
             reference = "".join(p.get("text", "") for p in sample.messages[last]["content"]).strip()
             text = self.processor.apply_chat_template(
