@@ -4,7 +4,8 @@ vision demo's model, and what the tests train. Nothing is downloaded.
 ``tiny_processor(family, words)`` is a word-level tokenizer over ``words`` (a ChatML chat template that renders
 image items as the family's image token) joined to the family's image processor at a small image size;
 ``tiny_config(family, processor, **sizes)`` is the family's config with a LLaMA-style language model of the given
-sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector) and ``qwen2_vl``.
+sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector), ``qwen2_vl`` and
+``gemma3`` (SigLIP, one pooled token an image).
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-FAMILIES = ("llava", "qwen2_vl")
+FAMILIES = ("llava", "qwen2_vl", "gemma3")
 SPECIALS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 IMAGE_TOKENS = {
     "llava": ("<image>",),
     "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
+    "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+}
+# Gemma 3's processor finds its image tokens by these names on the tokenizer.
+NAMED_TOKENS = {
+    "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 }
 ROLES = ("system", "user", "assistant")
 # ChatML with content lists: an image item is the family's image text, a text item its text.
@@ -26,7 +32,11 @@ CHAT_TEMPLATE = (
     "{% if c['type'] == 'image' %}IMAGE {% elif c['type'] == 'text' %}{{ c['text'] }} {% endif %}"
     "{% endfor %}{% endif %}<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-IMAGE_TEXT = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+IMAGE_TEXT = {
+    "llava": "<image>",
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+}
 IMAGE_SIDE = 28  # pixels: LLaVA's crop, and Qwen2-VL's smallest image (2 x 2 patches of 14, one merged token)
 
 
@@ -47,6 +57,7 @@ def tiny_tokenizer(family: str, words: Sequence[str]) -> Any:
         eos_token="<|im_end|>",
         additional_special_tokens=specials[2:],
         model_max_length=4096,
+        **({"extra_special_tokens": NAMED_TOKENS[family]} if family in NAMED_TOKENS else {}),
     )
 
 
@@ -79,6 +90,11 @@ def tiny_processor(family: str, words: Sequence[str], image_side: int = IMAGE_SI
                 image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template
             )
         return keep(processor)
+    if family == "gemma3":  # SigLIP at image_side, pooled to one token an image
+        image_processor = transformers.Gemma3ImageProcessor(size={"height": image_side, "width": image_side})
+        return transformers.Gemma3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_length=1, chat_template=template
+        )
     raise ValueError(f"no tiny {family}; families: {', '.join(FAMILIES)}")
 
 
@@ -115,6 +131,20 @@ def config_kwargs(
             "projector_hidden_act": "gelu",
             **ids,
         }
+    if family == "gemma3":
+        vision = {
+            "hidden_size": vision_width, "intermediate_size": 2 * vision_width, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "image_size": IMAGE_SIDE, "patch_size": 14,
+        }  # fmt: skip
+        return {
+            "text_config": {**language, "head_dim": hidden // heads},
+            "vision_config": vision,
+            "mm_tokens_per_image": 1,
+            "boi_token_index": token("<start_of_image>"),
+            "eoi_token_index": token("<end_of_image>"),
+            "image_token_index": token("<image_soft_token>"),
+            **ids,
+        }
     head_dim = hidden // heads
     section = [head_dim // 8, head_dim // 8 * 3 // 2, head_dim // 2 - head_dim // 8 - head_dim // 8 * 3 // 2]
     language["rope_scaling"] = {"type": "mrope", "mrope_section": section}
@@ -133,8 +163,7 @@ def config_kwargs(
     }
 
 
-CONFIG_CLASSES = {"llava": "LlavaConfig", "qwen2_vl": "Qwen2VLConfig"}
-MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+CONFIG_CLASSES = {"llava": "LlavaConfig", "qwen2_vl": "Qwen2VLConfig", "gemma3": "Gemma3Config"}
 
 
 def tiny_config(family: str, processor: Any, **sizes: Any) -> Any:
