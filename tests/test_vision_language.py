@@ -225,7 +225,9 @@ LAYOUTS = {
     "one": ["--micro-batch-size", "4"],
     "accumulation": ["--micro-batch-size", "2"],
     "ddp": TWO,
+    "zero2": [*TWO, "--zero-2-memory-optimization"],
     "zero3_offload": [*TWO, "--zero-3-memory-optimization", "--cpu-offload"],
+    "checkpointing": ["--micro-batch-size", "4", "--checkpoint-activations", "--offload-activations"],
     "deepspeed_zero3": [*TWO, "--deepspeed", "--zero-3-memory-optimization"],
     "lora_one": ["--micro-batch-size", "4", "--lora-rank", "4"],
     "lora_zero3": [*TWO, "--zero-3-memory-optimization", "--lora-rank", "4"],
@@ -252,7 +254,9 @@ def runs(assets, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["accumulation", "ddp", "zero3_offload", "deepspeed_zero3", "lora_zero3"])
+@pytest.mark.parametrize(
+    "name", ["accumulation", "checkpointing", "ddp", "zero2", "zero3_offload", "deepspeed_zero3", "lora_zero3"]
+)
 def test_a_layout_equals_one_process(runs, name):
     if name == "deepspeed_zero3":
         pytest.importorskip("deepspeed")
@@ -305,6 +309,15 @@ def test_bad_input_is_one_line_and_exit_2(assets, tmp_path, case, expected):
     assert code == 2, lines
     assert len(lines) == 1 and expected in lines[0], lines
     assert not save.exists()
+
+
+def test_tensor_parallelism_is_refused_in_one_line(assets, tmp_path):
+    models, data = assets
+    argv = _args(models["qwen2_vl"], data["factory"], "--train-iters", "1", "--save", str(tmp_path / "o"))
+    proc = rapidlite(*argv, "--nproc-per-node", "2", "--tensor-model-parallel-size", "2")
+    assert proc.returncode == 2
+    assert "--tensor-model-parallel-size: not built for vision-language models" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
 def test_skip_bad_images_leaves_out_rows_whose_image_is_missing(assets, tmp_path):

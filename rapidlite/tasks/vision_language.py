@@ -229,8 +229,8 @@ class VisionLanguage:
             )
         if settings.topology.tp > 1:
             raise ConfigError(
-                "--tensor-model-parallel-size: not built for vision-language models; use data parallelism or "
-                "ZeRO-3 (--zero-stage 3) to spread the model"
+                "--tensor-model-parallel-size: not built for vision-language models; use data parallelism, or "
+                "--zero-3-memory-optimization to spread the model"
             )
         model = vision.load_vision_model(name, **self.pretrained_load_kwargs())
         line = vision.freeze(model, options.freeze_vision_tower, options.freeze_projector)
