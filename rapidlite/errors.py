@@ -7,10 +7,21 @@ its traceback.
 """
 
 
+# How torch's DataLoader re-raises a worker's exception: the worker's traceback inside the message.
+WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+
+
 class RapidliteError(Exception):
     """Base class of errors caused by the user's input (flags, files, data)."""
 
     exit_code = 2
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if WORKER_TRACEBACK in text:  # raised in a data loader worker: the line it was raised with
+            last = text.rstrip().splitlines()[-1]
+            return last.split(": ", 1)[1] if ": " in last else last
+        return text
 
 
 class ConfigError(RapidliteError):

@@ -592,3 +592,19 @@ def test_a_family_trains_and_its_export_reloads(assets, tmp_path, family):
     )
     inputs = processor(text=[text], images=[[_image(0)[0]]], return_tensors="pt")
     assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_an_image_found_bad_in_a_loader_worker_is_one_line_or_skipped(assets, tmp_path):
+    """An unreadable image past the rows opened at start-up fails in a loader worker: one line and exit 2, not the
+    worker's traceback; with --skip-bad-images the sample is left out of its batch and the run goes on, warned."""
+    models, _ = assets
+    rows = _rows("factory", 12)
+    rows[10]["images"] = ["late.png"]
+    directory = _write(tmp_path / "data", {"train": rows, "validation": rows[:2]})
+    (directory / "late.png").write_text("not an image")
+    argv = _args(models["qwen2_vl"], directory, "--epochs", "1", "--num-workers", "1", "--split", "100,0,0")
+    code, lines = _fails(argv)
+    assert code == 2 and len(lines) == 1 and "row 10: image late.png: not an image" in lines[0], lines
+    proc = rapidlite(*argv, "--skip-bad-images")  # its own process: the worker logs to the run's streams
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--skip-bad-images: skipped row 10: image late.png" in proc.stdout + proc.stderr

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -412,9 +413,7 @@ class VisionDataset(torch.utils.data.Dataset):
         except BadImage as e:
             if not self.skip_bad:
                 raise
-            import warnings
-
-            warnings.warn(f"--skip-bad-images: skipped {e}", stacklevel=1)
+            logging.getLogger("rapidlite").warning(f"--skip-bad-images: skipped {e}")
             return None
 
 
