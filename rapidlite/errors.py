@@ -6,7 +6,6 @@ and exits with code 2, without a traceback. Everything else is a bug and keeps
 its traceback.
 """
 
-
 # How torch's DataLoader re-raises a worker's exception: the worker's traceback inside the message.
 WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 

@@ -608,3 +608,17 @@ def test_an_image_found_bad_in_a_loader_worker_is_one_line_or_skipped(assets, tm
     proc = rapidlite(*argv, "--skip-bad-images")  # its own process: the worker logs to the run's streams
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--skip-bad-images: skipped row 10: image late.png" in proc.stdout + proc.stderr
+
+
+def test_a_vision_language_model_trains_on_text_only_chats(assets, tmp_path):
+    """Text-only prompt/completion rows on a vision-language model go through its processor (no image), the
+    prompt masked, as they would with images."""
+    models, _ = assets
+    rows = [{"prompt": "what colour is it", "completion": COLOURS[i % 3]} for i in range(8)]
+    directory = _write(tmp_path / "text", {"train": rows, "validation": rows[:2]})
+    trainer, train, collate = _trainer(models["qwen2_vl"], directory)
+    batch = collate([train[i] for i in range(4)])
+    assert "pixel_values" not in batch and trainer.images
+    assert 0 < int((batch["labels"] != -100).sum()) < int(batch["attention_mask"].sum())
+    proc = rapidlite_captured(*_args(models["qwen2_vl"], directory, "--train-iters", "1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -111,7 +111,8 @@ def vision_sample(row: dict[str, Any], index: int) -> VisionSample:
     if raw is None:
         keys = ", ".join(k for k, v in row.items() if v is not None)
         raise DataError(
-            f"row {index}: images need chat data (messages or conversations, or prompt and completion); its columns "
+            f"row {index}: a vision-language model trains on chats (messages or conversations, or prompt and "
+            "completion, with or without images); its columns "
             f"are {keys}"
         )
     given = row_images(row)

@@ -113,11 +113,15 @@ def count_images(
 ) -> tuple[list[str], int]:
     """A vision-language run's images in each rank's activations (one image a sample, at ``--image-max-pixels``),
     the note that says so, and the image's patches (the vision encoder's FLOPs run on them)."""
+    from rapidlite.errors import RapidliteError
+
     micro = settings.batching.micro_batch_size
     try:
         term = image_term(model, name, settings.vision.image_max_pixels, dtype)
     except ImageProfileError as e:
         return [f"images NOT counted: the vision encoder's forward could not run on meta tensors ({e})"], 0
+    except RapidliteError as e:  # no processor beside the model: its images' sizes are the processor's rule
+        return [f"images NOT counted: {e}"], 0
     for r in ranks:
         r.activations += term.saved * micro
         r.activation_per_sample += term.saved

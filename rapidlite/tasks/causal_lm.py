@@ -157,7 +157,7 @@ class CausalLMFinetuner(VisionLanguage, Finetuner):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         if settings.data.streaming:
             return self.streamed_data(seq_length, pad_id)
-        self.images = data_has_images(raw)
+        self.images = self.vision_run(raw)
         if self.images:
             return self.vision_data(raw, seq_length, pad_id)
         self.data = build_instruction_data(

@@ -45,7 +45,6 @@ from rapidlite.runtime.cache import cache_root, make_cache_dir
 from rapidlite.tasks.causal_lm import CausalLMFinetuner
 from rapidlite.tasks.dpo_spec import preference_reference
 from rapidlite.tasks.preference_losses import PairScores, pair_loss, sequence_sums
-from rapidlite.tasks.vision_language import data_has_images
 
 
 def _segments(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -113,7 +112,7 @@ class DPOFinetuner(CausalLMFinetuner):
         raw, seq_length, pad_id = self.tokenizer_and_data_source()
         self.max_length = seq_length
         layout = pair_layout(raw["train"].column_names)
-        self.images = data_has_images(raw)
+        self.images = self.vision_run(raw)
         if self.images:
             return self.vision_pair_data(raw, seq_length)
 

@@ -93,8 +93,6 @@ def checked_split(split: Any, base: str, skip_bad: bool, name: str, read: Any = 
     out = VisionSplit([])
     for index in range(len(split)):
         row = split[index]
-        if read is vision_sample and not (has_images(row) or _chat(row)):
-            raise DataError(f"{name} row {index}: no chat messages or prompt/completion to train on")
         images = prompt_images(read(row, index))
         missing = next((p for s in images if (p := image_path(s, base)) is not None and not os.path.isfile(p)), None)
         if missing is not None:
@@ -119,13 +117,14 @@ def opened_up_front(name: str, dataset: VisionDataset) -> None:
             raise DataError(f"{name} {e}") from None
 
 
-def _chat(row: dict[str, Any]) -> bool:
-    return any(isinstance(row.get(k), list) for k in ("messages", "conversations", "prompt"))
-
-
 class VisionLanguage:
     """The vision-language half of a causal-LM trainer: the processor, the lazily encoded splits, the model with
     its tower and projector frozen as the flags say."""
+
+    def vision_run(self, raw: Any) -> bool:
+        """Whether the run is a vision-language one: the data has images, or the model is a vision-language model
+        (trained on text-only chats through its processor, as it will be used)."""
+        return data_has_images(raw) or vision.is_vision_config(getattr(self, "model_config_", None))
 
     def vision_data(self, raw: Any, seq_length: int, pad_id: int) -> tuple[Any, Any, Any, VisionCollator]:
         """``--task causal_lm``'s chats with images (``rapidlite.data.vision``)."""
