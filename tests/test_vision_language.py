@@ -622,3 +622,34 @@ def test_a_vision_language_model_trains_on_text_only_chats(assets, tmp_path):
     assert 0 < int((batch["labels"] != -100).sum()) < int(batch["attention_mask"].sum())
     proc = rapidlite_captured(*_args(models["qwen2_vl"], directory, "--train-iters", "1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_every_vision_family_plans_causal_lm_and_dpo(tmp_path):
+    """--dry-run plans each vision-language family (its default config, two layers in each part) for both tasks
+    that read images, its activations counted; without a processor beside the model the images are said not to
+    be counted, and the plan still prints."""
+    from test_dry_run import plans
+    from transformers import AutoConfig
+
+    data = {}
+    for task, rows in (("causal_lm", _rows("factory", 4)), ("dpo", _pairs("factory", 4))):
+        data[task] = _write(tmp_path / task, {"train": rows, "validation": rows[:1]})
+    argvs = {}
+    for model_type in VISION_TYPES:
+        config = AutoConfig.for_model(model_type)
+        for part in (config.text_config, config.vision_config):
+            for key in ("num_hidden_layers", "depth"):
+                if hasattr(part, key):
+                    setattr(part, key, 2)
+            if getattr(part, "layer_types", None):
+                part.layer_types = part.layer_types[:2]
+        config.save_pretrained(tmp_path / model_type)
+        for task in ("causal_lm", "dpo"):
+            argv = _args(tmp_path / model_type, data[task], "--seq-length", "64")
+            argv[1] = task
+            argvs[f"{model_type}/{task}"] = argv
+    planned = plans(argvs)
+    for case, result in planned.items():
+        assert isinstance(result, list), (case, result)
+        (rank,) = result
+        assert rank["activation_bytes"] > 0 and rank["param_bytes"] > 0, (case, rank)
