@@ -4,8 +4,8 @@ vision demo's model, and what the tests train. Nothing is downloaded.
 ``tiny_processor(family, words)`` is a word-level tokenizer over ``words`` (a ChatML chat template that renders
 image items as the family's image token) joined to the family's image processor at a small image size;
 ``tiny_config(family, processor, **sizes)`` is the family's config with a LLaMA-style language model of the given
-sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector), ``qwen2_vl`` and
-``gemma3`` (SigLIP, one pooled token an image).
+sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector), ``qwen2_vl``,
+``qwen2_5_vl`` (windowed attention) and ``gemma3`` (SigLIP, one pooled token an image).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-FAMILIES = ("llava", "qwen2_vl", "gemma3")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
 SPECIALS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 IMAGE_TOKENS = {
     "llava": ("<image>",),
     "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
+    "qwen2_5_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
 }
 # Gemma 3's processor finds its image tokens by these names on the tokenizer.
@@ -35,6 +36,7 @@ CHAT_TEMPLATE = (
 IMAGE_TEXT = {
     "llava": "<image>",
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
 }
 IMAGE_SIDE = 28  # pixels: LLaVA's crop, and Qwen2-VL's smallest image (2 x 2 patches of 14, one merged token)
@@ -81,12 +83,13 @@ def tiny_processor(family: str, words: Sequence[str], image_side: int = IMAGE_SI
             num_additional_image_tokens=1,
             chat_template=template,
         )
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         image_processor = transformers.Qwen2VLImageProcessor(
             min_pixels=image_side * image_side, max_pixels=4 * image_side * image_side
         )
+        cls = transformers.Qwen2VLProcessor if family == "qwen2_vl" else transformers.Qwen2_5_VLProcessor
         with _without_video_processor():
-            processor = transformers.Qwen2VLProcessor(
+            processor = cls(
                 image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template
             )
         return keep(processor)
@@ -152,6 +155,12 @@ def config_kwargs(
         "depth": 2, "embed_dim": vision_width, "hidden_size": hidden, "num_heads": 2, "mlp_ratio": 2, "in_channels": 3,
         "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
     }  # fmt: skip
+    if family == "qwen2_5_vl":  # windowed attention in the first block, full in the second
+        vision = {
+            "depth": 2, "hidden_size": vision_width, "intermediate_size": 2 * vision_width, "num_heads": 2,
+            "out_hidden_size": hidden, "fullatt_block_indexes": [1], "window_size": 56, "patch_size": 14,
+            "spatial_merge_size": 2, "temporal_patch_size": 2,
+        }  # fmt: skip
     return {
         "text_config": language,
         "vision_config": vision,
@@ -163,7 +172,12 @@ def config_kwargs(
     }
 
 
-CONFIG_CLASSES = {"llava": "LlavaConfig", "qwen2_vl": "Qwen2VLConfig", "gemma3": "Gemma3Config"}
+CONFIG_CLASSES = {
+    "llava": "LlavaConfig",
+    "qwen2_vl": "Qwen2VLConfig",
+    "qwen2_5_vl": "Qwen2_5_VLConfig",
+    "gemma3": "Gemma3Config",
+}
 
 
 def tiny_config(family: str, processor: Any, **sizes: Any) -> Any:
