@@ -100,7 +100,7 @@ def _write(directory, rows_by_split):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    models = {family: root / family for family in ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")}
+    models = {family: root / family for family in ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")}
     for family, directory in models.items():
         save_tiny_vlm(directory, family, WORDS)
     data = {
@@ -157,7 +157,7 @@ def _processor(model_dir):
     return load_processor(str(model_dir))
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"])
 def test_the_batch_labels_and_loss_equal_trls_sft_trainer(assets, family):
     """The processed inputs, the labels (prompt, image tokens and padding masked) and the loss equal TRL 1.16's
     SFTTrainer on the same prompt/completion rows (completion-only loss, its default for such data)."""
@@ -173,7 +173,15 @@ def test_the_batch_labels_and_loss_equal_trls_sft_trainer(assets, family):
     for row in rows:
         row["images"] = [Image.open(data["trl"] / p).convert("RGB") for p in row["images"]]
     theirs, trl_loss = _trl_sft(models[family], rows, model)
-    for key in ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "token_type_ids"):
+    for key in (
+        "input_ids",
+        "attention_mask",
+        "labels",
+        "pixel_values",
+        "image_grid_thw",
+        "image_sizes",
+        "token_type_ids",
+    ):
         if key in theirs:
             assert torch.equal(ours[key], theirs[key]), key
     assert (ours["labels"] != -100).sum() < (ours["attention_mask"] == 1).sum() // 2  # the prompt is masked
@@ -572,11 +580,11 @@ def test_the_flops_count_the_vision_encoder_per_image_patch():
     assert image_patches({"input_ids": torch.zeros(2, 3)}, 14) == 0
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_5_vl", "gemma3"])
 def test_a_family_trains_and_its_export_reloads(assets, tmp_path, family):
-    """LLaVA, Qwen2.5-VL (windowed vision attention) and Gemma 3 (token types: its image tokens attend both ways)
-    train two steps on the LLaMA-Factory layout, the loss moving, and the export reloads in transformers with its
-    processor."""
+    """LLaVA, LLaVA-NeXT (any resolution: patch counts differ by image), Qwen2.5-VL (windowed vision attention) and
+    Gemma 3 (token types: its image tokens attend both ways) train two steps on the LLaMA-Factory layout, the loss
+    moving, and the export reloads in transformers with its processor."""
     from transformers import AutoModelForImageTextToText
 
     models, data = assets

@@ -4,8 +4,8 @@ vision demo's model, and what the tests train. Nothing is downloaded.
 ``tiny_processor(family, words)`` is a word-level tokenizer over ``words`` (a ChatML chat template that renders
 image items as the family's image token) joined to the family's image processor at a small image size;
 ``tiny_config(family, processor, **sizes)`` is the family's config with a LLaMA-style language model of the given
-sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector), ``qwen2_vl``,
-``qwen2_5_vl`` (windowed attention) and ``gemma3`` (SigLIP, one pooled token an image).
+sizes and a two-layer vision encoder. Families: ``llava`` (CLIP tower, LLaVA 1.5's projector), ``llava_next`` (any
+resolution), ``qwen2_vl``, ``qwen2_5_vl`` (windowed attention) and ``gemma3`` (SigLIP, one pooled token an image).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3")
+FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
 SPECIALS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 IMAGE_TOKENS = {
     "llava": ("<image>",),
+    "llava_next": ("<image>",),
     "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
@@ -35,6 +36,7 @@ CHAT_TEMPLATE = (
 )
 IMAGE_TEXT = {
     "llava": "<image>",
+    "llava_next": "<image>",
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
@@ -83,6 +85,22 @@ def tiny_processor(family: str, words: Sequence[str], image_side: int = IMAGE_SI
             num_additional_image_tokens=1,
             chat_template=template,
         )
+    if family == "llava_next":  # any-resolution: a base crop and up to 2 x 2 tiles of image_side
+        grid = [[image_side, image_side], [image_side, 2 * image_side], [2 * image_side, image_side]]
+        grid.append([2 * image_side, 2 * image_side])
+        image_processor = transformers.LlavaNextImageProcessor(
+            size={"shortest_edge": image_side},
+            crop_size={"height": image_side, "width": image_side},
+            image_grid_pinpoints=grid,
+        )
+        return transformers.LlavaNextProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=template,
+        )
     if family in ("qwen2_vl", "qwen2_5_vl"):
         image_processor = transformers.Qwen2VLImageProcessor(
             min_pixels=image_side * image_side, max_pixels=4 * image_side * image_side
@@ -120,18 +138,22 @@ def config_kwargs(
         **text,
     }
     token = tokenizer.convert_tokens_to_ids
-    if family == "llava":
+    if family in ("llava", "llava_next"):
         vision = {
             "model_type": "clip_vision_model", "hidden_size": vision_width, "intermediate_size": 2 * vision_width,
             "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": IMAGE_SIDE, "patch_size": 14,
             "projection_dim": vision_width,
         }  # fmt: skip
+        grid = (
+            {"image_grid_pinpoints": processor.image_processor.image_grid_pinpoints} if family == "llava_next" else {}
+        )
         return {
             "vision_config": vision,
             "text_config": {"model_type": "llama", **language},
             "image_token_index": token("<image>"),
             "vision_feature_layer": -1,
             "projector_hidden_act": "gelu",
+            **grid,
             **ids,
         }
     if family == "gemma3":
@@ -174,6 +196,7 @@ def config_kwargs(
 
 CONFIG_CLASSES = {
     "llava": "LlavaConfig",
+    "llava_next": "LlavaNextConfig",
     "qwen2_vl": "Qwen2VLConfig",
     "qwen2_5_vl": "Qwen2_5_VLConfig",
     "gemma3": "Gemma3Config",
