@@ -1,7 +1,7 @@
 """Images in the causal-LM tasks: what ``causal_lm`` (and ``dpo``) do when the data has images.
 
-The data decides: a training split whose first rows bring images (``rapidlite.data.vision.has_images``) makes the
-run a vision-language one. The model is then ``AutoModelForImageTextToText`` with its ``AutoProcessor``
+The data or the model decides: a training split that brings images (``data_has_images``), or a vision-language
+model (trained then on text-only chats through its processor), makes the run a vision-language one. The model is then ``AutoModelForImageTextToText`` with its ``AutoProcessor``
 (``rapidlite.models.vision``); the rows are checked up front (placeholders against images, image files present)
 and encoded lazily, in the data loader's workers; the vision tower is frozen by default and the projector not.
 """
