@@ -1,9 +1,10 @@
 """Images in the causal-LM tasks: what ``causal_lm`` (and ``dpo``) do when the data has images.
 
 The data or the model decides: a training split that brings images (``data_has_images``), or a vision-language
-model (trained then on text-only chats through its processor), makes the run a vision-language one. The model is then ``AutoModelForImageTextToText`` with its ``AutoProcessor``
-(``rapidlite.models.vision``); the rows are checked up front (placeholders against images, image files present)
-and encoded lazily, in the data loader's workers; the vision tower is frozen by default and the projector not.
+model (trained then on text-only chats through its processor), makes the run a vision-language one. The model is
+then ``AutoModelForImageTextToText`` with its ``AutoProcessor`` (``rapidlite.models.vision``); the rows are checked
+up front (placeholders against images, image files present) and encoded lazily, in the data loader's workers; the
+vision tower is frozen by default and the projector not.
 """
 
 from __future__ import annotations
