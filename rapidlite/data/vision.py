@@ -438,11 +438,9 @@ class VisionCollator:
     with 0) and joins their image tensors (``pad_cat``). Samples ``VisionDataset`` skipped are left out."""
 
     pad_id: int
-    skipped: int = 0
 
     def __call__(self, samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
         kept = [s for s in samples if s is not None]
-        self.skipped += len(samples) - len(kept)
         if not kept:
             raise DataError("--skip-bad-images: every sample of a batch had an unreadable image")
         length = max(len(s["input_ids"]) for s in kept)

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -183,12 +182,6 @@ def split_line(model: nn.Module) -> str:
     )
 
 
-def tower_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the vision tower's parameters (what the freezing test compares)."""
-    layout = vision_layout(model)
-    return {n: p.detach().clone() for n, p in model.named_parameters() if layout.part(n) == "tower"}
-
-
 def image_patches(batch: Any, patch_size: int | None) -> int:
     """The image patches a batch (or a processor's output) brings to the vision encoder: Qwen-VL's grid, else each
     image's or crop's (height / patch) x (width / patch); 0 without images."""
@@ -200,10 +193,3 @@ def image_patches(batch: Any, patch_size: int | None) -> int:
         return 0
     crops = math.prod(pixels.shape[:-3])
     return int(crops * (pixels.shape[-2] // patch_size) * (pixels.shape[-1] // patch_size))
-
-
-def processor_files(directory: str) -> bool:
-    """Whether ``directory`` holds a processor beside the model (what the export writes)."""
-    return any(
-        os.path.isfile(os.path.join(directory, f)) for f in ("processor_config.json", "preprocessor_config.json")
-    )
