@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,35 +148,40 @@ class CausalLMScorer(_ModelScorer):
         """The summed log-probability of each request's continuation given its context, in request order, on
         every rank; the batches are shared out over ``ctx``'s data-parallel ranks (see the module docstring)."""
         self._check(requests)
-        rank, world = (ctx.dp_rank, ctx.dp_size) if ctx is not None else (0, 1)
         order = sorted(range(len(requests)), key=lambda i: (-sum(map(len, requests[i])), requests[i]))
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        mine: list[tuple[int, float]] = []
-        for batch in batches[rank::world]:
-            mine += zip(batch, self._batch([requests[i] for i in batch]), strict=True)
-        # Every rank runs as many forwards (a sharded model's forwards are collectives): a rank with a batch
-        # fewer runs the first batch again and drops its scores.
-        for _ in range(len(batches[rank::world]), -(-len(batches) // world)):
-            self._batch([requests[i] for i in batches[0]])
-        local = torch.tensor(mine, dtype=torch.float64).reshape(-1, 2)
-        gathered = ctx.all_gather(local) if ctx is not None else local
-        values = [math.nan] * len(requests)
-        for index, value in gathered.tolist():
-            values[int(index)] = value
-        return values
+        run = lambda batch: [(v,) for v in self._batch([requests[i] for i in batch])]  # noqa: E731
+        return [row[0] for row in shared_out(order, self.batch_size, run, 1, ctx)]
 
 
-def multiple_choice(
-    scorer: CausalLMScorer,
-    items: Sequence[MultipleChoiceItem],
+def shared_out(
+    order: Sequence[int],
+    batch_size: int,
+    run: Callable[[list[int]], Sequence[Sequence[float]]],
+    width: int,
     ctx: DistributedContext | None = None,
-    target_delimiter: str = " ",
-) -> dict[str, float | int | None]:
-    """acc (the ending with the highest summed log-likelihood is the label) and acc_norm (the same after
-    dividing by the ending's length in characters), their standard errors, and n: lm-eval's multiple_choice
-    with the continuation ``target_delimiter + ending``."""
-    requests = [scorer.encode_pair(item.context, target_delimiter + e) for item in items for e in item.endings]
-    lls = scorer.loglikelihoods(requests, ctx)
+) -> list[tuple[float, ...]]:
+    """The ``width`` scores ``run(batch)`` gives each item, by item index, on every rank: the items in ``order``
+    are cut into batches of ``batch_size``, shared out over ``ctx``'s data-parallel ranks and gathered. Every rank
+    runs as many forwards (a sharded model's forwards are collectives): a rank with a batch fewer runs the first
+    batch again and drops its scores."""
+    rank, world = (ctx.dp_rank, ctx.dp_size) if ctx is not None else (0, 1)
+    batches = [list(order[i : i + batch_size]) for i in range(0, len(order), batch_size)]
+    mine: list[tuple[float, ...]] = []
+    for batch in batches[rank::world]:
+        mine += [(i, *values) for i, values in zip(batch, run(batch), strict=True)]
+    for _ in range(len(batches[rank::world]), -(-len(batches) // world)):
+        run(batches[0])
+    local = torch.tensor(mine, dtype=torch.float64).reshape(-1, 1 + width)
+    gathered = ctx.all_gather(local) if ctx is not None else local
+    values: list[tuple[float, ...]] = [(math.nan,) * width] * len(order)
+    for index, *row in gathered.tolist():
+        values[int(index)] = tuple(row)
+    return values
+
+
+def choice_metrics(items: Sequence[MultipleChoiceItem], lls: Sequence[float]) -> dict[str, float | int | None]:
+    """acc (the ending with the highest summed log-likelihood is the label) and acc_norm (the same after dividing by
+    the ending's length in characters), their standard errors, and n; ``lls``: every item's endings' in order."""
     acc, acc_norm, start = [], [], 0
     for item in items:
         scores = np.array(lls[start : start + len(item.endings)], dtype=np.float64)
@@ -191,6 +196,19 @@ def multiple_choice(
         "acc_norm_stderr": mean_stderr(acc_norm),
         "n": len(items),
     }
+
+
+def multiple_choice(
+    scorer: CausalLMScorer,
+    items: Sequence[MultipleChoiceItem],
+    ctx: DistributedContext | None = None,
+    target_delimiter: str = " ",
+) -> dict[str, float | int | None]:
+    """acc (the ending with the highest summed log-likelihood is the label) and acc_norm (the same after
+    dividing by the ending's length in characters), their standard errors, and n: lm-eval's multiple_choice
+    with the continuation ``target_delimiter + ending``."""
+    requests = [scorer.encode_pair(item.context, target_delimiter + e) for item in items for e in item.endings]
+    return choice_metrics(items, scorer.loglikelihoods(requests, ctx))
 
 
 def text_windows(scorer: CausalLMScorer, text: str) -> list[Request]:

@@ -17,12 +17,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from rapidlite.data.vision import VisionCollator, VisionEncoder, VisionSample, vision_sample
 from rapidlite.errors import ConfigError, first_line
 from rapidlite.evaluation.data import MultipleChoiceItem
+from rapidlite.evaluation.scoring import choice_metrics, shared_out
 from rapidlite.models.head import output_logps
 
 
@@ -51,21 +51,8 @@ class VisionScorer:
 
     def scores(self, samples: Sequence[VisionSample], rows: Sequence[int], ctx: Any = None) -> list[tuple[float, int]]:
         """Each sample's summed log-probability of its assistant tokens and their count, in order, on every rank."""
-        rank, world = (ctx.dp_rank, ctx.dp_size) if ctx is not None else (0, 1)
-        order = list(range(len(samples)))
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        mine: list[tuple[int, float, int]] = []
-        for batch in batches[rank::world]:
-            scored = self._batch([samples[i] for i in batch], [rows[i] for i in batch])
-            mine += [(i, lp, n) for i, (lp, n) in zip(batch, scored, strict=True)]
-        for _ in range(len(batches[rank::world]), -(-len(batches) // world)):  # every rank runs as many forwards
-            self._batch([samples[i] for i in batches[0]], [rows[i] for i in batches[0]])
-        local = torch.tensor(mine, dtype=torch.float64).reshape(-1, 3)
-        gathered = ctx.all_gather(local) if ctx is not None else local
-        out: list[tuple[float, int]] = [(math.nan, 0)] * len(samples)
-        for index, logp, count in gathered.tolist():
-            out[int(index)] = (logp, int(count))
-        return out
+        run = lambda batch: self._batch([samples[i] for i in batch], [rows[i] for i in batch])  # noqa: E731
+        return [(logp, int(count)) for logp, count in shared_out(range(len(samples)), self.batch_size, run, 2, ctx)]
 
 
 def perplexity(scorer: VisionScorer, samples: Sequence[VisionSample], ctx: Any = None) -> dict[str, Any]:
@@ -85,26 +72,10 @@ def _question(item: MultipleChoiceItem, ending: str, number: int) -> VisionSampl
 
 
 def multiple_choice(scorer: VisionScorer, items: Sequence[MultipleChoiceItem], ctx: Any = None) -> dict[str, Any]:
-    """acc and acc_norm (the ending's log-likelihood over its length in characters), their standard errors, n."""
-    from rapidlite.evaluation.scoring import mean_stderr
-
+    """``choice_metrics`` of each ending scored as the assistant's answer to the context."""
     samples = [_question(item, e, n) for n, item in enumerate(items, 1) for e in item.endings]
     rows = [n for n, item in enumerate(items, 1) for _ in item.endings]
-    lls = [lp for lp, _ in scorer.scores(samples, rows, ctx)]
-    acc, acc_norm, start = [], [], 0
-    for item in items:
-        scores = np.array(lls[start : start + len(item.endings)], dtype=np.float64)
-        start += len(item.endings)
-        lengths = np.array([float(len(e)) for e in item.endings])
-        acc.append(1.0 if int(np.argmax(scores)) == item.label else 0.0)
-        acc_norm.append(1.0 if int(np.argmax(scores / lengths)) == item.label else 0.0)
-    return {
-        "acc": sum(acc) / len(acc),
-        "acc_stderr": mean_stderr(acc),
-        "acc_norm": sum(acc_norm) / len(acc_norm),
-        "acc_norm_stderr": mean_stderr(acc_norm),
-        "n": len(items),
-    }
+    return choice_metrics(items, [lp for lp, _ in scorer.scores(samples, rows, ctx)])
 
 
 def evaluate(scorer: VisionScorer, task: str, items: Sequence[Any], ctx: Any = None) -> dict[str, Any]:
