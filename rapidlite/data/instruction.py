@@ -185,7 +185,15 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
                 "--chat-template chatml or a Jinja template file"
             ) from None
 
-    segments: list[tuple[str, bool]] = []
+    return [(text, trained) for text, trained, _ in turn_segments(messages, rendered)]
+
+
+def turn_segments(messages: Sequence[dict[str, Any]], rendered: Any) -> list[tuple[str, bool, int]]:
+    """A conversation as ``(text, trained, end)`` segments of what ``rendered(turns, add_generation_prompt)`` (its
+    chat template) makes of it: each assistant turn is what rendering up to it adds to the rendering before it with
+    the generation prompt, and trains; everything else is prompt. ``end``: the messages rendered through the
+    segment's end (a vision model's processor takes the images of those)."""
+    segments: list[tuple[str, bool, int]] = []
     done = ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -196,11 +204,10 @@ def _render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any) -> list[tup
             raise DataError(
                 "the chat template renders a conversation differently as it grows: its turns cannot be told apart"
             )
-        segments += [(before[len(done) :], False), (through[len(before) :], True)]
+        segments += [(before[len(done) :], False, i), (through[len(before) :], True, i + 1)]
         done = through
     whole = rendered(messages)
-    if whole[len(done) :]:
-        segments.append((whole[len(done) :], False))
+    segments.append((whole[len(done) :], False, len(messages)))
     return [s for s in segments if s[0]]
 
 

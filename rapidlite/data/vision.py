@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rapidlite.data.instruction import _message
+from rapidlite.data.instruction import _message, turn_segments
 from rapidlite.errors import DataError, first_line
 
 IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's (and LLaVA's) placeholder in text contents
@@ -265,9 +265,8 @@ def bounded_size(width: int, height: int, min_pixels: int, max_pixels: int) -> t
 
 
 def render_turns(messages: list[dict[str, Any]], processor: Any) -> list[tuple[str, bool, int]]:
-    """The conversation as ``(text, trained, images)`` pieces through the processor's chat template: each assistant
-    turn is what rendering up to it adds to the rendering before it with the generation prompt; ``images``: the
-    image items the piece holds."""
+    """The conversation as ``(text, trained, images)`` pieces through the processor's chat template
+    (``instruction.turn_segments``); ``images``: the image items the piece holds."""
 
     def rendered(turns: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         try:
@@ -278,31 +277,15 @@ def render_turns(messages: list[dict[str, Any]], processor: Any) -> list[tuple[s
                 "model's processor its chat_template"
             ) from None
 
+    if any(m["role"] == "assistant" and any(p["type"] == "image" for p in m["content"]) for m in messages):
+        raise DataError("an assistant turn holds an image: images are read in the prompt turns only")
     pieces: list[tuple[str, bool, int]] = []
-    done, consumed = "", 0
-
-    def images_through(turns: list[dict[str, Any]]) -> int:
-        return sum(1 for m in turns for p in m["content"] if p["type"] == "image")
-
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = rendered(messages[:i], add_generation_prompt=True)
-        through = rendered(messages[: i + 1])
-        if not (before.startswith(done) and through.startswith(before)):
-            raise DataError(
-                "the chat template renders a conversation differently as it grows: its turns cannot be told apart"
-            )
-        held = images_through(messages[:i]) - consumed
-        pieces += [(before[len(done) :], False, held), (through[len(before) :], True, 0)]
+    consumed = 0
+    for text, trained, end in turn_segments(messages, rendered):
+        held = sum(1 for m in messages[:end] for p in m["content"] if p["type"] == "image") - consumed
+        pieces.append((text, trained, held))
         consumed += held
-        if any(p["type"] == "image" for p in message["content"]):
-            raise DataError("an assistant turn holds an image: images are read in the prompt turns only")
-        done = through
-    whole = rendered(messages)
-    if whole[len(done) :]:
-        pieces.append((whole[len(done) :], False, images_through(messages) - consumed))
-    return [p for p in pieces if p[0]]
+    return pieces
 
 
 @dataclass(frozen=True)
