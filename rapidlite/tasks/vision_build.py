@@ -73,27 +73,15 @@ def tiny_processor(family: str, words: Sequence[str], image_side: int = IMAGE_SI
 
     tokenizer = tiny_tokenizer(family, words)
     template = CHAT_TEMPLATE.replace("IMAGE", IMAGE_TEXT[family])
-    if family == "llava":
-        image_processor = transformers.CLIPImageProcessor(
-            size={"shortest_edge": image_side}, crop_size={"height": image_side, "width": image_side}
-        )
-        return transformers.LlavaProcessor(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            patch_size=14,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=template,
-        )
-    if family == "llava_next":  # any-resolution: a base crop and up to 2 x 2 tiles of image_side
-        grid = [[image_side, image_side], [image_side, 2 * image_side], [2 * image_side, image_side]]
-        grid.append([2 * image_side, 2 * image_side])
-        image_processor = transformers.LlavaNextImageProcessor(
-            size={"shortest_edge": image_side},
-            crop_size={"height": image_side, "width": image_side},
-            image_grid_pinpoints=grid,
-        )
-        return transformers.LlavaNextProcessor(
+    if family in ("llava", "llava_next"):  # LLaVA-NeXT: any resolution, a base crop and up to 2 x 2 tiles
+        crop = {"size": {"shortest_edge": image_side}, "crop_size": {"height": image_side, "width": image_side}}
+        if family == "llava":
+            image_processor, cls = transformers.CLIPImageProcessor(**crop), transformers.LlavaProcessor
+        else:
+            tiles = [[image_side * h, image_side * w] for h, w in ((1, 1), (1, 2), (2, 1), (2, 2))]
+            image_processor = transformers.LlavaNextImageProcessor(**crop, image_grid_pinpoints=tiles)
+            cls = transformers.LlavaNextProcessor
+        return cls(
             image_processor=image_processor,
             tokenizer=tokenizer,
             patch_size=14,
