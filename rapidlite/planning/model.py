@@ -21,11 +21,19 @@ def task_spec(settings: Sections) -> TaskSpec | None:
     return find_task(settings.task.task) if settings.task.user_script is None else None
 
 
+def plans_images(spec: TaskSpec | None, config: Any) -> bool:
+    """Whether the run is planned as a vision-language one: a task that reads images, on a vision-language config
+    (the tasks train such a model through its processor, images or not)."""
+    from rapidlite.models.vision import is_vision_config
+
+    return spec is not None and spec.images and is_vision_config(config)
+
+
 def _auto_class(spec: TaskSpec | None, config: Any) -> Any:
     """The class the task builds from ``config`` (its ``TaskSpec``), else the config's own architecture."""
     import transformers
 
-    if spec is not None and spec.images and getattr(config, "vision_config", None) is not None:
+    if plans_images(spec, config):
         return transformers.AutoModelForImageTextToText
     name = spec.model_class_name(getattr(config, "model_type", None)) if spec is not None else None
     if name is not None:
@@ -100,7 +108,7 @@ def task_model(settings: Sections, device: torch.device, pretrained: bool = Fals
 def _frozen_parts(model: torch.nn.Module, settings: Sections, spec: TaskSpec | None) -> torch.nn.Module:
     """A vision-language model's tower and projector frozen as the run freezes them (``--freeze-vision-tower``,
     ``--freeze-projector``)."""
-    if spec is not None and spec.images and getattr(getattr(model, "config", None), "vision_config", None):
+    if plans_images(spec, getattr(model, "config", None)):
         from rapidlite.models.vision import freeze
 
         freeze(model, settings.vision.freeze_vision_tower, settings.vision.freeze_projector)

@@ -242,15 +242,16 @@ class CausalLMFinetuner(VisionLanguage, Finetuner):
         # A subclass may provide its own data: the adapter and base then follow from the flag alone.
         adapter = getattr(self, "adapter", lora.adapter_directory(self.settings.model.pretrained_model_name_or_path))
         base_name = lora.adapter_base(adapter) if adapter else self.settings.model.pretrained_model_name_or_path
-        images = getattr(self, "images", False)
-        model = self.vision_model(base_name) if images else load_causal_lm(base_name, **self.pretrained_load_kwargs())
+        model = (
+            self.vision_model(base_name) if self.images else load_causal_lm(base_name, **self.pretrained_load_kwargs())
+        )
         if adapter is not None:
             model = lora.load_adapter(model, adapter)
             self.logger.info(f"LoRA adapter {adapter} on its base {base_name}")
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.fit_embeddings(model)
-        if self.settings.task.packing and not images and not honours_packed_positions(model):
+        if self.settings.task.packing and not self.images and not honours_packed_positions(model):
             raise ConfigError(
                 f"--packing: {type(model).__name__} does not keep attention inside packed samples (it ignores "
                 "restarting position ids); drop --packing"
@@ -312,7 +313,7 @@ class CausalLMFinetuner(VisionLanguage, Finetuner):
     def run_compute_metrics(self, model, eval_dataloader) -> dict[str, Any]:
         metrics = super().run_compute_metrics(model, eval_dataloader)
         metrics["ppl"] = perplexity(metrics["loss"])
-        if self.settings.task.eval_generate and getattr(self, "images", False):
+        if self.settings.task.eval_generate and self.images:
             metrics["exact_match"] = self.vision_generate_and_score(model[0], self.settings.task.eval_generate)
         elif self.settings.task.eval_generate and self.data.prompts:
             metrics["exact_match"] = self.generate_and_score(

@@ -122,15 +122,19 @@ class VisionLanguage:
     """The vision-language half of a causal-LM trainer: the processor, the lazily encoded splits, the model with
     its tower and projector frozen as the flags say."""
 
+    images = False  # the run is a vision-language one (``vision_run``, decided with the data)
+    model_config_: Any = None  # the model's config, read before its weights (``tokenizer_and_data_source``)
+
     def vision_run(self, raw: Any) -> bool:
         """Whether the run is a vision-language one: the data has images, or the model is a vision-language model
         (trained on text-only chats through its processor, as it will be used)."""
-        return data_has_images(raw) or vision.is_vision_config(getattr(self, "model_config_", None))
+        return data_has_images(raw) or vision.is_vision_config(self.model_config_)
 
     def vision_data(self, raw: Any, seq_length: int, pad_id: int) -> tuple[Any, Any, Any, VisionCollator]:
         """``--task causal_lm``'s chats with images (``rapidlite.data.vision``)."""
         options = self.settings.vision
-        splits, checked = self._vision_splits(raw, self.vision_encoder(seq_length), vision_sample)
+        encoder = self.vision_encoder(seq_length, train_on_prompt=self.settings.task_options.train_on_prompt)
+        splits, checked = self._vision_splits(raw, encoder, vision_sample)
         self.collator = VisionCollator(self.tokenizer.pad_token_id)
         counts = " / ".join(f"{len(v)} {k}" for k, v in splits.items())
         missing = sum(c.missing for c in checked.values())
@@ -181,8 +185,9 @@ class VisionLanguage:
             opened_up_front(name, splits[name])
         return splits, checked
 
-    def vision_encoder(self, seq_length: int) -> VisionEncoder:
-        """The checks every task's image data goes through, the processor, and the sample encoder."""
+    def vision_encoder(self, seq_length: int, train_on_prompt: bool = False) -> VisionEncoder:
+        """The checks every task's image data goes through, the processor, and the sample encoder
+        (``train_on_prompt``: causal_lm's ``--train-on-prompt``)."""
         settings: Sections = self.settings
         options = settings.vision
         if settings.task.packing:
@@ -202,7 +207,7 @@ class VisionLanguage:
                 f"--image-min-pixels {options.image_min_pixels} is above --image-max-pixels "
                 f"{options.image_max_pixels}; lower the one or raise the other"
             )
-        config = getattr(self, "model_config_", None)
+        config = self.model_config_
         if config is not None and not vision.is_vision_config(config):
             raise vision.text_only_error(self.base_name, getattr(config, "model_type", None))
         self.processor = vision.load_processor(self.base_name)
@@ -216,7 +221,7 @@ class VisionLanguage:
             data_directory(settings),
             options.image_min_pixels,
             options.image_max_pixels,
-            train_on_prompt=getattr(settings.task_options, "train_on_prompt", False),
+            train_on_prompt=train_on_prompt,
         )
 
     def vision_model(self, name: str) -> Any:
@@ -240,7 +245,7 @@ class VisionLanguage:
 
     def after_compose(self) -> None:
         super().after_compose()
-        if getattr(self, "images", False) and self.settings.lora.enabled:  # the split once the adapters are on
+        if self.images and self.settings.lora.enabled:  # the split once the adapters are on
             self.logger.info(f"vision-language model: {vision.split_line(self.model)}")
 
     def vision_generate_and_score(self, model: Any, count: int) -> float:
