@@ -56,7 +56,7 @@ from rapidlite.planning.activations import (
     stage_activations,
 )
 from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes, rank_counts
-from rapidlite.planning.model import meta_model, plans_images, sequence_length, task_spec
+from rapidlite.planning.model import meta_model, sequence_length, task_spec
 from rapidlite.planning.task_terms import count_generation, count_reference
 from rapidlite.planning.vision import count_images
 
@@ -299,14 +299,8 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     notes += count_reference(settings, dims, ranks, total, precision, deepspeed, task)
     if task is not None and task.generation is not None:
         notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
-    image_patches = 0
-    if plans_images(task, getattr(model, "config", None)):
-        imaging = lora.prepare(meta_model(settings), unquantised, precision.dtype, torch.device("meta"), None)
-        imaging = imaging.to(precision.dtype) if precision.dtype is not None else imaging
-        name = settings.model.pretrained_model_name_or_path
-        said, patches = count_images(settings, ranks, lora.unwrap(imaging), name, precision.dtype)
-        notes += said
-        image_patches = patches * per_sample  # a preference pair's two sequences each see the prompt's image
+    said, image_patches = count_images(settings, ranks, task, getattr(model, "config", None), precision.dtype)
+    notes += said
     runtime = _runtime_bytes(task) if device.type == "cpu" else 0
     width = precision.dtype.itemsize if precision.dtype is not None else 4
     buffers = context_parallel_bytes(settings, getattr(model, "config", None), local, width)

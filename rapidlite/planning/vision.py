@@ -10,6 +10,7 @@ input; with ``--no-freeze-vision-tower`` every block's activations are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -108,16 +109,23 @@ class ImageProfileError(Exception):
     """The vision encoder's forward did not run on meta tensors."""
 
 
-def count_images(
-    settings: Sections, ranks: list[Any], model: torch.nn.Module, name: str, dtype: Any
-) -> tuple[list[str], int]:
-    """A vision-language run's images in each rank's activations (one image a sample, at ``--image-max-pixels``),
-    the note that says so, and the image's patches (the vision encoder's FLOPs run on them)."""
+def count_images(settings: Sections, ranks: list[Any], task: Any, config: Any, dtype: Any) -> tuple[list[str], int]:
+    """A vision-language run's images (``plans_images``) in each rank's activations (one image a sample, at
+    ``--image-max-pixels``), the notes that say so, and the image patches a sample brings (the vision encoder's
+    FLOPs run on them; a preference pair's two sequences each see the prompt's image). Nothing for another run."""
     from rapidlite.errors import RapidliteError
+    from rapidlite.models import lora
+    from rapidlite.planning.model import meta_model, plans_images
 
+    if not plans_images(task, config):
+        return [], 0
+    # The model as it trains (adapters on, the tower frozen as the flags say), in the compute dtype.
+    adapters = dataclasses.replace(settings.lora, load_in_4bit=False, load_in_8bit=False)
+    model = lora.unwrap(lora.prepare(meta_model(settings), adapters, dtype, torch.device("meta"), None))
+    model = model.to(dtype) if dtype is not None else model
     micro = settings.batching.micro_batch_size
     try:
-        term = image_term(model, name, settings.vision.image_max_pixels, dtype)
+        term = image_term(model, settings.model.pretrained_model_name_or_path, settings.vision.image_max_pixels, dtype)
     except ImageProfileError as e:
         return [f"images NOT counted: the vision encoder's forward could not run on meta tensors ({e})"], 0
     except RapidliteError as e:  # no processor beside the model: its images' sizes are the processor's rule
@@ -127,8 +135,9 @@ def count_images(
         r.activation_per_sample += term.saved
         r.transient = max(r.transient, 2 * term.largest)
     frozen = "frozen: only the projector keeps its input" if settings.vision.freeze_vision_tower else "trained"
-    return [
+    note = (
         f"images: one a sample planned at --image-max-pixels ({term.side} x {term.side}): {term.patches} patches, "
         f"{term.tokens} of the --seq-length tokens; the vision encoder ({frozen}) saves "
         f"{term.saved / 2**20:.2f} MiB an image"
-    ], term.patches
+    )
+    return [note], term.patches * task.inputs_per_sample
