@@ -11,6 +11,7 @@ process parses again in the script's ``RapidliteEngine()``, which alone knows th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -163,15 +164,19 @@ def run_task(config: RunConfig, argv: list[str]) -> int:
 
 def _warm(config: RunConfig, task: Any = None) -> None:
     """What the workers import, imported once in a launcher that forks them (``--start-method``): the engine,
-    the task's trainer and the model's transformers module, DeepSpeed when asked for."""
+    the task's trainer, the model's transformers module and the run's libraries (DeepSpeed: 2-3 s a rank)."""
+    import importlib
+
     import rapidlite.engine  # noqa: F401
+    from rapidlite.config.tasks import run_libraries
     from rapidlite.runtime.forked_workers import warm_imports
 
     if task is not None:
         task.trainer_class(config.sections)
     warm_imports(config.sections.model.pretrained_model_name_or_path)
-    if config.sections.parallel.deepspeed:
-        import deepspeed  # noqa: F401  (2-3 s of imports per rank)
+    for name in run_libraries(config.sections, task):
+        with contextlib.suppress(ImportError):  # a missing one is the worker's one line
+            importlib.import_module(name)
 
 
 def dry_run(config: RunConfig, argv: list[str]) -> int:

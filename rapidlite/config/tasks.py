@@ -212,6 +212,21 @@ def unset_value(name: str) -> Any:
     raise KeyError(name)
 
 
+def run_libraries(settings: Any, task: TaskSpec | None) -> tuple[str, ...]:
+    """The modules a run imports beyond torch, transformers and rapidlite: its task's (``TaskSpec.libraries``),
+    DeepSpeed under ``--deepspeed`` (about 150 MiB of a CPU rank's resident set) and bitsandbytes for an 8-bit
+    optimizer or a quantised base. A launcher that forks its workers imports them once; the planner imports them
+    before it reads a CPU run's resident size."""
+    from rapidlite.config.sections import EIGHT_BIT_OPTIMIZERS
+
+    names = list(task.libraries) if task is not None else []
+    if settings.parallel.deepspeed:
+        names.append("deepspeed")
+    if settings.optim.optimizer in EIGHT_BIT_OPTIMIZERS or settings.lora.quantized:
+        names.append("bitsandbytes")
+    return tuple(names)
+
+
 def task_names() -> list[str]:
     return list(_discover())
 

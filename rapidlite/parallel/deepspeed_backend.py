@@ -193,7 +193,8 @@ def model_state_bytes(ds_engine: Any) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state under DeepSpeed.
 
     Parameters: the module's tensors (ZeRO-3: this rank's partition, ``ds_tensor``). Optimizer state:
-    the moments the torch optimizer keeps for this rank's fp32 partition. Gradients: DeepSpeed reduces
+    the moments the torch optimizer keeps for this rank's fp32 partition, and that fp32 partition itself (a copy
+    DeepSpeed steps, even when the model trains in fp32). Gradients: DeepSpeed reduces
     them into buffers the size of that partition (ZeRO-2/3) or of the whole model (ZeRO-0/1); those are
     freed after each step, so their size is counted from the partition the optimizer steps."""
     module = ds_engine.module
@@ -209,7 +210,7 @@ def model_state_bytes(ds_engine: Any) -> dict[str, int]:
     return {
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
-        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state) + partition,
     }
 
 

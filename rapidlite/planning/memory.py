@@ -23,9 +23,12 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
 - On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
-  the plan adds this process's own resident size (it has imported the same libraries) as "runtime".
+  the plan adds this process's own resident size (it has imported the same libraries, ``run_libraries``) as
+  "runtime". A CPU run fixes glibc's mmap threshold (``rapidlite.runtime.allocator``), so that resident set
+  follows the live tensors rather than what glibc keeps of freed ones.
 
-DeepSpeed configs get the same accounting with ZeRO's sharding rules (its engine cannot be built on meta).
+DeepSpeed configs get the same accounting with ZeRO's rules (``rapidlite.planning.deepspeed``: its engine cannot be
+built on meta).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 
 from rapidlite.config.sections import LoraConfig
 from rapidlite.config.settings import Sections
+from rapidlite.config.tasks import run_libraries
 from rapidlite.models.flops import ModelFlops
 from rapidlite.optim import optimizer_state_bytes
 from rapidlite.planning.activations import (
@@ -55,6 +59,7 @@ from rapidlite.planning.activations import (
     profile_activations,
     stage_activations,
 )
+from rapidlite.planning.deepspeed import deepspeed_states
 from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes, rank_counts
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 from rapidlite.planning.task_terms import count_generation, count_reference
@@ -301,7 +306,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
     said, image_patches = count_images(settings, ranks, task, getattr(model, "config", None), precision.dtype)
     notes += said
-    runtime = _runtime_bytes(task) if device.type == "cpu" else 0
+    runtime = _runtime_bytes(run_libraries(settings, task)) if device.type == "cpu" else 0
     width = precision.dtype.itemsize if precision.dtype is not None else 4
     buffers = context_parallel_bytes(settings, getattr(model, "config", None), local, width)
     for r in ranks:
@@ -357,12 +362,12 @@ def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
     return total
 
 
-# What a fine-tuning task's run imports beyond this process: its data through datasets (with pyarrow, about
-# 80 MiB); seq2seq's metrics through torchmetrics (about 60 MiB). Their resident size is part of the run's.
-def _runtime_bytes(task: Any) -> int:
+# What a run imports beyond this process: a fine-tuning task's data through datasets (with pyarrow, about 80 MiB),
+# seq2seq's metrics through torchmetrics (about 60 MiB), DeepSpeed (about 150 MiB). Their resident size is the run's.
+def _runtime_bytes(libraries: tuple[str, ...]) -> int:
     """The run's resident size before its tensors: this process's (it has imported torch, transformers and
-    rapidlite as the run does), with the libraries the task's run loads (``TaskSpec.libraries``)."""
-    for name in task.libraries if task is not None else ():
+    rapidlite as the run does), with the libraries the run loads (``config.tasks.run_libraries``)."""
+    for name in libraries:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     return _resident_bytes()
@@ -399,18 +404,17 @@ def _rank_plan(
     param_bytes = sum(_bytes(p) for p in params)
     # Local elements: FSDP's and tensor parallelism's shards are already local here.
     trainable = sum(_local(p).numel() for p in params if p.requires_grad)
-    grad_elems = trainable
-    if deepspeed:  # ZeRO's partitioning: stage 1 the optimizer state, 2 also gradients, 3 also parameters
-        param_bytes //= dp if zero >= 3 else 1
-        grad_elems //= dp if zero >= 2 else 1
-        stepped = [trainable // (dp if zero >= 1 else 1)]  # one flat partition
+    grad_elems, ds = trainable, None
+    if deepspeed:  # ZeRO's partitions, fp32 master copy, reduce bucket and gathers (planning.deepspeed)
+        ds = deepspeed_states(settings, [_local(p) for p in params], dp)
+        param_bytes, grad_elems, stepped = ds.params, ds.grad_elements, [ds.stepped]
     else:  # the optimizer this rank steps: ZeRO-1's partition of whole parameters (and, with expert parallelism,
         # the rank's own experts beside it), FSDP's shards
         inner = optimizer.optimizer
         locals_ = getattr(inner, "local_optimizers", None) or [getattr(inner, "optim", inner)]
         stepped = [_local(p).numel() for o in locals_ for g in o.param_groups for p in g["params"] if p.requires_grad]
     grads = grad_elems * 4
-    optimizer = optimizer_state_bytes(settings.optim, stepped)
+    optimizer = optimizer_state_bytes(settings.optim, stepped) + (ds.master if ds else 0)
     counts = rank_counts(module, params, trainable, stepped, dp if not deepspeed and zero >= 2 else 1, dims.ep)
     host = 0
     if settings.topology.cpu_offload:
@@ -454,6 +458,7 @@ def _rank_plan(
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         root = sum(gathered_bytes(p, dp) for p in params if id(p) not in in_blocks)  # embeddings, head: throughout
         transient += root + 2 * block_params  # and the gathered block and the next one (prefetch)
+    transient += ds.gathered + ds.bucket if ds else 0  # the bucket is held from backward to backward: the peak
     # Expert parallelism: a layer's rows on their way to their experts and back (the all-to-all's input and
     # output), its (token, choice) rows of the hidden size.
     transient += dispatch_bytes(settings, module, act_width)
