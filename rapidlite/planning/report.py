@@ -85,7 +85,10 @@ def format_plan(p: Plan) -> str:
         "with the activations, is less)"
     )
     if any(r.runtime for r in p.ranks):
-        lines.append("  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch)")
+        lines.append(
+            "  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch and the "
+            "run's libraries; rapidlite fixes glibc's mmap threshold so freed tensors are given back)"
+        )
     budget = run.memory_budget
     if budget:
         worst = max(p.ranks, key=lambda r: r.peak)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from rapidlite.config.runtime import ParallelConfig
 from rapidlite.config.topology import Topology
 from rapidlite.errors import ConfigError, RapidliteError
+from rapidlite.runtime.allocator import bound_cpu_retention
 from rapidlite.runtime.environ import env_int
 from rapidlite.runtime.streams import flush_std_streams
 
@@ -236,6 +237,8 @@ def init_distributed(
         need_process_group = topology.zero_stage > 0 or topology.deepspeed
     rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     device = pick_device(local_rank)
+    if device.type == "cpu":  # the resident peak follows the live tensors (what --dry-run plans on a CPU)
+        bound_cpu_retention()
     ctx = DistributedContext(rank=rank, local_rank=local_rank, world_size=world, topology=topology, device=device)
     if world == 1 and not need_process_group:
         return ctx

@@ -1,0 +1,56 @@
+"""Host memory a CPU run gives back: glibc's malloc, which torch's CPU allocator calls, is set once per process so
+that freed tensors of ``MMAP_THRESHOLD`` bytes or more go back to the system.
+
+glibc's default mmap threshold is dynamic. It starts at 128 KiB, and each time a block served by ``mmap`` is freed
+it rises to that block's size, up to 32 MiB. After a training step's first large free, nearly every tensor comes
+from the heap instead, and the heap keeps what is freed in holes a later, larger tensor does not fit. Measured
+here, a CPU run's resident peak then sits 10-45% above its live tensors and grows over its first steps, so
+``--dry-run``'s plan could not be right on a CPU. Fixed at 4 MiB, the resident peak follows the live tensors (one
+test run: 1,586 MiB with the dynamic threshold, 1,137 MiB fixed). The cost is the page faults of each large
+tensor's fresh pages: steps were 5-12% slower on this project's CPU benchmarks (``benchmarks/cpu_allocator.py``
+measures it against the default in one run).
+
+``RAPIDLITE_DEFAULT_MALLOC=1`` keeps glibc's dynamic threshold (the faster steps, with its retention). A user's own
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``MALLOC_MMAP_MAX_`` (each turns the
+dynamic threshold off too) is left as set. GPU runs keep glibc's default; their plan is device memory.
+
+Below the threshold glibc before 2.39 still keeps some of what a step frees: torch allocates with
+``posix_memalign``, whose split-off remainders sit in glibc's per-thread caches and keep a freed block from merging
+with its neighbours (glibc bug 30723), so a later block of the same size does not fit it. That matters where a
+model's tensors are all small (a few MiB each: hidden sizes of tens on thousands of tokens), which ``--dry-run``
+does not count (``docs/guides/dry-run.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+from rapidlite.runtime.environ import env_switch
+
+MMAP_THRESHOLD = 4 * 2**20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_done = False
+
+
+def bound_cpu_retention() -> bool:
+    """Fix glibc's mmap threshold at ``MMAP_THRESHOLD`` in this process (and the processes it forks), once; False
+    where it is not glibc's malloc or the environment sets glibc's own (see the module docstring)."""
+    global _done
+    if _done:
+        return True
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in USER_SETTINGS):
+        return False
+    if env_switch("RAPIDLITE_DEFAULT_MALLOC"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs: no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return _done

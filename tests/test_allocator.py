@@ -1,0 +1,62 @@
+"""A CPU run fixes glibc's mmap threshold (rapidlite.runtime.allocator): freed large tensors go back to the system
+instead of raising the threshold and staying in the heap."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+
+# After one 5 MiB tensor is freed, glibc's dynamic threshold rises to 5 MiB and serves the next one from the heap
+# (mallinfo2's mapped blocks do not grow); with the threshold fixed it is mapped on its own (one more) and
+# unmapped when freed.
+PROBE = """
+import ctypes, sys
+import torch
+from rapidlite.runtime import allocator
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                                                "keepcost").split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "init":
+    from rapidlite.config.runtime import ParallelConfig
+    from rapidlite.config.topology import Topology
+    from rapidlite.runtime.distributed import init_distributed
+    init_distributed(Topology(), ParallelConfig())
+    fixed = allocator._done
+else:
+    fixed = allocator.bound_cpu_retention()
+a = torch.ones(5 * 2**18)
+del a
+before = libc.mallinfo2().hblks
+b = torch.ones(5 * 2**18)
+print(fixed, libc.mallinfo2().hblks - before)
+"""
+
+
+def _probe(how: str, **env: str) -> tuple[str, int]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "RAPIDLITE_DEFAULT_MALLOC"))}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, how], capture_output=True, text=True, env={**environ, **env}, check=True
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+def test_threshold_fixed_returns_freed_blocks():
+    assert _probe("call") == ("True", 1)
+
+
+def test_a_cpu_process_group_fixes_it():
+    assert _probe("init") == ("True", 1)
+
+
+@pytest.mark.parametrize("env", [{"RAPIDLITE_DEFAULT_MALLOC": "1"}, {"MALLOC_TOP_PAD_": "0"}])
+def test_the_users_setting_is_kept(env):
+    fixed, mapped = _probe("call", **env)
+    assert fixed == "False"
+    # glibc's dynamic threshold (RAPIDLITE_DEFAULT_MALLOC) serves the second block from the heap; the user's own
+    # MALLOC_* setting fixes glibc's default threshold (128 KiB), which maps it
+    assert mapped == (0 if "RAPIDLITE_DEFAULT_MALLOC" in env else 1)
