@@ -142,6 +142,16 @@ def test_dry_run_sweep_quick():
     assert "6 configurations:" in proc.stdout and "median" in proc.stdout
 
 
+def test_cpu_allocator_quick():
+    """One small run with glibc's dynamic threshold and one with rapidlite's fixed one: a row with both step
+    times and peaks and their ratios (nothing is asserted on speed)."""
+    proc = run_quick("cpu_allocator.py", timeout=600)
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| pretraining")]
+    assert len(rows) == 1, proc.stdout
+    step_ratio, peak_ratio = float(rows[0][4]), float(rows[0][7])
+    assert step_ratio > 0 and 0.3 < peak_ratio < 1.5, proc.stdout
+
+
 def test_checkpoint_hashing_benchmark_quick():
     proc = run_quick("checkpoint_hashing.py", timeout=300)
     for row in ("save without hashing", "save with manifest", "hashing overhead", "verify on load"):
