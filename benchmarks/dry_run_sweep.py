@@ -131,7 +131,7 @@ def _text(rng: random.Random, words: list[str], n: int) -> str:
 
 
 def _rows(task: str, rng: random.Random, words: list[str], n: int, seq: int) -> list[dict]:
-    """``n`` rows of ``task``'s layout, long enough to fill ``seq`` tokens."""
+    """``n`` rows of ``task``'s layout, long enough to fill ``seq`` tokens (the plan is a step's peak on full rows)."""
     text = lambda k: _text(rng, words, k)  # noqa: E731
     rows = []
     for i in range(n):
@@ -154,12 +154,14 @@ def _rows(task: str, rng: random.Random, words: list[str], n: int, seq: int) -> 
             rows.append({"text": text(seq + 20)})
         elif task == "seq2seq":
             rows.append({"document": text(seq + 20), "summary": text(40)})
-        elif task in ("dpo", "reward_model"):
-            rows.append({"prompt": text(seq // 3), "chosen": text(seq // 3), "rejected": text(seq // 3)})
+        elif task in ("dpo", "reward_model"):  # prompt + either answer fills the sequence (dpo cuts a longer one,
+            # reward_model drops it)
+            answer = seq // 2 + (8 if task == "dpo" else -4)
+            rows.append({"prompt": text(seq // 2 - 4), "chosen": text(answer), "rejected": text(answer)})
         elif task in ("grpo", "rloo"):
             rows.append({"prompt": text(seq)})
         elif task == "kto":
-            rows.append({"prompt": text(seq // 2), "completion": text(seq // 2), "label": i % 2 == 0})
+            rows.append({"prompt": text(seq // 2), "completion": text(seq // 2 + 8), "label": i % 2 == 0})
     return rows
 
 
@@ -214,8 +216,9 @@ def argv_of(config: Config, root: Path, rng: random.Random) -> list[str]:
         return [*argv, *batch, *layout, *config.options, *RUN]
     model = _model(root / "model", config)
     words = _words(config.vocab)
-    write_jsonl(data, "train", _rows(config.task, rng, words, 16, config.seq))
-    write_jsonl(data, "validation", _rows(config.task, rng, words, 4, config.seq))
+    # Enough rows that every micro-batch is full: two steps' worth for training, one for the evaluation.
+    write_jsonl(data, "train", _rows(config.task, rng, words, max(16, 2 * config.micro * dp), config.seq))
+    write_jsonl(data, "validation", _rows(config.task, rng, words, max(4, config.micro * dp), config.seq))
     argv = ["--task", config.task, "--pretrained-model-name-or-path", model, "--data-path", str(data)]
     if config.task in ("grpo", "rloo"):  # a sequence is its prompt and a short completion
         (root / "reward.py").write_text(REWARD)

@@ -289,3 +289,23 @@ def test_a_forward_the_profile_cannot_run_is_one_line_and_the_rest_is_planned(tm
         proc.stdout
     )
     assert "predicted memory per rank" in proc.stdout
+
+
+def test_an_attention_mask_that_trains_takes_the_math_path_on_a_cpu():
+    """T5's relative position bias is added to the attention mask, which then requires grad: a CPU's
+    ``scaled_dot_product_attention`` takes its math path, which saves the ``[batch, heads, T, T]`` probabilities
+    in every block (the plan could not profile T5 at all while it assumed the fused kernel there). A GPU's
+    memory-efficient kernel takes the mask's gradient itself, and its plan saves the fused kernel's tensors."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from rapidlite.planning.activations import profile_activations
+
+    config = T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
+                      decoder_start_token_id=0)  # fmt: skip
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    batch, seq = 2, 256
+    encoder = {cpu: sum(profile_activations(model, batch, seq, 32, cpu=cpu).blocks_split[:2]) for cpu in (True, False)}
+    probabilities = batch * 4 * seq * seq * 4  # one [batch, heads, T, T] fp32 tensor
+    assert encoder[True] - encoder[False] >= 2 * probabilities, encoder

@@ -96,6 +96,9 @@ class TaskSpec:
     # An online-RL task samples from the model between steps: given the settings, (completions sampled together on
     # a rank, tokens each at most: prompt + completion), whose key/value cache the planner counts.
     generation: Callable[[Any], tuple[int, int]] | None = None
+    # An encoder-decoder task's target tokens at most, given the settings: the planner runs the decoder at that
+    # length (its self- and cross-attention grow with it), the encoder at the sequence length.
+    target_length: Callable[[Any], int] | None = None
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
     streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
     # --context-parallel-size: the task cuts its fixed-length sequences into the ranks' shards (its check

@@ -55,6 +55,20 @@ def build(optimizer: str, groups: list[dict[str, Any]], **defaults: Any) -> torc
     return _adapted(CLASSES[optimizer])(groups, min_8bit_size=MIN_8BIT_SIZE, **defaults)
 
 
+# bitsandbytes' CPU step (backends/cpu/ops.py, _optimizer_update_8bit_blockwise_cpu) works on a whole tensor in
+# fp32: its two moments dequantised, the scaled gradient, and the denominator's square root and quotient are
+# live together (measured: 4.99 x the tensor's fp32 bytes over the steady state). CUDA's kernel works block by
+# block in registers.
+CPU_STEP_COPIES = 5
+
+
+def cpu_step_bytes(sizes: list[int]) -> int:
+    """The temporaries of bitsandbytes' CPU step at its largest tensor of ``sizes`` (quantised ones only: a
+    smaller tensor's fp32 moments are updated in place)."""
+    quantised = [n for n in sizes if n >= MIN_8BIT_SIZE]
+    return CPU_STEP_COPIES * 4 * max(quantised, default=0)
+
+
 def state_bytes(sizes: list[int]) -> int:
     """The state's bytes for parameters of ``sizes`` elements each, once every one has stepped."""
     quantised = [n for n in sizes if n >= MIN_8BIT_SIZE]

@@ -37,8 +37,10 @@ class FusedAttention(TorchFunctionMode):
     """Attention as the run computes it. On ``meta`` tensors ``F.scaled_dot_product_attention`` takes its math
     path, which saves the ``[heads, tokens, tokens]`` scores and their softmax; a run takes a fused kernel
     (flash or memory-efficient on CUDA, flash on a CPU) that saves the query, key, value, output and one
-    log-sum-exp a row. The CPU kernel has no dropout: a CPU run with attention dropout takes the math path, so
-    ``cpu`` keeps that path for it."""
+    log-sum-exp a row. The CPU kernel has no dropout and no gradient for the mask: a CPU run with attention
+    dropout, or with a mask that trains (T5's relative position bias is added to it), takes the math path, so
+    ``cpu`` keeps that path for them. CUDA's memory-efficient kernel takes the mask's gradient: its saved
+    tensors are the fused ones, counted here with the mask held apart."""
 
     # F.scaled_dot_product_attention is a builtin without a signature: its parameters, in order.
     _SIGNATURE = inspect.Signature(
@@ -59,12 +61,14 @@ class FusedAttention(TorchFunctionMode):
         bound = self._SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        q, k, v, dropout = a["query"], a["key"], a["value"], a["dropout_p"]
-        if q.device.type != "meta" or (self.cpu and dropout > 0):
+        q, k, v, dropout, mask = a["query"], a["key"], a["value"], a["dropout_p"], a["attn_mask"]
+        trained_mask = isinstance(mask, torch.Tensor) and mask.requires_grad
+        if q.device.type != "meta" or (self.cpu and (dropout > 0 or trained_mask)):
             return func(*args, **kwargs)
         # The CPU kernel's meta function has the fused kernels' saved sizes (grouped key/value heads included).
         fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return fused(q, k, v, dropout, a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])[0]
+        mask = mask.detach() if trained_mask else mask  # a GPU plan: the mask's own bytes are its producer's
+        return fused(q, k, v, dropout, a["is_causal"], attn_mask=mask, scale=a["scale"])[0]
 
 
 # The experts' matmul of a mixture of experts (transformers' grouped_mm path): tokens [S, in] x experts
@@ -88,10 +92,12 @@ def profile_activations(
     inputs_per_sample: int = 1,
     chunked: str | None = None,
     cpu: bool = True,
+    target_length: int | None = None,
 ) -> Any:
     """Run one meta forward and count what autograd saves (see the module docstring). ``chunked``: the loss
     through the chunked output layer where it serves the model, summed (``"sum"``) or per token (``"tokens"``);
-    ``cpu``: the run's device is a CPU (its attention kernel, ``FusedAttention``)."""
+    ``cpu``: the run's device is a CPU (its attention kernel, ``FusedAttention``); ``target_length``: an
+    encoder-decoder's decoder tokens (``forward_loss``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rapidlite.models.spec import find_blocks
@@ -182,7 +188,7 @@ def profile_activations(
         ids = torch.zeros(micro_batch, seq_length, dtype=torch.long)
     try:
         with FusedAttention(cpu), Producers(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_loss(model, ids, inputs_per_sample, chunked)
+            forward_loss(model, ids, inputs_per_sample, chunked, target_length)
     except (RuntimeError, NotImplementedError) as e:  # an op the meta device cannot run on values it lacks
         raise ProfileError(first_line(e)) from e
     finally:

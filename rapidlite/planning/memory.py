@@ -45,11 +45,10 @@ from typing import Any
 
 import torch
 
-from rapidlite.config.sections import LoraConfig
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import run_libraries
 from rapidlite.models.flops import ModelFlops
-from rapidlite.optim import optimizer_state_bytes
+from rapidlite.optim import eight_bit, optimizer_state_bytes
 from rapidlite.planning.activations import (
     ActivationProfile,
     ProfileError,
@@ -62,6 +61,7 @@ from rapidlite.planning.activations import (
 from rapidlite.planning.deepspeed import deepspeed_states
 from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes, rank_counts
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
+from rapidlite.planning.quantised import quantisable_bytes, quantised_bytes
 from rapidlite.planning.task_terms import count_generation, count_reference
 from rapidlite.planning.vision import count_images
 
@@ -86,6 +86,7 @@ class RankPlan:
     runtime: int = 0
     reference: int = 0  # a preference task's frozen reference model, laid out as the policy
     generation: int = 0  # online RL's sampling between steps: the key/value cache and gathered ZeRO-3 parameters
+    step: int = 0  # the optimizer step's temporaries (bitsandbytes' CPU 8-bit step), with every gradient held
     activation_per_sample: float = 0.0  # how activations and transients grow with the micro-batch
     forward_grads: int = 0  # the gradients there at the forward pass's end (see ``peak``)
     # Elements the rank computes with (its tensor/pipeline share, whole over data parallelism), trains, and steps.
@@ -108,7 +109,7 @@ class RankPlan:
         micro-batches or in DDP's buckets, and the chunked loss's output-layer gradient), or after the
         backward pass, with every gradient and no activations; online RL samples with the gradients still held
         (``generation``)."""
-        return self.held + max(self.with_activations, self.grads + self.generation)
+        return self.held + max(self.with_activations, self.grads + max(self.generation, self.step))
 
     @property
     def held(self) -> int:
@@ -229,6 +230,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
     chunked = task.chunked_loss if settings.model.chunked_loss and task is not None else None
     micro = settings.batching.micro_batch_size
     cpu = device.type == "cpu"
+    target = task.target_length(settings) if task is not None and task.target_length is not None else None
     # Context parallelism: a rank holds seq / cp tokens of each sequence, and what it saves is what the model
     # saves at that length (the ring's q/k/v/output/log-sum-exp, Ulysses' head shards of the whole sequence).
     local = seq // dims.cp if seq is not None else None
@@ -237,8 +239,8 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
             f"context parallelism {dims.cp}: activations of {local} of the {seq} tokens of each sequence per rank"
         )
     try:
-        profile = profile_activations(probe, micro, local, hidden, per_sample, chunked, cpu)
-        profile_next = profile_activations(probe, micro + 1, local, hidden, per_sample, chunked, cpu)
+        profile = profile_activations(probe, micro, local, hidden, per_sample, chunked, cpu, target)
+        profile_next = profile_activations(probe, micro + 1, local, hidden, per_sample, chunked, cpu, target)
     except ProfileError as e:  # the model states are still planned: said in one line, the peak without them
         profile = profile_next = ActivationProfile()
         notes.append(
@@ -263,7 +265,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         rank = _stage_rank(stage, dims)
         model = meta_model(settings)
         # Quantisation needs real weights: the plan adapts the full-precision base and counts the quantised
-        # bytes afterwards (_quantised_bytes).
+        # bytes afterwards (planning.quantised).
         unquantised = dataclasses.replace(adapters, load_in_4bit=False, load_in_8bit=False)
         model = lora.prepare(model, unquantised, precision.dtype, torch.device("meta"), None)
         trainable_total = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -296,9 +298,15 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
             )
         )
         if adapters.quantized:
-            ranks[-1].params -= _quantisable_bytes(module, adapters) - _quantised_bytes(module, adapters)
+            ranks[-1].params -= quantisable_bytes(module, adapters) - quantised_bytes(module, adapters)
     if deepspeed:
         notes.append("DeepSpeed: model states follow ZeRO's sharding rules (its engine is not built for the plan)")
+    if any(r.step for r in ranks):
+        notes.append(
+            f"8-bit AdamW on a CPU: bitsandbytes' step works on a whole tensor in fp32, {eight_bit.CPU_STEP_COPIES} "
+            f"copies of the largest ({max(r.step for r in ranks) / eight_bit.CPU_STEP_COPIES / MiB:.1f} MiB) with "
+            "every gradient held (counted in the peak)"
+        )
     if adapters.quantized:
         notes.append("4-bit/8-bit base weights are counted at their quantised size (0.5 or 1 byte per weight)")
     notes += count_reference(settings, dims, ranks, total, precision, deepspeed, task)
@@ -326,40 +334,6 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         ranks=ranks,
         notes=notes,
     )
-
-
-def _quantisable(module: torch.nn.Module, settings: LoraConfig) -> list[torch.nn.Linear]:
-    """The frozen linear layers bitsandbytes would quantise (heads and modules trained in full are kept)."""
-    from rapidlite.models.lora import SKIP_ON_LOAD, split_names
-
-    keep = {*SKIP_ON_LOAD, *split_names(settings.lora_modules_to_save)}
-    return [
-        m
-        for name, m in module.named_modules()
-        if type(m) is torch.nn.Linear
-        and not m.weight.requires_grad
-        and not any(part in keep for part in name.split("."))
-    ]
-
-
-def _quantisable_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
-    return sum(_bytes(m.weight) for m in _quantisable(module, settings))
-
-
-def _quantised_bytes(module: torch.nn.Module, settings: LoraConfig) -> int:
-    """bitsandbytes' sizes: 4-bit packs two weights a byte plus an fp32 scale per block of 64 (double
-    quantisation: an 8-bit scale plus an fp32 one per 256 blocks); 8-bit is a byte a weight plus an fp32 scale
-    per output row."""
-    total = 0
-    for m in _quantisable(module, settings):
-        n = m.weight.numel()
-        if settings.load_in_4bit:
-            blocks = math.ceil(n / 64)
-            scales = blocks + 4 * math.ceil(blocks / 256) if settings.bnb_4bit_use_double_quant else 4 * blocks
-            total += math.ceil(n / 2) + scales
-        else:
-            total += n + 4 * m.out_features
-    return total
 
 
 # What a run imports beyond this process: a fine-tuning task's data through datasets (with pyarrow, about 80 MiB),
@@ -415,6 +389,7 @@ def _rank_plan(
         stepped = [_local(p).numel() for o in locals_ for g in o.param_groups for p in g["params"] if p.requires_grad]
     grads = grad_elems * 4
     optimizer = optimizer_state_bytes(settings.optim, stepped) + (ds.master if ds else 0)
+    step = eight_bit.cpu_step_bytes(stepped) if settings.optim.eight_bit and not on_gpu else 0
     counts = rank_counts(module, params, trainable, stepped, dp if not deepspeed and zero >= 2 else 1, dims.ep)
     host = 0
     if settings.topology.cpu_offload:
@@ -473,6 +448,7 @@ def _rank_plan(
         host=host,
         activation_per_sample=per_sample,
         forward_grads=forward_grads,
+        step=step,
         **counts,
     )
 
@@ -488,7 +464,7 @@ def _head_trains(module: torch.nn.Module) -> bool:
 
 def largest_micro_batch(rank: RankPlan, budget_bytes: float, micro_batch: int) -> int:
     """The largest micro-batch whose predicted peak fits ``budget_bytes`` (activations grow linearly with it)."""
-    if rank.held + rank.grads > budget_bytes:  # after the backward pass, whatever the micro-batch
+    if rank.held + rank.grads + max(rank.generation, rank.step) > budget_bytes:  # whatever the micro-batch
         return 0
     fixed = rank.held + rank.with_activations - rank.activation_per_sample * micro_batch
     if rank.activation_per_sample <= 0:

@@ -116,14 +116,19 @@ def _frozen_parts(model: torch.nn.Module, settings: Sections, spec: TaskSpec | N
 
 
 def forward_loss(
-    model: torch.nn.Module, ids: torch.Tensor, inputs_per_sample: int = 1, chunked: str | None = None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    inputs_per_sample: int = 1,
+    chunked: str | None = None,
+    target_length: int | None = None,
 ) -> torch.Tensor:
     """A training forward and loss on meta inputs: logits, then fp32 cross-entropy (as the tasks compute it);
     ``chunked``: through the chunked output layer where it serves the model, as the task then computes it (a
     preference task's pair of sequences too): a summed loss (``"sum"``) or per-token log-probabilities
     (``"tokens"``).
     ``inputs_per_sample`` > 1: each sample is that many sequences: ``[questions, choices, tokens]`` for a
-    multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other."""
+    multiple-choice head, consecutive rows (``[pairs x 2, tokens]``, a preference pair) for any other.
+    ``target_length``: an encoder-decoder's decoder tokens (``TaskSpec.target_length``), else the sources'."""
     from rapidlite.models.gpt import GPTModel
     from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
 
@@ -136,12 +141,12 @@ def forward_loss(
             ids = ids.unsqueeze(1).repeat(1, inputs_per_sample, 1)
             if "MultipleChoice" not in type(model).__name__:
                 ids = ids.flatten(0, 1)
-        # An encoder-decoder's targets as long as its sources: an upper bound where --max-target-length is shorter.
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-        inputs = {"input_ids": ids, "decoder_input_ids": ids} if seq2seq else {"input_ids": ids}
+        targets = ids.new_zeros((ids.shape[0], target_length)) if seq2seq and target_length else ids
+        inputs = {"input_ids": ids, "decoder_input_ids": targets} if seq2seq else {"input_ids": ids}
         if chunked and ids.dim() == 2 and chunkable_head(model) is not None:
             sum_only = chunked == "sum"
-            logps = output_logps(model, inputs, torch.zeros_like(ids), shift=False, sum_only=sum_only)
+            logps = output_logps(model, inputs, torch.zeros_like(targets), shift=False, sum_only=sum_only)
             return -logps.sum()
         out = model(**inputs)
         logits = next(

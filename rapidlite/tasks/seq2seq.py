@@ -28,9 +28,9 @@ from rapidlite.errors import ConfigError
 from rapidlite.models.head import output_logps
 from rapidlite.models.hf import load_error, load_hf_model, load_tokenizer, position_limit, within_positions
 from rapidlite.observe.progress import hf_datasets_progress
+from rapidlite.tasks.seq2seq_spec import max_target_length
 from rapidlite.trainer import Finetuner
 
-DEFAULT_MAX_TARGET_LENGTH = 128  # and its --max_target_length
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 SEQ2SEQ_INSTALL = "pip install 'rapidlite[seq2seq]'"
 _SHOWN = 3  # generated texts logged at each evaluation
@@ -202,7 +202,7 @@ class Seq2SeqFinetuner(Finetuner):
         refusal = "the model has {limit} positions (max_position_embeddings); use at most {limit}"
         source = within_positions(settings.data.seq_length, limit, settings.given("seq_length"), refusal)
         target_given = settings.task_options.max_target_length is not None
-        target = settings.task_options.max_target_length if target_given else DEFAULT_MAX_TARGET_LENGTH
+        target = max_target_length(settings)
         return source, within_positions(target, limit, target_given, refusal, flag="--max-target-length")
 
     def model_optimizer_lr_scheduler_provider(self):

@@ -13,6 +13,14 @@ if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only name
     from rapidlite.config.settings import Sections
 
 
+DEFAULT_MAX_TARGET_LENGTH = 128  # run_summarization's --max_target_length
+
+
+def max_target_length(settings: Sections) -> int:
+    """The target tokens a training sample holds at most: ``--max-target-length``, else the default."""
+    return settings.task_options.max_target_length or DEFAULT_MAX_TARGET_LENGTH
+
+
 @dataclass(frozen=True)
 class Seq2SeqOptions:
     """Translation pairs' languages, the source prefix, and the target's length and generation."""
@@ -48,5 +56,6 @@ TASK = TaskSpec(
     eval_only=True,
     auto_class="AutoModelForSeq2SeqLM",
     chunked_loss="sum",
+    target_length=max_target_length,
     libraries=("datasets", "torchmetrics", "rouge_score.rouge_scorer"),  # ROUGE (with nltk): about 40 MiB
 )
