@@ -152,3 +152,34 @@ def test_missing_bitsandbytes_is_one_line(capsys, monkeypatch):
     assert main([*BASE, "--optimizer", "adamw8bit"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--optimizer adamw8bit needs bitsandbytes" in err and "pip install" in err, err
+
+
+def test_the_cpu_steps_temporaries_are_planned():
+    """bitsandbytes' CPU step works on a whole tensor in fp32: the resident peak of a step over the steady state
+    is what the plan counts for it (``eight_bit.cpu_step_bytes``), measured in a fresh process."""
+    import subprocess
+    import sys
+
+    from rapidlite.optim import eight_bit
+
+    probe = """
+import torch
+from rapidlite.optim.builders import build_optimizer
+from rapidlite.config.sections import OptimizerConfig
+from rapidlite.runtime.allocator import bound_cpu_retention
+bound_cpu_retention()
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+def hwm(): return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+layer = torch.nn.Linear(1024, 4096, bias=False)
+layer.weight.grad = torch.randn_like(layer.weight)
+opt = build_optimizer(layer, OptimizerConfig(optimizer="adamw8bit"))
+opt.step()
+steady = rss()
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from here
+opt.step()
+print(hwm() - steady)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    measured = int(out.split()[-1])
+    planned = eight_bit.cpu_step_bytes([1024 * 4096])
+    assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
