@@ -220,12 +220,10 @@ def run_libraries(settings: Any, task: TaskSpec | None) -> tuple[str, ...]:
     DeepSpeed under ``--deepspeed`` (about 150 MiB of a CPU rank's resident set) and bitsandbytes for an 8-bit
     optimizer or a quantised base. A launcher that forks its workers imports them once; the planner imports them
     before it reads a CPU run's resident size."""
-    from rapidlite.config.sections import EIGHT_BIT_OPTIMIZERS
-
     names = list(task.libraries) if task is not None else []
     if settings.parallel.deepspeed:
         names.append("deepspeed")
-    if settings.optim.optimizer in EIGHT_BIT_OPTIMIZERS or settings.lora.quantized:
+    if settings.optim.eight_bit or settings.lora.quantized:
         names.append("bitsandbytes")
     return tuple(names)
 
