@@ -168,7 +168,7 @@ def _warm(config: RunConfig, task: Any = None) -> None:
     import importlib
 
     import rapidlite.engine  # noqa: F401
-    from rapidlite.config.tasks import run_libraries
+    from rapidlite.config.libraries import run_libraries
     from rapidlite.runtime.forked_workers import warm_imports
 
     if task is not None:

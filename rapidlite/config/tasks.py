@@ -215,19 +215,6 @@ def unset_value(name: str) -> Any:
     raise KeyError(name)
 
 
-def run_libraries(settings: Any, task: TaskSpec | None) -> tuple[str, ...]:
-    """The modules a run imports beyond torch, transformers and rapidlite: its task's (``TaskSpec.libraries``),
-    DeepSpeed under ``--deepspeed`` (about 150 MiB of a CPU rank's resident set) and bitsandbytes for an 8-bit
-    optimizer or a quantised base. A launcher that forks its workers imports them once; the planner imports them
-    before it reads a CPU run's resident size."""
-    names = list(task.libraries) if task is not None else []
-    if settings.parallel.deepspeed:
-        names.append("deepspeed")
-    if settings.optim.eight_bit or settings.lora.quantized:
-        names.append("bitsandbytes")
-    return tuple(names)
-
-
 def task_names() -> list[str]:
     return list(_discover())
 

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from rapidlite.config.libraries import run_libraries
 from rapidlite.config.settings import Sections
-from rapidlite.config.tasks import run_libraries
 from rapidlite.models.flops import ModelFlops
 from rapidlite.optim import eight_bit, optimizer_state_bytes
 from rapidlite.planning.activations import (
@@ -340,7 +340,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
 # seq2seq's metrics through torchmetrics (about 60 MiB), DeepSpeed (about 150 MiB). Their resident size is the run's.
 def _runtime_bytes(libraries: tuple[str, ...]) -> int:
     """The run's resident size before its tensors: this process's (it has imported torch, transformers and
-    rapidlite as the run does), with the libraries the run loads (``config.tasks.run_libraries``)."""
+    rapidlite as the run does), with the libraries the run loads (``config.libraries.run_libraries``)."""
     for name in libraries:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
