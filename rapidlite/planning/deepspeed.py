@@ -29,9 +29,13 @@ class DeepSpeedStates:
     params: int  # bytes
     grad_elements: int
     stepped: int  # elements of the fp32 partition the optimizer steps
-    master: int  # bytes of that fp32 copy
     bucket: int  # bytes of the reduce bucket's written pages
     gathered: int  # bytes of ZeRO-3's gathered parameters at the peak
+
+    @property
+    def master(self) -> int:
+        """Bytes of the fp32 copy of the partition the optimizer steps."""
+        return self.stepped * 4
 
 
 def _zero_config(settings: Sections) -> dict:
@@ -61,14 +65,12 @@ def deepspeed_states(settings: Sections, params: list[torch.Tensor], dp: int) ->
     else:
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         gathered = 0
-    stepped = trainable // (dp if zero >= 1 else 1)
     buckets = 2 if config.get("overlap_comm", zero >= 3) else 1  # DeepSpeed's default: on for ZeRO-3 only
     bucket = min(buckets * int(config.get("reduce_bucket_size", 5e8)), trainable) * width
     return DeepSpeedStates(
         params=param_bytes,
         grad_elements=trainable // (dp if zero >= 2 else 1),
-        stepped=stepped,
-        master=stepped * 4,
+        stepped=trainable // (dp if zero >= 1 else 1),
         bucket=bucket,
         gathered=gathered,
     )

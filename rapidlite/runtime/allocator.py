@@ -7,7 +7,7 @@ from the heap instead, and the heap keeps what is freed in holes a later, larger
 here, a CPU run's resident peak then sits 10-45% above its live tensors and grows over its first steps, so
 ``--dry-run``'s plan could not be right on a CPU. Fixed at 4 MiB, the resident peak follows the live tensors (one
 test run: 1,586 MiB with the dynamic threshold, 1,137 MiB fixed). The cost is the page faults of each large
-tensor's fresh pages: steps were 5-12% slower on this project's CPU benchmarks (``benchmarks/cpu_allocator.py``
+tensor's fresh pages: steps were 2-17% slower on this project's CPU benchmarks (``benchmarks/cpu_allocator.py``
 measures it against the default in one run).
 
 ``RAPIDLITE_DEFAULT_MALLOC=1`` keeps glibc's dynamic threshold (the faster steps, with its retention). A user's own
