@@ -19,6 +19,10 @@ Below the threshold glibc before 2.39 still keeps some of what a step frees: tor
 with its neighbours (glibc bug 30723), so a later block of the same size does not fit it. That matters where a
 model's tensors are all small (a few MiB each: hidden sizes of tens on thousands of tokens), which ``--dry-run``
 does not count (``docs/guides/dry-run.md``).
+
+What a run frees while it prepares (tokenising its data, loading its model) stays in glibc's heap until something
+reuses it; ``release_freed`` gives it back (``malloc_trim``) right before the first step: 35-55 MiB of a
+fine-tuning rank's resident peak here.
 """
 
 from __future__ import annotations
@@ -36,21 +40,41 @@ USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP
 _done = False
 
 
+def _libc() -> ctypes.CDLL | None:
+    """glibc (Linux), where this process's malloc is glibc's; None elsewhere or where the environment keeps glibc's
+    own behaviour (``RAPIDLITE_DEFAULT_MALLOC=1``)."""
+    if not sys.platform.startswith("linux") or env_switch("RAPIDLITE_DEFAULT_MALLOC"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (musl and other libcs have neither)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def bound_cpu_retention() -> bool:
     """Fix glibc's mmap threshold at ``MMAP_THRESHOLD`` in this process (and the processes it forks), once; False
     where it is not glibc's malloc or the environment sets glibc's own (see the module docstring)."""
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux") or any(name in os.environ for name in USER_SETTINGS):
+    libc = _libc()
+    if libc is None or any(name in os.environ for name in USER_SETTINGS):
         return False
-    if env_switch("RAPIDLITE_DEFAULT_MALLOC"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other libcs: no mallopt
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     return _done
+
+
+def release_freed() -> bool:
+    """Give the system back the heap pages nothing holds (glibc's ``malloc_trim(0)``): what preparing the run freed
+    (the data's tokenisation, the model's loading), which glibc would keep until a later allocation reused it.
+    False where the malloc is not glibc's or ``RAPIDLITE_DEFAULT_MALLOC=1`` is set."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    libc.malloc_trim(0)
+    return True

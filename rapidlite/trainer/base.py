@@ -28,6 +28,7 @@ from rapidlite.models import lora
 from rapidlite.models.head import loss_line
 from rapidlite.observe.progress import Bar, hf_transformers_progress, progress_bar
 from rapidlite.runtime import preemption
+from rapidlite.runtime.allocator import release_freed
 from rapidlite.trainer.checkpointing import Checkpointing
 from rapidlite.trainer.clock import RunClock
 from rapidlite.trainer.monitor import Monitor
@@ -199,6 +200,7 @@ class BaseTrainer:
 
     def begin_training(self) -> None:
         """Called once everything is built, right before the first step."""
+        release_freed()  # what building the data and the model freed (rapidlite.runtime.allocator)
         self.checkpointing.restore_rng()
         self.monitor.begin(self.progress_bar(self.total_iters, "train", initial=self.iteration))
         self.clock.begin()
