@@ -32,6 +32,17 @@ def _import(target: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
+# What reading a data file and tokenising it imports: datasets (with pyarrow, about 80 MiB), the scipy.io its
+# builders patch for streaming and transformers' tokenizer loading (about 16 MiB together), all lazily.
+DATA_LIBRARIES = (
+    "datasets",
+    "scipy.io",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.convert_slow_tokenizer",
+    "transformers.tokenization_utils_tokenizers",
+)
+
+
 @dataclass(frozen=True)
 class Demo:
     """A task's embedded offline run. ``defaults``: flag values (by destination) the run starts from; flags
@@ -92,13 +103,16 @@ class TaskSpec:
     # The modules the run imports beyond torch and transformers, which the planner loads before it reads a CPU
     # run's resident size (every task but pretraining reads its data through datasets; only seq2seq scores
     # through torchmetrics).
-    libraries: tuple[str, ...] = ("datasets",)
+    libraries: tuple[str, ...] = DATA_LIBRARIES
     # An online-RL task samples from the model between steps: given the settings, (completions sampled together on
     # a rank, tokens each at most: prompt + completion), whose key/value cache the planner counts.
     generation: Callable[[Any], tuple[int, int]] | None = None
     # An encoder-decoder task's target tokens at most, given the settings: the planner runs the decoder at that
     # length (its self- and cross-attention grow with it), the encoder at the sequence length.
     target_length: Callable[[Any], int] | None = None
+    # The share of a sequence's tokens the loss scores, given the settings, where it is a fixed share (a masked
+    # LM's --mlm-probability): the planner projects that many rows through the chunked output layer.
+    scored_share: Callable[[Any], float] | None = None
     eval_harness: bool = False  # --eval-harness: the task's model is a causal LM the harness can score
     streaming: bool = False  # --streaming: the task reads text as a stream (rapidlite.data.streaming)
     # --context-parallel-size: the task cuts its fixed-length sequences into the ranks' shards (its check

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rapidlite.config.fields import flag
-from rapidlite.config.tasks import TaskSpec
+from rapidlite.config.tasks import DATA_LIBRARIES, TaskSpec
 from rapidlite.errors import ConfigError
 
 if TYPE_CHECKING:  # the settings list the tasks: a task's declaration only names them
@@ -57,5 +57,5 @@ TASK = TaskSpec(
     auto_class="AutoModelForSeq2SeqLM",
     chunked_loss="sum",
     target_length=max_target_length,
-    libraries=("datasets", "torchmetrics", "rouge_score.rouge_scorer"),  # ROUGE (with nltk): about 40 MiB
+    libraries=(*DATA_LIBRARIES, "torchmetrics", "rouge_score.rouge_scorer"),  # ROUGE (with nltk): about 40 MiB
 )
