@@ -20,7 +20,7 @@ from helpers import (
     train_losses,
     write_tiny_corpus,
 )
-from rapidlite.models.chunked_loss import IGNORE, token_logps
+from rapidlite.models.chunked_loss import IGNORE, PASSING, chunk_rows, planned_share, token_logps
 from rapidlite.models.head import MIN_VOCAB, chunkable_head, output_logps
 from rapidlite.tasks.pretraining import bert_loss
 
@@ -51,6 +51,30 @@ def test_chunks_equal_the_whole_logits(sum_only, bias):
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
     for got, want in zip(torch.autograd.grad(actual, inputs), expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.15])
+def test_the_plans_profile_projects_the_rows_the_run_scores(share):
+    """--dry-run's meta profile keeps one chunk's logits as the real path does for the rows it scores: all of a
+    causal LM's, a masked LM's --mlm-probability of them (``planned_share``)."""
+    rows, hidden, vocab = 1024, 64, 32000
+    passing = []
+
+    def pack(t):
+        if getattr(t, PASSING, False):
+            passing.append(t.shape)
+        return t
+
+    with torch.device("meta"):
+        h = torch.empty(rows, hidden, requires_grad=True)
+        w = torch.empty(vocab, hidden, requires_grad=True)
+        targets = torch.zeros(rows, dtype=torch.long)
+    with planned_share(share), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = token_logps(h, w, None, targets, sum_only=True)
+    out.backward()
+    scored = -(-rows * 15 // 100) if share < 1 else rows  # 154 of 1024 at 0.15
+    assert passing == [(chunk_rows(scored, hidden, vocab), vocab)]
+    assert h.grad.shape == h.shape
 
 
 def test_a_target_outside_the_vocabulary_is_an_error_not_a_zero():

@@ -26,6 +26,10 @@ Numbers: fp32 results equal the plain ``F.cross_entropy(hidden @ weight.T + bias
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -39,6 +43,19 @@ IGNORE = -100
 PASSING = "_rapidlite_passing"
 FORWARD_GRAD = "_rapidlite_forward_grad"
 MIN_CHUNK_ROWS = 256
+# --dry-run's profile scores this share of the rows (``planned_share``): its meta targets carry no values to count.
+_PLANNED_SHARE: ContextVar[float] = ContextVar("planned_share", default=1.0)
+
+
+@contextlib.contextmanager
+def planned_share(share: float) -> Iterator[None]:
+    """Within it, a meta profile's loss scores ``share`` of its rows, as the run's targets will (a masked LM's
+    ``--mlm-probability``); 1 outside."""
+    token = _PLANNED_SHARE.set(share)
+    try:
+        yield
+    finally:
+        _PLANNED_SHARE.reset(token)
 
 
 def chunk_rows(rows: int, hidden: int, vocab: int) -> int:
@@ -67,10 +84,12 @@ def token_logps(
     targets = targets.reshape(-1)
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"{hidden.shape[0]} hidden rows for {targets.shape[0]} targets")
-    if hidden.device.type == "meta":  # --dry-run's profile: what the real path keeps, every row scored
-        chunk = chunk or chunk_rows(hidden.shape[0], hidden.shape[1], vocab or weight.shape[0])
-        out = _Planned.apply(hidden, weight, chunk, sum_only)
-        return out if sum_only else out.reshape(shape)
+    if hidden.device.type == "meta":  # --dry-run's profile: what the real path keeps, for the rows it scores
+        n = hidden.shape[0]
+        scored = max(1, min(n, math.ceil(n * _PLANNED_SHARE.get())))
+        chunk = chunk or chunk_rows(scored, hidden.shape[1], vocab or weight.shape[0])
+        out = _Planned.apply(hidden[:scored], weight, chunk, sum_only)
+        return out if sum_only else torch.nn.functional.pad(out, (0, n - scored)).reshape(shape)
     rows = (targets != IGNORE).nonzero().squeeze(1)
     picked_targets = targets.index_select(0, rows)
     vocab = vocab or weight.shape[0]

@@ -23,9 +23,10 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
 - On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
-  the plan adds this process's own resident size (it has imported the same libraries, ``run_libraries``) as
-  "runtime". A CPU run fixes glibc's mmap threshold (``rapidlite.runtime.allocator``), so that resident set
-  follows the live tensors rather than what glibc keeps of freed ones.
+  the plan adds it as "runtime" (``rapidlite.planning.runtime``: this process's, which has imported the same
+  libraries, with a forked rank's code pages for its file-backed part). A CPU run fixes glibc's mmap threshold
+  (``rapidlite.runtime.allocator``), so that resident set follows the live tensors rather than what glibc keeps
+  of freed ones.
 
 DeepSpeed configs get the same accounting with ZeRO's rules (``rapidlite.planning.deepspeed``: its engine cannot be
 built on meta).
@@ -35,18 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import logging
 import math
-import resource
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rapidlite.config.libraries import run_libraries
 from rapidlite.config.settings import Sections
+from rapidlite.models.chunked_loss import planned_share
 from rapidlite.models.flops import ModelFlops
 from rapidlite.optim import eight_bit, optimizer_state_bytes
 from rapidlite.planning.activations import (
@@ -62,6 +61,7 @@ from rapidlite.planning.deepspeed import deepspeed_states
 from rapidlite.planning.experts import dispatch_bytes, expert_counts, gathered_bytes, rank_counts
 from rapidlite.planning.model import meta_model, sequence_length, task_spec
 from rapidlite.planning.quantised import quantisable_bytes, quantised_bytes
+from rapidlite.planning.runtime import runtime_bytes
 from rapidlite.planning.task_terms import count_generation, count_reference
 from rapidlite.planning.vision import count_images
 
@@ -238,9 +238,11 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         notes.append(
             f"context parallelism {dims.cp}: activations of {local} of the {seq} tokens of each sequence per rank"
         )
+    share = task.scored_share(settings) if task is not None and task.scored_share is not None else 1.0
     try:
-        profile = profile_activations(probe, micro, local, hidden, per_sample, chunked, cpu, target)
-        profile_next = profile_activations(probe, micro + 1, local, hidden, per_sample, chunked, cpu, target)
+        with planned_share(share):
+            profile = profile_activations(probe, micro, local, hidden, per_sample, chunked, cpu, target)
+            profile_next = profile_activations(probe, micro + 1, local, hidden, per_sample, chunked, cpu, target)
     except ProfileError as e:  # the model states are still planned: said in one line, the peak without them
         profile = profile_next = ActivationProfile()
         notes.append(
@@ -314,7 +316,7 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         notes += count_generation(settings, dims, ranks, total, precision, task, getattr(model, "config", None))
     said, image_patches = count_images(settings, ranks, task, getattr(model, "config", None), precision.dtype)
     notes += said
-    runtime = _runtime_bytes(run_libraries(settings, task)) if device.type == "cpu" else 0
+    runtime = runtime_bytes(settings, task) if device.type == "cpu" else 0
     width = precision.dtype.itemsize if precision.dtype is not None else 4
     buffers = context_parallel_bytes(settings, getattr(model, "config", None), local, width)
     for r in ranks:
@@ -334,27 +336,6 @@ def plan(settings: Sections, gpu: bool | None = None) -> Plan:
         ranks=ranks,
         notes=notes,
     )
-
-
-# What a run imports beyond this process: a fine-tuning task's data through datasets (with pyarrow, about 80 MiB),
-# seq2seq's metrics through torchmetrics (about 60 MiB), DeepSpeed (about 150 MiB). Their resident size is the run's.
-def _runtime_bytes(libraries: tuple[str, ...]) -> int:
-    """The run's resident size before its tensors: this process's (it has imported torch, transformers and
-    rapidlite as the run does), with the libraries the run loads (``config.libraries.run_libraries``)."""
-    for name in libraries:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-    return _resident_bytes()
-
-
-def _resident_bytes() -> int:
-    """This process's resident set now (Linux: /proc; elsewhere the peak so far)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _rank_plan(

@@ -50,4 +50,5 @@ TASK = TaskSpec(
     eval_only=True,
     auto_class="AutoModelForMaskedLM",
     chunked_loss="sum",
+    scored_share=lambda settings: settings.data.mask_prob,  # the masked positions
 )
