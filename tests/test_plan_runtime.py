@@ -81,3 +81,31 @@ def test_the_run_libraries_the_plan_imports_exist_here():
     names = run_libraries(settings, get_task("seq2seq"))
     assert "deepspeed" in names and "datasets" in names and "torchmetrics" in names
     assert [n for n in names if importlib.util.find_spec(n) is None] == []
+
+
+def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
+    """Every rank of a run that tokenises its data holds its tokenizer (17 MiB at 64k words): the planner loads
+    the same one and reads its resident set while it holds it."""
+    import weakref
+
+    from rapidlite.config.tasks import get_task
+    from rapidlite.models import hf
+
+    class Tokenizer:
+        pass
+
+    loaded: list = []
+
+    def load(name):
+        loaded.append((name, weakref.ref(tokenizer := Tokenizer())))
+        return tokenizer
+
+    held: list = []
+    monkeypatch.setattr(hf, "load_tokenizer", load)
+    monkeypatch.setattr(runtime, "resident_parts", lambda: (held.append(loaded[-1][1]() is not None), (1, 1))[1])
+    argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", "some/model", "--data-path", "unused"]
+    runtime.runtime_bytes(parse_args(argv).sections, get_task("causal_lm"))
+    assert [name for name, _ in loaded] == ["some/model"] and held == [True]
+    assert loaded[-1][1]() is None  # let go afterwards
+    runtime.runtime_bytes(_settings(), get_task("pretraining"))  # pretraining's data is tokenised already
+    assert len(loaded) == 1

@@ -2,7 +2,8 @@
 
 A CPU run's logged peak is its process's resident set (``VmHWM``), which also holds the interpreter, torch,
 transformers and the libraries the run imports (``config.libraries.run_libraries``). The planner has imported the
-same, so it reads its own resident set, in two parts (``/proc/self/status``):
+same, and loads the tokenizer a run that tokenises its data loads, so it reads its own resident set, in two parts
+(``/proc/self/status``):
 
 - **anonymous pages** (the interpreter's and the libraries' objects): every rank has them; a rank forked from the
   launcher inherits the launcher's, which imported the same list, and counts them as its own;
@@ -21,10 +22,12 @@ import contextlib
 import importlib
 import resource
 import sys
+from typing import Any
 
 from rapidlite.config.libraries import run_libraries
 from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import TaskSpec
+from rapidlite.runtime.allocator import release_freed
 
 MiB = 2**20
 FORKED_RANK_CODE = 58 * MiB  # the code a forked training rank runs: torch's kernels, the interpreter, gloo
@@ -37,11 +40,28 @@ def runtime_bytes(settings: Sections, task: TaskSpec | None) -> int:
     for name in libraries:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    tokenizer = _run_tokenizer(settings, libraries)  # held while the resident set is read
+    release_freed()  # as the run does before its first step (rapidlite.runtime.allocator)
     anonymous, file_backed = resident_parts()
+    del tokenizer
     if not forked_ranks(settings):
         return anonymous + file_backed
     code = FORKED_RANK_CODE + (FORKED_DATA_CODE if "datasets" in libraries else 0)
     return anonymous + min(file_backed, code)
+
+
+def _run_tokenizer(settings: Sections, libraries: tuple[str, ...]) -> Any:
+    """The tokenizer a run that tokenises its data loads, which every rank holds (its vocabulary and merges: 17
+    MiB at 64k words); None where the run loads none or it cannot be loaded here (the run's own load says why)."""
+    name = settings.model.pretrained_model_name_or_path
+    if "datasets" not in libraries or not name:
+        return None
+    from rapidlite.models.hf import load_tokenizer
+
+    try:
+        return load_tokenizer(name)
+    except Exception:  # a missing or unreadable tokenizer is the run's one line, not the plan's
+        return None
 
 
 def forked_ranks(settings: Sections) -> bool:
