@@ -24,7 +24,7 @@ The plan resolves every flag as a real launch would, then measures instead of gu
   whole model between forward and backward for ZeRO-2).
 - On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
   the plan adds it as "runtime" (``rapidlite.planning.runtime``: this process's, which has imported the same
-  libraries, with a forked rank's code pages for its file-backed part). A CPU run fixes glibc's mmap threshold
+  libraries and loaded the run's tokenizer). A CPU run fixes glibc's mmap threshold
   (``rapidlite.runtime.allocator``), so that resident set follows the live tensors rather than what glibc keeps
   of freed ones.
 

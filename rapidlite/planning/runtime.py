@@ -7,13 +7,11 @@ same, and loads the tokenizer a run that tokenises its data loads, so it reads i
 
 - **anonymous pages** (the interpreter's and the libraries' objects): every rank has them; a rank forked from the
   launcher inherits the launcher's, which imported the same list, and counts them as its own;
-- **file-backed pages** (the libraries' code and data, mapped from disk): a process that imports a library touches
-  its pages as it loads it, so one process, or a rank started as a new interpreter (``--start-method spawn``,
-  torchrun or Slurm starting each rank), holds what importing touched. A rank forked by rapidlite's launcher
-  (``--start-method auto`` on a machine without CUDA) maps the code again only as it runs it: its file-backed pages
-  are the code a training rank runs, measured at the peak of forked ranks here (``docs/guides/dry-run.md``): 57-58
-  MiB in pretraining ranks (torch's kernels, the interpreter, gloo), 66-80 MiB in ranks that read their data
-  through datasets (pyarrow's and the tokenizer's code besides). The planner's own were 89-152 MiB.
+- **file-backed pages** (the libraries' code and data, mapped from disk). A rank forked by rapidlite's launcher
+  (``--start-method auto`` on a machine without CUDA) maps the code again as it runs it, and how many pages each
+  fault maps depends on how much of the libraries' files the page cache holds: measured at a forked rank's peak,
+  about 128 MiB right after the install (close to the launcher's and this process's own) but 52-80 MiB in an
+  environment whose files had been partly evicted. The plan counts this process's, which follows the same cache.
 """
 
 from __future__ import annotations
@@ -29,10 +27,6 @@ from rapidlite.config.settings import Sections
 from rapidlite.config.tasks import TaskSpec
 from rapidlite.runtime.allocator import release_freed
 
-MiB = 2**20
-FORKED_RANK_CODE = 58 * MiB  # the code a forked training rank runs: torch's kernels, the interpreter, gloo
-FORKED_DATA_CODE = 16 * MiB  # and, reading its data through datasets, pyarrow's and the tokenizer's
-
 
 def runtime_bytes(settings: Sections, task: TaskSpec | None) -> int:
     """A CPU rank's resident bytes before its tensors (see the module docstring)."""
@@ -44,10 +38,7 @@ def runtime_bytes(settings: Sections, task: TaskSpec | None) -> int:
     release_freed()  # as the run does before its first step (rapidlite.runtime.allocator)
     anonymous, file_backed = resident_parts()
     del tokenizer
-    if not forked_ranks(settings):
-        return anonymous + file_backed
-    code = FORKED_RANK_CODE + (FORKED_DATA_CODE if "datasets" in libraries else 0)
-    return anonymous + min(file_backed, code)
+    return anonymous + file_backed
 
 
 def _run_tokenizer(settings: Sections, libraries: tuple[str, ...]) -> Any:
@@ -62,15 +53,6 @@ def _run_tokenizer(settings: Sections, libraries: tuple[str, ...]) -> Any:
         return load_tokenizer(name)
     except Exception:  # a missing or unreadable tokenizer is the run's one line, not the plan's
         return None
-
-
-def forked_ranks(settings: Sections) -> bool:
-    """Whether the run's ranks are forked from rapidlite's launcher: it launches them (more than one process, not
-    already a launched worker) and forks (``--start-method``)."""
-    from rapidlite.runtime.forked_workers import fork_workers
-    from rapidlite.runtime.launcher import needs_launch
-
-    return needs_launch(settings.parallel) and fork_workers(settings.parallel.start_method)
 
 
 def resident_parts() -> tuple[int, int]:
