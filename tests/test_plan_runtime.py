@@ -20,20 +20,18 @@ def _settings(*flags: str):
 
 
 def test_the_runtime_is_this_processs_resident_set(monkeypatch):
-    parts = (400 * 2**20, 150 * 2**20)  # anonymous, file-backed
-    monkeypatch.setattr(runtime, "resident_parts", lambda: parts)
+    resident = 550 * 2**20
+    monkeypatch.setattr(runtime, "resident_bytes", lambda: resident)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     # one process, and ranks forked from the launcher (their file-backed pages follow the page cache as ours do)
     for flags in ((), ("--nproc-per-node", "2", "--start-method", "fork")):
-        assert runtime.runtime_bytes(_settings(*flags), None) == sum(parts)
+        assert runtime.runtime_bytes(_settings(*flags), None) == resident
 
 
-def test_resident_parts_are_this_processs():
-    anonymous, file_backed = runtime.resident_parts()
+def test_resident_bytes_are_this_processs():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     rss = int(status["VmRSS"].split()[0]) * 1024
-    assert anonymous > 0 and file_backed > 0
-    assert abs(anonymous + file_backed - rss) < 16 * 2**20  # and shared memory, a few pages
+    assert abs(runtime.resident_bytes() - rss) < 16 * 2**20  # a few pages apart, read a moment later
 
 
 def test_the_run_libraries_the_plan_imports_exist_here():
@@ -73,7 +71,7 @@ def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
 
     held: list = []
     monkeypatch.setattr(hf, "load_tokenizer", load)
-    monkeypatch.setattr(runtime, "resident_parts", lambda: (held.append(loaded[-1][1]() is not None), (1, 1))[1])
+    monkeypatch.setattr(runtime, "resident_bytes", lambda: (held.append(loaded[-1][1]() is not None), 1)[1])
     argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", "some/model", "--data-path", "unused"]
     runtime.runtime_bytes(parse_args(argv).sections, get_task("causal_lm"))
     assert [name for name, _ in loaded] == ["some/model"] and held == [True]

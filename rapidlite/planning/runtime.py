@@ -2,16 +2,13 @@
 
 A CPU run's logged peak is its process's resident set (``VmHWM``), which also holds the interpreter, torch,
 transformers and the libraries the run imports (``config.libraries.run_libraries``). The planner has imported the
-same, and loads the tokenizer a run that tokenises its data loads, so it reads its own resident set, in two parts
-(``/proc/self/status``):
+same, and loads the tokenizer a run that tokenises its data loads, so it reads its own resident set.
 
-- **anonymous pages** (the interpreter's and the libraries' objects): every rank has them; a rank forked from the
-  launcher inherits the launcher's, which imported the same list, and counts them as its own;
-- **file-backed pages** (the libraries' code and data, mapped from disk). A rank forked by rapidlite's launcher
-  (``--start-method auto`` on a machine without CUDA) maps the code again as it runs it, and how many pages each
-  fault maps depends on how much of the libraries' files the page cache holds: measured at a forked rank's peak,
-  about 128 MiB right after the install (close to the launcher's and this process's own) but 52-80 MiB in an
-  environment whose files had been partly evicted. The plan counts this process's, which follows the same cache.
+Part of that set is file-backed (the libraries' code, mapped from disk), and how much of it a process holds depends
+on the page cache. A rank forked by rapidlite's launcher (``--start-method auto`` on a machine without CUDA) maps the
+code again as it runs it: measured at a forked rank's peak, about 128 MiB right after the install (close to the
+launcher's and this process's own), 52-80 MiB in an environment whose files had been partly evicted. The plan counts
+this process's, which follows the same cache (``docs/guides/dry-run.md``).
 """
 
 from __future__ import annotations
@@ -36,9 +33,9 @@ def runtime_bytes(settings: Sections, task: TaskSpec | None) -> int:
             importlib.import_module(name)
     tokenizer = _run_tokenizer(settings, libraries)  # held while the resident set is read
     release_freed()  # as the run does before its first step (rapidlite.runtime.allocator)
-    anonymous, file_backed = resident_parts()
+    resident = resident_bytes()
     del tokenizer
-    return anonymous + file_backed
+    return resident
 
 
 def _run_tokenizer(settings: Sections, libraries: tuple[str, ...]) -> Any:
@@ -55,12 +52,11 @@ def _run_tokenizer(settings: Sections, libraries: tuple[str, ...]) -> Any:
         return None
 
 
-def resident_parts() -> tuple[int, int]:
-    """This process's resident (anonymous, file-backed) bytes now; off Linux, the peak so far as anonymous."""
+def resident_bytes() -> int:
+    """This process's resident set now (Linux: /proc; elsewhere the peak so far)."""
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return tuple(int(fields[name].split()[0]) * 1024 for name in ("RssAnon", "RssFile"))  # type: ignore[return-value]
-    except (OSError, KeyError, ValueError):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return (rss if sys.platform == "darwin" else rss * 1024), 0
+        return rss if sys.platform == "darwin" else rss * 1024
