@@ -19,9 +19,9 @@ Each configuration draws:
 
 A draw rapidlite refuses in one line (exit 2: a combination it does not build) is drawn again and counted. The
 plan is each configuration's own process (``tests/scripts/plan_layouts.py``); the run's peak is the highest
-``peak_memory_mb`` rank 0 logs (its resident set's high-water mark). The table prints predicted over measured
-per configuration, then the distribution. Targets (issue 46): every configuration within +-15%, the median
-within +-5%.
+``peak_memory_mb`` rank 0 logs (its own memory's high-water mark: the resident set without the libraries'
+file-backed pages). The table prints predicted over measured per configuration, then the distribution. Targets
+(issue 46): every configuration within +-15%, the median within +-5%.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The plan's "runtime" on a CPU (rapidlite.planning.runtime): this process's resident set, read with what the run
-imports and its tokenizer loaded."""
+"""The plan's "runtime" on a CPU (rapidlite.planning.runtime): this process's own memory (without the libraries'
+file-backed pages), read with what the run imports and its tokenizer loaded; and that reading itself
+(rapidlite.observe.logging.process_memory), which a CPU run's logged peak uses too."""
 
 import sys
 
@@ -19,19 +20,42 @@ def _settings(*flags: str):
     return parse_args([*BASE, *flags]).sections
 
 
-def test_the_runtime_is_this_processs_resident_set(monkeypatch):
-    resident = 550 * 2**20
-    monkeypatch.setattr(runtime, "resident_bytes", lambda: resident)
+def test_the_runtime_is_this_processs_own_memory(monkeypatch):
+    own = 550 * 2**20
+    monkeypatch.setattr(runtime, "process_memory", lambda: {"own": own, "peak": 2 * own, "files": 250 * 2**20})
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    # one process, and ranks forked from the launcher (their file-backed pages follow the page cache as ours do)
+    # one process, and ranks forked from the launcher (which hold the launcher's anonymous pages as their own)
     for flags in ((), ("--nproc-per-node", "2", "--start-method", "fork")):
-        assert runtime.runtime_bytes(_settings(*flags), None) == resident
+        assert runtime.runtime_bytes(_settings(*flags), None) == own
 
 
-def test_resident_bytes_are_this_processs():
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    rss = int(status["VmRSS"].split()[0]) * 1024
-    assert abs(runtime.resident_bytes() - rss) < 16 * 2**20  # a few pages apart, read a moment later
+def test_process_memory_leaves_out_file_backed_pages(tmp_path):
+    """Tensors count in the process's own memory and its peak; a file mapped and read (as a library's code is)
+    counts in neither, only in ``files``: how much of it a process holds follows the page cache."""
+    import mmap
+
+    import torch
+
+    from rapidlite.observe.logging import process_memory
+
+    MiB = 2**20
+    path = tmp_path / "library.so"
+    path.write_bytes(b"\1" * (64 * MiB))
+    before = process_memory()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == 64 * MiB // 4096  # every page touched
+        mapped_now = process_memory()
+    assert mapped_now["files"] - before["files"] > 48 * MiB
+    assert abs(mapped_now["own"] - before["own"]) < 8 * MiB
+    assert mapped_now["peak"] - before["peak"] < 8 * MiB
+
+    held = torch.ones(48 * MiB // 4, dtype=torch.float32)  # 48 MiB of anonymous pages, written
+    holding = process_memory()
+    assert 40 * MiB < holding["own"] - before["own"] < 56 * MiB
+    del held
+    after = process_memory()
+    assert after["own"] < holding["own"] - 40 * MiB  # given back (a block this large is mapped apart)
+    assert after["peak"] >= holding["own"]  # the high-water mark keeps it
 
 
 def test_the_run_libraries_the_plan_imports_exist_here():
@@ -54,7 +78,7 @@ def test_the_run_libraries_the_plan_imports_exist_here():
 
 def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
     """Every rank of a run that tokenises its data holds its tokenizer (17 MiB at 64k words): the planner loads
-    the same one and reads its resident set while it holds it."""
+    the same one and reads its memory while it holds it."""
     import weakref
 
     from rapidlite.config.tasks import get_task
@@ -71,7 +95,8 @@ def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
 
     held: list = []
     monkeypatch.setattr(hf, "load_tokenizer", load)
-    monkeypatch.setattr(runtime, "resident_bytes", lambda: (held.append(loaded[-1][1]() is not None), 1)[1])
+    reading = lambda: (held.append(loaded[-1][1]() is not None), {"own": 1})[1]  # noqa: E731
+    monkeypatch.setattr(runtime, "process_memory", reading)
     argv = ["--task", "causal_lm", "--pretrained-model-name-or-path", "some/model", "--data-path", "unused"]
     runtime.runtime_bytes(parse_args(argv).sections, get_task("causal_lm"))
     assert [name for name, _ in loaded] == ["some/model"] and held == [True]

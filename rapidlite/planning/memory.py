@@ -22,11 +22,11 @@ The plan resolves every flag as a real launch would, then measures instead of gu
 - **Transient memory** at the peak: the backward pass's gradient buffers of the largest saved tensors (the
   logits) and the full parameters FSDP gathers (one block at a time for ZeRO-3, the
   whole model between forward and backward for ZeRO-2).
-- On a CPU the logged peak is the process's resident set, which also holds the Python runtime and libraries:
-  the plan adds it as "runtime" (``rapidlite.planning.runtime``: this process's, which has imported the same
-  libraries and loaded the run's tokenizer). A CPU run fixes glibc's mmap threshold
-  (``rapidlite.runtime.allocator``), so that resident set follows the live tensors rather than what glibc keeps
-  of freed ones.
+- On a CPU the logged peak is the process's own memory (its resident set without the libraries' file-backed
+  pages), which also holds the Python runtime and libraries: the plan adds it as "runtime"
+  (``rapidlite.planning.runtime``: this process's, which has imported the same libraries and loaded the run's
+  tokenizer). A CPU run fixes glibc's mmap threshold (``rapidlite.runtime.allocator``), so that memory follows
+  the live tensors rather than what glibc keeps of freed ones.
 
 DeepSpeed configs get the same accounting with ZeRO's rules (``rapidlite.planning.deepspeed``: its engine cannot be
 built on meta).
