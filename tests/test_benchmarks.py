@@ -132,14 +132,15 @@ def test_step_time_benchmark_quick():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dry_run_sweep_quick():
-    """Six small configurations drawn at random (task, shape, layout, options), each planned and then trained: a
-    row each and the distribution; a run that fails (not a one-line refusal) fails the script. The targets are
-    the full sweep's (docs/guides/dry-run.md)."""
-    proc = run_quick("dry_run_sweep.py", timeout=900)
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 6, proc.stdout
-    assert all(0.5 < float(row.split("|")[-2]) < 2 for row in rows), proc.stdout
-    assert "6 configurations:" in proc.stdout and "median" in proc.stdout
+    """Small configurations drawn at random (task, shape, layout, options), each planned and then trained, and
+    (``--heap-check``) trained again with glibc's mmap threshold at 64 KiB: a row each with both ratios, and the
+    distributions; a run that fails (not a one-line refusal) fails the script. The targets are the full sweep's
+    (docs/guides/dry-run.md)."""
+    proc = run_quick("dry_run_sweep.py", "--configs", "3", "--heap-check", timeout=900)
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 3, proc.stdout
+    assert all(0.5 < float(row[6]) < 2 and 0.5 < float(row[8]) < 2 for row in rows), proc.stdout
+    assert "3 configurations:" in proc.stdout and "with a 64 KiB threshold:" in proc.stdout
 
 
 def test_cpu_allocator_quick():
