@@ -1,7 +1,7 @@
 """What fixing glibc's mmap threshold on a CPU run costs and saves (``rapidlite.runtime.allocator``): each
 configuration trains with rapidlite's setting (a fixed 4 MiB threshold) and with glibc's dynamic default
-(``RAPIDLITE_DEFAULT_MALLOC=1``), alternately, and the table prints the median step time and the logged resident
-peak of each, as ratios to glibc's default measured in the same run.
+(``RAPIDLITE_DEFAULT_MALLOC=1``), alternately, and the table prints the median step time and the logged peak
+(``peak_memory_mb``) of each, as ratios to glibc's default measured in the same run.
 
     python benchmarks/cpu_allocator.py            # 4 configurations, 2 runs each way (about 6 minutes on 2 cores)
     python benchmarks/cpu_allocator.py --quick    # 1 small one: checks the script

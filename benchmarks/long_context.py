@@ -16,8 +16,9 @@ all-to-all (a2a). The budget is what ``--dry-run`` plans for CP1 at 4096 tokens 
     x CP1              longest (run) over CP1's
     tokens/s           at 4096 tokens (the common length), from a 3-step run's last step
 
-On a CPU the peak is the process's resident size: it includes the Python runtime (about 0.3 GiB), which no
-layout divides, so the ratios here are below what a GPU's (whose peak is the tensors) would be.
+On a CPU the peak is the process's own memory (its resident set without the libraries' file-backed pages): it
+includes the Python runtime, which no layout divides, so the ratios here are below what a GPU's (whose peak is
+the tensors) would be.
 
 Targets: the longest sequence at least 1.8x CP1's with CP2 and 3.4x with CP4 (either communication).
 """

@@ -492,7 +492,7 @@ def test_dry_run_counts_the_reference_the_run_uses(assets):
     def reference_bytes(*flags):
         p = plan(parse_args(dpo_args(model_dir, pairs, "--seq-length", "64", "--dry-run", *flags)).sections)
         rank = p.ranks[0]
-        return rank.reference, rank.peak - rank.runtime, p.notes[-1]  # the runtime: this process's resident size
+        return rank.reference, rank.peak - rank.runtime, p.notes[-1]  # the runtime: this process's own memory
 
     copy_bytes, copy_peak, note = reference_bytes()
     assert copy_bytes == 4 * n_params and "a frozen copy" in note

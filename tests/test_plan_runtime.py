@@ -103,3 +103,26 @@ def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
     assert loaded[-1][1]() is None  # let go afterwards
     runtime.runtime_bytes(_settings(), get_task("pretraining"))  # pretraining's data is tokenised already
     assert len(loaded) == 1
+
+
+def test_a_forked_childs_peak_is_its_own():
+    """The peak is held as a running maximum per process: a rank forked by the launcher reports its own high-water
+    mark, not the launcher's (which had built and freed 200 MiB here)."""
+    import os
+
+    import torch
+
+    from rapidlite.observe.logging import process_memory
+
+    held = torch.ones(50 * 2**20)  # 200 MiB, written
+    del held
+    parent = process_memory()["peak"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its peak, through the pipe
+        os.write(write, str(process_memory()["peak"]).encode())
+        os._exit(0)
+    os.close(write)
+    child = int(os.read(read, 64))
+    os.waitpid(pid, 0)
+    assert parent - child > 150 * 2**20, (parent, child)

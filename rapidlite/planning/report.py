@@ -6,6 +6,7 @@ from typing import Any
 
 from rapidlite.planning import GiB, MiB, Plan, largest_micro_batch
 from rapidlite.planning.model import sequence_length
+from rapidlite.runtime.allocator import MMAP_THRESHOLD
 
 
 def _mib(n: float) -> str:
@@ -86,8 +87,10 @@ def format_plan(p: Plan) -> str:
     )
     if any(r.runtime for r in p.ranks):
         lines.append(
-            "  (CPU: the peak is the process's resident memory, so it includes the runtime: Python, torch and the "
-            "run's libraries; rapidlite fixes glibc's mmap threshold so freed tensors are given back)"
+            "  (CPU: the peak is the process's own memory, so it includes the runtime: Python, torch and the run's "
+            "libraries, without their file-backed pages; rapidlite fixes glibc's mmap threshold so freed tensors of "
+            f"{MMAP_THRESHOLD // MiB} MiB or more are given back, and the holes glibc's heap keeps between smaller "
+            "ones are not counted: docs/guides/dry-run.md measures them)"
         )
     budget = run.memory_budget
     if budget:
