@@ -30,11 +30,11 @@ def test_the_runtime_is_this_processs_own_memory(monkeypatch):
 
 
 def test_process_memory_leaves_out_file_backed_pages(tmp_path):
-    """Tensors count in the process's own memory and its peak; a file mapped and read (as a library's code is)
-    counts in neither, only in ``files``: how much of it a process holds follows the page cache."""
+    """Anonymous pages (a tensor's) count in the process's own memory and its peak; a file mapped and read (as a
+    library's code is) counts in neither, only in ``files``: how much of it a process holds follows the page
+    cache. The anonymous pages are a mapping of their own, written: a block from malloc could reuse heap pages
+    already resident in a long-lived test worker."""
     import mmap
-
-    import torch
 
     from rapidlite.observe.logging import process_memory
 
@@ -49,12 +49,14 @@ def test_process_memory_leaves_out_file_backed_pages(tmp_path):
     assert abs(mapped_now["own"] - before["own"]) < 8 * MiB
     assert mapped_now["peak"] - before["peak"] < 8 * MiB
 
-    held = torch.ones(48 * MiB // 4, dtype=torch.float32)  # 48 MiB of anonymous pages, written
+    held = mmap.mmap(-1, 48 * MiB)  # 48 MiB of anonymous pages, every one written
+    for i in range(0, 48 * MiB, 4096):
+        held[i] = 1
     holding = process_memory()
     assert 40 * MiB < holding["own"] - before["own"] < 56 * MiB
-    del held
+    held.close()
     after = process_memory()
-    assert after["own"] < holding["own"] - 40 * MiB  # given back (a block this large is mapped apart)
+    assert after["own"] < holding["own"] - 40 * MiB  # given back
     assert after["peak"] >= holding["own"]  # the high-water mark keeps it
 
 
@@ -108,14 +110,15 @@ def test_the_runtime_is_read_with_the_runs_tokenizer_loaded(monkeypatch):
 def test_a_forked_childs_peak_is_its_own():
     """The peak is held as a running maximum per process: a rank forked by the launcher reports its own high-water
     mark, not the launcher's (which had built and freed 200 MiB here)."""
+    import mmap
     import os
-
-    import torch
 
     from rapidlite.observe.logging import process_memory
 
-    held = torch.ones(50 * 2**20)  # 200 MiB, written
-    del held
+    with mmap.mmap(-1, 200 * 2**20) as held:  # 200 MiB of anonymous pages, written, then given back
+        for i in range(0, len(held), 4096):
+            held[i] = 1
+        process_memory()
     parent = process_memory()["peak"]
     read, write = os.pipe()
     pid = os.fork()
