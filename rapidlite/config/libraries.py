@@ -1,5 +1,5 @@
 """What a run imports beyond torch, transformers and rapidlite, in one list: a launcher that forks its workers
-imports it once, and the planner imports it before it reads a CPU run's resident size."""
+imports it once, and the planner imports it before it reads a CPU rank's own memory (its runtime)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DEEPSPEED_LIBRARIES = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"
 
 def run_libraries(settings: Sections, task: TaskSpec | None) -> tuple[str, ...]:
     """The task's libraries (``TaskSpec.libraries``), DeepSpeed under ``--deepspeed`` (about 200 MiB of a CPU
-    rank's resident set) and bitsandbytes for an 8-bit optimizer or a quantised base."""
+    rank's resident set, file-backed pages included) and bitsandbytes for an 8-bit optimizer or a quantised base."""
     names = list(task.libraries) if task is not None else []
     if settings.topology.deepspeed:
         names += DEEPSPEED_LIBRARIES
