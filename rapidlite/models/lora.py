@@ -13,6 +13,8 @@ bitsandbytes.
    that is a peft model already (a user's provider built it) is respected as it is.
 3. Every trainable parameter is kept in fp32 (the adapters, ``--lora-modules-to-save`` copies), whatever
    dtype the frozen base was loaded in, so fp16/bf16 autocast updates fp32 weights.
+4. Each adapted linear layer adds its update to the base output in one ``addmm`` (``rapidlite.models.lora_addmm``:
+   one output-sized tensor where peft's forward makes three).
 
 Checkpoints of a peft model hold its trainable tensors only (``trainable_only``); the export writes the
 adapter in peft's own format and, with ``--merge-lora``, the merged model (``rapidlite.models.lora_export``).
@@ -327,6 +329,7 @@ def prepare(
     if is_peft_model(model):
         _keep_trainable_fp32(model)
         keep_training_kernel(model)
+        _fuse_updates(model)
         if logger is not None:
             logger.info(f"LoRA: the model is a peft model already, trained as it is; {trainable_summary(model)}")
         return model
@@ -375,6 +378,7 @@ def prepare(
         initial = get_peft_model_state_dict(peft_model)
         peft_model.rapidlite_initial_adapter = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
     _keep_trainable_fp32(peft_model)
+    _fuse_updates(peft_model)
     if logger is not None:
         bits = settings.quant_flag[len("--load-in-") :]
         what = f"; {quantized} linear layers quantised to {bits}" if quantized else ""
@@ -387,6 +391,12 @@ def prepare(
             f"{_experts_line(peft_model, experts)}{what}; {trainable_summary(peft_model)}"
         )
     return peft_model
+
+
+def _fuse_updates(model: nn.Module) -> None:
+    from rapidlite.models.lora_addmm import fuse_lora_updates
+
+    fuse_lora_updates(model)
 
 
 def _experts_line(model: nn.Module, experts: list[str]) -> str:
