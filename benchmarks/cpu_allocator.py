@@ -1,9 +1,10 @@
-"""What fixing glibc's mmap threshold on a CPU run costs and saves (``rapidlite.runtime.allocator``): each
-configuration trains with rapidlite's setting (a fixed 4 MiB threshold) and with glibc's dynamic default
-(``RAPIDLITE_DEFAULT_MALLOC=1``), alternately, and the table prints the median step time and the logged peak
+"""What rapidlite's CPU allocator setting costs and saves (``rapidlite.runtime.allocator``): each configuration
+trains with glibc's dynamic default (``RAPIDLITE_DEFAULT_MALLOC=1``), with rapidlite's fixed 4 MiB mmap threshold,
+and with the threshold at 64 KiB (``MALLOC_MMAP_THRESHOLD_=65536``, which rapidlite leaves as set: no heap holes
+between tensors of 64 KiB or more), in turn; the table prints the median step time and the logged peak
 (``peak_memory_mb``) of each, as ratios to glibc's default measured in the same run.
 
-    python benchmarks/cpu_allocator.py            # 4 configurations, 2 runs each way (about 6 minutes on 2 cores)
+    python benchmarks/cpu_allocator.py            # 4 configurations, 2 runs each way (about 12 minutes on 2 cores)
     python benchmarks/cpu_allocator.py --quick    # 1 small one: checks the script
 """
 
@@ -30,14 +31,20 @@ CONFIGS = [  # task, family, hidden, layers, heads, kv heads, vocab, seq, micro,
 ]
 QUICK = [Config("pretraining", "gpt", 128, 2, 2, 2, 1000, 256, 4, "single")]
 ITERS = 8
+# Each setting: its name in the table and the environment it runs with (the first is the baseline).
+SETTINGS = {
+    "glibc default": {"RAPIDLITE_DEFAULT_MALLOC": "1"},
+    "fixed 4 MiB": {},
+    "64 KiB": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+}
 
 
-def run(argv: list[str], default_malloc: bool) -> tuple[float, float]:
-    """(median step time after the first 3, highest logged peak MiB) of one run."""
+def run(argv: list[str], setting: dict[str, str]) -> tuple[float, float]:
+    """(median step time after the first 3, highest logged peak MiB) of one run with ``setting``'s environment."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("RAPIDLITE_DEFAULT_MALLOC", None)
-    if default_malloc:
-        env["RAPIDLITE_DEFAULT_MALLOC"] = "1"
+    for name in ("RAPIDLITE_DEFAULT_MALLOC", "MALLOC_MMAP_THRESHOLD_"):
+        env.pop(name, None)
+    env.update(setting)
     proc = subprocess.run([sys.executable, "-m", "rapidlite", *argv], capture_output=True, text=True, env=env)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -53,23 +60,27 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     configs, repeats = (QUICK, 1) if args.quick else (CONFIGS, args.repeats)
-    print("| configuration | step, glibc default | step, fixed 4 MiB | step ratio | peak MiB, default | "
-          "peak MiB, fixed | peak ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|", flush=True)
+    others = list(SETTINGS)[1:]
+    head = " | ".join(f"step, {n} | step ratio" for n in others) + " | peak MiB, glibc default | "
+    head += " | ".join(f"peak MiB, {n} | peak ratio" for n in others)
+    print(f"| configuration | step, glibc default | {head} |")
+    print("|---" * (3 + 4 * len(others)) + "|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(configs):
             argv = argv_of(config, Path(tmp) / f"c{i}", random.Random(0))
             argv[argv.index("--train-iters") + 1] = str(ITERS)
             argv[argv.index("--eval-interval") + 1] = str(ITERS)
-            runs = {False: [], True: []}
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
             for _ in range(repeats):
-                for default in (True, False):
-                    runs[default].append(run(argv, default))
+                for name, setting in SETTINGS.items():
+                    runs[name].append(run(argv, setting))
             step = {k: statistics.mean(s for s, _ in v) for k, v in runs.items()}
             peak = {k: max(p for _, p in v) for k, v in runs.items()}
-            print(f"| {config.name} {' '.join(config.options)} | {step[True]:.3f} s | {step[False]:.3f} s | "
-                  f"{step[False] / step[True]:.2f} | {peak[True]:,.0f} | {peak[False]:,.0f} | "
-                  f"{peak[False] / peak[True]:.2f} |", flush=True)  # fmt: skip
+            base = next(iter(SETTINGS))
+            steps = " | ".join(f"{step[n]:.3f} s | {step[n] / step[base]:.2f}" for n in others)
+            peaks = " | ".join(f"{peak[n]:,.0f} | {peak[n] / peak[base]:.2f}" for n in others)
+            print(f"| {config.name} {' '.join(config.options)} | {step[base]:.3f} s | {steps} | {peak[base]:,.0f} | "
+                  f"{peaks} |", flush=True)  # fmt: skip
     return 0
 
 
