@@ -62,7 +62,8 @@ def fuse_lora_updates(model: nn.Module) -> int:
     there were."""
     swapped = 0
     for module in model.modules():
-        if type(module) is Linear:
+        # an older peft, without the variants table or input casting this forward reads, keeps its own forward
+        if type(module) is Linear and hasattr(module, "lora_variant") and hasattr(module, "_cast_input_dtype"):
             module.__class__ = AddmmLoraLinear
             swapped += 1
     return swapped
