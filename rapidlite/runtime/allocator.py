@@ -24,7 +24,7 @@ What a run frees while it prepares (tokenising its data, loading its model) stay
 reuses it; ``release_freed`` gives it back (``malloc_trim``) right before the first step: 35-55 MiB of a
 fine-tuning rank's resident peak here. Arrow's memory pool (mimalloc in pyarrow's wheels), which holds what
 datasets' tables and tokenisation freed, keeps it too: ``release_freed`` empties it as well (6-10 MiB of a
-question-answering rank's on small files; a test's 94 MiB of freed arrays gave back 125 MiB with their objects).
+question-answering rank's on small files; 94 MiB of Arrow buffers made and dropped kept 125 MiB resident until then).
 """
 
 from __future__ import annotations
