@@ -309,3 +309,26 @@ def test_an_attention_mask_that_trains_takes_the_math_path_on_a_cpu():
     encoder = {cpu: sum(profile_activations(model, batch, seq, 32, cpu=cpu).blocks_split[:2]) for cpu in (True, False)}
     probabilities = batch * 4 * seq * seq * 4  # one [batch, heads, T, T] fp32 tensor
     assert encoder[True] - encoder[False] >= 2 * probabilities, encoder
+
+
+def test_the_memory_table_keeps_its_columns_when_cells_read_alike(corpus):
+    """Each cell sits under its own header, whatever the values (an activations cell that read like the params
+    cell was once widened in the params column instead)."""
+    from rapidlite.planning.memory import Plan, RankPlan
+    from rapidlite.planning.report import format_plan
+    from rapidlite.resolve import parse_args
+
+    settings = parse_args([*COMMON, "--data-path", corpus]).sections
+    same = 3 * 2**20
+    ranks = [RankPlan(rank=0, stage=0, params=same, grads=same, optimizer=2 * same, activations=same, transient=same,
+                      runtime=300 * 2**20, reference=same)]  # fmt: skip
+    plan = Plan(settings, 1, "DDP", "fp32", 10**6, 10**6, ranks)
+    lines = format_plan(plan).splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["rank", "params"])
+    row = lines[lines.index(header) + 1]
+    names = header.split()
+    assert names == ["rank", "params", "grads", "optimizer", "activations", "transient", "reference", "runtime", "peak"]
+    assert len(row) == len(header)
+    for name in names:  # every cell ends where its header ends (right-aligned)
+        end = header.index(name) + len(name)
+        assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (name, header, row)

@@ -56,26 +56,13 @@ def format_plan(p: Plan) -> str:
         f"model: {p.total_params / 1e6:.2f}M parameters, {p.trainable_params / 1e6:.2f}M trainable",
         "predicted memory per rank (peak of a training step):",
     ]
-    header = f"  {'rank':>6} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'transient':>11}"
-    if any(r.reference for r in p.ranks):
-        header += f" {'reference':>11}"
-    if any(r.host for r in p.ranks):
-        header += f" {'host':>11}"
-    if any(r.runtime for r in p.ranks):
-        header += f" {'runtime':>11}"
-    lines.append(header + f" {'peak':>11}")
+    # Every column right-aligned at its own width; reference, host and runtime only where some rank has them.
+    columns = [("params", 11), ("grads", 11), ("optimizer", 11), ("activations", 12), ("transient", 11)]
+    columns += [(name, 11) for name in ("reference", "host", "runtime") if any(getattr(r, name) for r in p.ranks)]
+    columns.append(("peak", 11))
+    lines.append(f"  {'rank':>6} " + " ".join(f"{name:>{width}}" for name, width in columns))
     for r in p.ranks:
-        row = f"  {r.rank:>6} " + " ".join(
-            f"{_mib(v):>11}" for v in (r.params, r.grads, r.optimizer, r.activations, r.transient)
-        )
-        row = row.replace(f"{_mib(r.activations):>11}", f"{_mib(r.activations):>12}", 1)
-        if any(x.reference for x in p.ranks):
-            row += f" {_mib(r.reference):>11}"
-        if any(x.host for x in p.ranks):
-            row += f" {_mib(r.host):>11}"
-        if any(x.runtime for x in p.ranks):
-            row += f" {_mib(r.runtime):>11}"
-        lines.append(row + f" {_mib(r.peak):>11}")
+        lines.append(f"  {r.rank:>6} " + " ".join(f"{_mib(getattr(r, name)):>{width}}" for name, width in columns))
     r = max(p.ranks, key=lambda r: r.peak)
     grads = _mib(r.forward_grads).strip()
     lines.append(
