@@ -92,7 +92,7 @@ def split_output_logps(
     averaging (over dp x cp) divides it. ``stats`` (entropy, mean logit: no gradient) are gathered the same way.
     Rows whose ``position_ids`` restart at 0 (packed rows, or left padding: each padding token a document of its
     own) keep attention inside each document."""
-    from torch.distributed.nn.functional import all_gather
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
     from rapidlite.models.head import output_logps
 
@@ -111,7 +111,8 @@ def split_output_logps(
         temperature=temperature,
     )
     per_token, found = out if stats else (out, None)
-    whole = unshard(list(all_gather(per_token.contiguous(), group=group)))[:, : labels.shape[1]]
+    gathered_rows = all_gather_tensor_autograd(per_token.contiguous(), gather_dim=0, group=group)  # [cp * rows, .]
+    whole = unshard(list(gathered_rows.chunk(cp)))[:, : labels.shape[1]]
     if not stats:
         return whole
     gathered = []

@@ -58,21 +58,21 @@ class Dispatch:
         self, rows: torch.Tensor, counts: torch.Tensor, local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         per_rank = counts.view(self.ep, self.local_experts)  # to each rank: its experts' row counts
         received = torch.empty_like(per_rank)
         dist.all_to_all_single(received, per_rank, group=self.group)  # [source rank, local expert]
         send = per_rank.sum(1).tolist()
         recv = received.sum(1).tolist()
-        arrived = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=self.group)
+        arrived = all_to_all_single_autograd(rows.contiguous(), recv, send, group=self.group)
         # Grouped by source rank, then by expert: regrouped by expert (each expert's rows in source order).
         expert_of_row = torch.arange(self.local_experts, device=rows.device).repeat(self.ep)
         expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
         order = expert_of_row.argsort(stable=True)
         out = local(arrived[order], received.sum(0))
         back = torch.empty_like(out).index_copy_(0, order, out)
-        return all_to_all_single(rows.new_empty(rows.shape[0], out.shape[1]), back, send, recv, group=self.group)
+        return all_to_all_single_autograd(back, send, recv, group=self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
