@@ -255,6 +255,8 @@ def runs(assets, tmp_path_factory):
             args = _args(models["qwen2_vl"], data["factory"], *common, *LAYOUTS[name], "--save", str(root / name))
             proc = run(*args)
             assert proc.returncode == 0, proc.stderr[-3000:]
+            # FSDP2 once warned at the per-image features transformers returns as views (nothing changes them)
+            assert "returned a view tensor" not in proc.stderr, name
             done[name] = root / name
         return done[name]
 

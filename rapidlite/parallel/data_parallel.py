@@ -22,6 +22,8 @@ one so only one block's parameters are gathered at a time.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +32,7 @@ import torch
 
 from rapidlite.config.topology import Topology
 from rapidlite.models.spec import find_blocks
+from rapidlite.models.vision import is_vision_config
 
 
 def apply_fsdp(
@@ -60,6 +63,12 @@ def apply_fsdp(
     for block in blocks or ():
         fully_shard(block, offload_policy=offload, **kwargs)
     fully_shard(model, offload_policy=offload, **kwargs)
+    if is_vision_config(getattr(model, "config", None)):
+        # transformers returns a vision-language model's per-image features as views of one tensor (torch.split),
+        # and FSDP2 warns, for the root, that an in-place op on such a view would skip its hook. Nothing changes
+        # them in place; the root's other warnings, and every block's, still show.
+        root = re.escape(type(model).__name__)
+        warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({root}\) returned a view tensor")
     return model
 
 
