@@ -52,6 +52,8 @@ REPO = Path(__file__).resolve().parents[1]
 HEAP_CHECK = 64 * 1024
 sys.path.insert(0, str(REPO / "tests"))
 
+from rapidlite.runtime.allocator import glibc_version  # noqa: E402
+
 TASKS = {  # task: model family
     "pretraining": "gpt",
     "causal_lm": "llama",
@@ -324,7 +326,9 @@ def main() -> int:
     if ratios:
         within = sum(abs(r - 1) <= 0.15 for r in ratios)
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        print(f"\n{len(ratios)} configurations: {within} within 15% of the measured peak; median "
+        glibc = glibc_version()  # its heap's holes, which the plan does not count, depend on it (the allocator)
+        print(f"\nglibc {'.'.join(map(str, glibc)) if glibc else 'not in use'}: "
+              f"{len(ratios)} configurations: {within} within 15% of the measured peak; median "
               f"{statistics.median(ratios):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, "
               f"range {ratios[0]:.3f}-{ratios[-1]:.3f}")  # fmt: skip
     if without_holes:

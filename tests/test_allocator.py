@@ -129,3 +129,19 @@ def test_release_freed_empties_arrows_pool():
         env={**env, "RAPIDLITE_DEFAULT_MALLOC": "1"},
     ).stdout  # fmt: skip
     assert int(out) >= 60, out  # of the 94 MiB the buffers held
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [("glibc 2.36", (2, 36)), ("glibc 2.41", (2, 41)), ("glibc 2.39.9000", (2, 39)), ("musl 1.2", None), (None, None)],
+)
+def test_glibc_version_reads_the_c_librarys_answer(monkeypatch, answer, expected):
+    from rapidlite.runtime import allocator
+
+    def confstr(name):
+        if answer is None:
+            raise ValueError("unrecognized configuration name")
+        return answer
+
+    monkeypatch.setattr(allocator.os, "confstr", confstr)
+    assert allocator.glibc_version() == expected

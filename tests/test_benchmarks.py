@@ -2,6 +2,7 @@
 thread per process, as the tests run everything)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -141,6 +142,7 @@ def test_dry_run_sweep_quick():
     assert len(rows) == 3, proc.stdout
     assert all(0.5 < float(row[6]) < 2 and 0.5 < float(row[8]) < 2 for row in rows), proc.stdout
     assert "3 configurations:" in proc.stdout and "with a 64 KiB threshold:" in proc.stdout
+    assert re.search(r"^glibc (\d+\.\d+|not in use): 3 configurations", proc.stdout, re.M), proc.stdout
 
 
 def test_cpu_allocator_quick():

@@ -332,3 +332,19 @@ def test_the_memory_table_keeps_its_columns_when_cells_read_alike(corpus):
     for name in names:  # every cell ends where its header ends (right-aligned)
         end = header.index(name) + len(name)
         assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (name, header, row)
+
+
+@pytest.mark.parametrize(("glibc", "said"), [((2, 36), True), ((2, 39), False), ((2, 41), False), (None, False)])
+def test_a_cpu_plan_names_a_glibc_that_keeps_more_holes(corpus, monkeypatch, glibc, said):
+    """glibc before 2.39 keeps more heap holes (bug 30723): the plan says so where the machine has one."""
+    from rapidlite.planning import report
+    from rapidlite.planning.memory import Plan, RankPlan
+    from rapidlite.resolve import parse_args
+
+    monkeypatch.setattr(report, "glibc_version", lambda: glibc)
+    settings = parse_args([*COMMON, "--data-path", corpus]).sections
+    cpu = RankPlan(rank=0, stage=0, params=1, grads=1, optimizer=2, activations=1, transient=1, runtime=300 * 2**20)
+    out = report.format_plan(Plan(settings, 1, "DDP", "fp32", 10**6, 10**6, [cpu]))
+    assert ("bug 30723" in out) == said
+    if said:
+        assert "glibc 2.36 keeps more of those holes than glibc 2.39 and later" in out

@@ -6,7 +6,7 @@ from typing import Any
 
 from rapidlite.planning import GiB, MiB, Plan, largest_micro_batch
 from rapidlite.planning.model import sequence_length
-from rapidlite.runtime.allocator import MMAP_THRESHOLD
+from rapidlite.runtime.allocator import COMPACT_MEMALIGN, MMAP_THRESHOLD, glibc_version
 
 
 def _mib(n: float) -> str:
@@ -79,6 +79,13 @@ def format_plan(p: Plan) -> str:
             f"{MMAP_THRESHOLD // MiB} MiB or more are given back, and the holes glibc's heap keeps between smaller "
             "ones are not counted: docs/guides/dry-run.md measures them)"
         )
+        glibc = glibc_version()
+        if glibc is not None and glibc < COMPACT_MEMALIGN:
+            lines.append(
+                f"  (this machine's glibc {glibc[0]}.{glibc[1]} keeps more of those holes than glibc "
+                f"{COMPACT_MEMALIGN[0]}.{COMPACT_MEMALIGN[1]} and later, where freed aligned blocks merge (glibc bug "
+                "30723): expect the run's peak a few percent above this plan, most on models of small tensors)"
+            )
     budget = run.memory_budget
     if budget:
         worst = max(p.ranks, key=lambda r: r.peak)
