@@ -123,11 +123,6 @@ def pytest_collection_modifyitems(config, items):
     if len(chosen) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
         items[:] = chosen
-    # The largest units first: the modules whose tests go to one worker together (``pytest_xdist_make_scheduler``:
-    # 51 of the suite's 66 minutes of test time, up to 4 minutes a module) come before the tests handed out one
-    # by one, which then even out the workers' ends. In collection order, the vision-language module's 4 minutes
-    # started last and ran alone at the end. A stable sort: each module's own order is kept.
-    items.sort(key=lambda item: not _shares_a_fixture(item.path))
 
 
 @pytest.fixture(autouse=True)
