@@ -311,18 +311,24 @@ def test_an_attention_mask_that_trains_takes_the_math_path_on_a_cpu():
     assert encoder[True] - encoder[False] >= 2 * probabilities, encoder
 
 
-def test_the_memory_table_keeps_its_columns_when_cells_read_alike(corpus):
-    """Each cell sits under its own header, whatever the values (an activations cell that read like the params
-    cell was once widened in the params column instead)."""
+def _one_rank_plan(corpus, **bytes_of):
+    """A CPU plan (a runtime of 300 MiB) of one rank with the given byte counts, for what ``format_plan`` prints."""
     from rapidlite.planning.memory import Plan, RankPlan
-    from rapidlite.planning.report import format_plan
     from rapidlite.resolve import parse_args
 
     settings = parse_args([*COMMON, "--data-path", corpus]).sections
+    rank = RankPlan(rank=0, stage=0, **{"runtime": 300 * 2**20, **bytes_of})
+    return Plan(settings, 1, "DDP", "fp32", 10**6, 10**6, [rank])
+
+
+def test_the_memory_table_keeps_its_columns_when_cells_read_alike(corpus):
+    """Each cell sits under its own header, whatever the values (an activations cell that read like the params
+    cell was once widened in the params column instead)."""
+    from rapidlite.planning.report import format_plan
+
     same = 3 * 2**20
-    ranks = [RankPlan(rank=0, stage=0, params=same, grads=same, optimizer=2 * same, activations=same, transient=same,
-                      runtime=300 * 2**20, reference=same)]  # fmt: skip
-    plan = Plan(settings, 1, "DDP", "fp32", 10**6, 10**6, ranks)
+    plan = _one_rank_plan(corpus, params=same, grads=same, optimizer=2 * same, activations=same, transient=same,
+                          reference=same)  # fmt: skip
     lines = format_plan(plan).splitlines()
     header = next(line for line in lines if line.split()[:2] == ["rank", "params"])
     row = lines[lines.index(header) + 1]
@@ -338,13 +344,9 @@ def test_the_memory_table_keeps_its_columns_when_cells_read_alike(corpus):
 def test_a_cpu_plan_names_a_glibc_that_keeps_more_holes(corpus, monkeypatch, glibc, said):
     """glibc before 2.39 keeps more heap holes (bug 30723): the plan says so where the machine has one."""
     from rapidlite.planning import report
-    from rapidlite.planning.memory import Plan, RankPlan
-    from rapidlite.resolve import parse_args
 
     monkeypatch.setattr(report, "glibc_version", lambda: glibc)
-    settings = parse_args([*COMMON, "--data-path", corpus]).sections
-    cpu = RankPlan(rank=0, stage=0, params=1, grads=1, optimizer=2, activations=1, transient=1, runtime=300 * 2**20)
-    out = report.format_plan(Plan(settings, 1, "DDP", "fp32", 10**6, 10**6, [cpu]))
+    out = report.format_plan(_one_rank_plan(corpus, params=1, grads=1, optimizer=2, activations=1, transient=1))
     assert ("bug 30723" in out) == said
     if said:
         assert "glibc 2.36 keeps more of those holes than glibc 2.39 and later" in out
